@@ -1,0 +1,127 @@
+# shellcheck shell=bash
+# Shared by deploy/local, deploy/test and loadtest/*: install what is missing, start and stop
+# the servers walletlock needs. Every server is started in the background with its pid recorded,
+# and stopped by that pid, never by name.
+
+wl_log() { printf '%s\n' "$*" >&2; }
+wl_die() { wl_log "error: $*"; exit 1; }
+
+# wl_need_root: package installs need root.
+wl_as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+wl_apt_updated=""
+# wl_apt_install PKG...: installs Debian packages, running `apt-get update` at most once.
+wl_apt_install() {
+  if [ -z "$wl_apt_updated" ]; then
+    wl_log "installing $*: apt-get update"
+    wl_as_root apt-get update -qq >/dev/null
+    wl_apt_updated=1
+  fi
+  wl_log "installing $*"
+  DEBIAN_FRONTEND=noninteractive wl_as_root apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+# wl_pg_bindir: the newest installed Postgres's server programs (Debian keeps them off PATH).
+wl_pg_bindir() {
+  local dir
+  dir=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+  [ -n "$dir" ] && [ -x "$dir/postgres" ] && printf '%s\n' "$dir"
+}
+
+# wl_install_missing: the servers (redis-server, Postgres, nginx) and tools the stack uses.
+wl_install_missing() {
+  local missing=()
+  command -v redis-server >/dev/null || missing+=(redis-server)
+  command -v redis-cli >/dev/null || missing+=(redis-tools)
+  wl_pg_bindir >/dev/null || missing+=(postgresql)
+  command -v psql >/dev/null || missing+=(postgresql-client)
+  command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing+=(nginx)
+  command -v curl >/dev/null || missing+=(curl)
+  command -v python3 >/dev/null || missing+=(python3)
+  command -v setpriv >/dev/null || missing+=(util-linux)
+  if [ ${#missing[@]} -gt 0 ]; then wl_apt_install "${missing[@]}"; fi
+  export PATH="$PATH:/usr/sbin"
+}
+
+# wl_free_port: a TCP port nothing listens on right now.
+wl_free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# wl_wait_for WHAT SECONDS COMMAND...: runs COMMAND every 50 ms until it succeeds.
+wl_wait_for() {
+  local what=$1 seconds=$2; shift 2
+  local deadline=$((SECONDS + seconds))
+  until "$@" >/dev/null 2>&1; do
+    [ "$SECONDS" -lt "$deadline" ] || { wl_log "$what: not ready after ${seconds}s"; return 1; }
+    sleep 0.05
+  done
+}
+
+# wl_pid_alive PIDFILE: whether the process recorded in PIDFILE is running.
+wl_pid_alive() {
+  [ -s "$1" ] && kill -0 "$(head -n 1 "$1")" 2>/dev/null
+}
+
+# wl_stop_pid PIDFILE [SIGNAL]: stops the process recorded in PIDFILE (SIGTERM by default), waits
+# up to 15 s for it to exit, then SIGKILLs it. Removes the pid file.
+wl_stop_pid() {
+  local file=$1 sig=${2:-TERM} pid
+  [ -s "$file" ] || return 0
+  pid=$(head -n 1 "$file")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -CONT "$pid" 2>/dev/null || true
+    kill -"$sig" "$pid" 2>/dev/null || true
+    for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
+    if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
+  fi
+  rm -f "$file"
+}
+
+# wl_as_postgres COMMAND...: Postgres refuses to run as root; run it as the postgres user.
+wl_as_postgres() {
+  if [ "$(id -u)" -eq 0 ]; then
+    setpriv --reuid=postgres --regid=postgres --init-groups -- "$@"
+  else
+    "$@"
+  fi
+}
+
+# wl_start_postgres DIR PORT [SETTING=VALUE...]: a Postgres cluster in DIR/data listening on
+# 127.0.0.1:PORT (socket in DIR), created on first use with a `postgres` superuser trusted on
+# loopback. Its pid is DIR/postgres.pid.
+wl_start_postgres() {
+  local dir=$1 port=$2; shift 2
+  local bin; bin=$(wl_pg_bindir) || wl_die "postgresql is not installed"
+  mkdir -p "$dir"
+  if [ "$(id -u)" -eq 0 ]; then chown postgres: "$dir"; fi
+  if [ ! -s "$dir/data/PG_VERSION" ]; then
+    wl_as_postgres "$bin/initdb" -D "$dir/data" -U postgres --auth=trust -E UTF8 --no-sync >"$dir/initdb.log" 2>&1 \
+      || { cat "$dir/initdb.log" >&2; wl_die "initdb failed"; }
+  fi
+  local settings=(-c listen_addresses=127.0.0.1 -c "port=$port" -c "unix_socket_directories=$dir")
+  local kv; for kv in "$@"; do settings+=(-c "$kv"); done
+  # A simple command (not a function) in the background, so $! is the server's own pid: setpriv
+  # execs postgres in place.
+  if [ "$(id -u)" -eq 0 ]; then
+    setpriv --reuid=postgres --regid=postgres --init-groups -- \
+      "$bin/postgres" -D "$dir/data" "${settings[@]}" >>"$dir/postgres.log" 2>&1 &
+  else
+    "$bin/postgres" -D "$dir/data" "${settings[@]}" >>"$dir/postgres.log" 2>&1 &
+  fi
+  echo $! >"$dir/postgres.pid"
+  wl_wait_for "postgres on :$port" 30 "$bin/pg_isready" -q -h 127.0.0.1 -p "$port" -U postgres \
+    || { tail -n 20 "$dir/postgres.log" >&2; return 1; }
+}
+
+# wl_start_redis DIR PORT [ARG...]: a redis-server on 127.0.0.1:PORT with its files in DIR.
+# Its pid is DIR/redis.pid.
+wl_start_redis() {
+  local dir=$1 port=$2; shift 2
+  mkdir -p "$dir"
+  redis-server --bind 127.0.0.1 --port "$port" --dir "$dir" --daemonize no "$@" >>"$dir/redis.log" 2>&1 &
+  echo $! >"$dir/redis.pid"
+  wl_wait_for "redis on :$port" 15 redis-cli -p "$port" ping
+}

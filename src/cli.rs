@@ -1,0 +1,76 @@
+//! The `walletlock` command line: one subcommand per job.
+
+use crate::config::{DatabaseArgs, LogFormat, RedisArgs};
+use crate::demo::{self, Demo, Sandbox};
+use crate::ledger::schema;
+use clap::{Parser, Subcommand};
+use secrecy::ExposeSecret;
+use std::process::ExitCode;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "walletlock",
+    version,
+    about = "Wallet replicas that never lose or double-apply a payment: a Redis lease per wallet, a fenced Postgres commit."
+)]
+pub struct Cli {
+    /// Log format: pretty for people, json for log collectors.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "pretty", global = true)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply the database migrations (safe to run from several replicas at once).
+    Migrate {
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+    /// Run one of the tutorial's experiments against real Redis and Postgres, in a throwaway
+    /// schema, and print its verdict.
+    Demo {
+        #[arg(value_enum)]
+        name: Demo,
+        #[command(flatten)]
+        database: DatabaseArgs,
+        #[command(flatten)]
+        redis: RedisArgs,
+    },
+}
+
+impl Cli {
+    /// Parses the command line. A bad value ends the process with one line that names it and a
+    /// non-zero status; `--help` and `--version` print and exit 0.
+    pub fn parse_or_exit() -> Self {
+        match Self::try_parse() {
+            Ok(cli) => cli,
+            Err(err) if !err.use_stderr() => err.exit(),
+            Err(err) => {
+                let rendered = err.render().to_string();
+                eprintln!("{}", rendered.lines().next().unwrap_or("error: invalid arguments"));
+                std::process::exit(2);
+            }
+        }
+    }
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Migrate { database } => {
+            schema::migrate(&database.pool()?).await?;
+            tracing::info!("migrations applied");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo { name, database, redis } => {
+            let sandbox = Sandbox::create(database.database_url.expose_secret(), redis.pool()?).await?;
+            let outcome = demo::run(name, &sandbox).await;
+            sandbox.drop().await?;
+            for line in outcome? {
+                println!("{line}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! Settings: every option is a flag and an environment variable, listed with its default by
+//! `walletlock <command> --help`. An invalid value stops the process with one line naming it.
+//!
+//! | variable | default | meaning |
+//! |---|---|---|
+//! | `LISTEN_ADDR` | `127.0.0.1:8080` | where a replica listens |
+//! | `REPLICA_NAME` | `<hostname>-<port>` | sent as `X-Served-By` and in every log line |
+//! | `DATABASE_URL` | (required) | Postgres; secret, never logged |
+//! | `PG_POOL_SIZE` | `10` | connections per replica; replicas × this must stay under Postgres's `max_connections` |
+//! | `PG_ACQUIRE_TIMEOUT` | `1s` | wait for a pooled connection before answering 503 |
+//! | `REDIS_URL` | `redis://127.0.0.1:6379` | Redis; secret (may hold a password), never logged |
+//! | `REDIS_POOL_SIZE` | `16` | Redis connections per replica |
+//! | `REDIS_KEY_PREFIX` | `walletlock` | namespaces every lease key |
+//! | `REDIS_TIMEOUT` | `500ms` | bound on any single Redis call |
+//! | `LEASE_TTL` | `2s` | a lease's life without a refresh; at least 1ms |
+//! | `LEASE_WAIT` | `3s` | how long a payment waits for its wallet's lease before 503 `lock_timeout` |
+//! | `SHUTDOWN_GRACE` | `10s` | how long shutdown waits for payments in flight |
+//! | `LOG_FORMAT` | `pretty` | `pretty` or `json` |
+
+use crate::lease::{LeaseSettings, Ttl};
+use clap::{Args, ValueEnum};
+use secrecy::{ExposeSecret, SecretString};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use std::{net::SocketAddr, str::FromStr, time::Duration};
+
+fn duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text).map_err(|err| err.to_string())
+}
+
+fn secret(text: &str) -> Result<SecretString, String> {
+    Ok(SecretString::from(text.to_owned()))
+}
+
+/// Postgres: where, and how many connections.
+#[derive(Debug, Clone, Args)]
+pub struct DatabaseArgs {
+    /// Postgres connection URL.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_parser = secret)]
+    pub database_url: SecretString,
+    /// Connections per replica. Replicas × pool size must stay under Postgres's max_connections.
+    #[arg(long, env = "PG_POOL_SIZE", default_value_t = 10)]
+    pub pg_pool_size: u32,
+    /// How long to wait for a pooled connection before answering 503.
+    #[arg(long, env = "PG_ACQUIRE_TIMEOUT", default_value = "1s", value_parser = duration)]
+    pub pg_acquire_timeout: Duration,
+}
+
+impl DatabaseArgs {
+    /// A pool that connects on first use, so a replica starts (and reports not ready) while
+    /// Postgres is still down.
+    pub fn pool(&self) -> anyhow::Result<PgPool> {
+        let options = PgConnectOptions::from_str(self.database_url.expose_secret())
+            .map_err(|err| anyhow::anyhow!("DATABASE_URL is not a Postgres URL: {err}"))?;
+        Ok(PgPoolOptions::new()
+            .max_connections(self.pg_pool_size)
+            .acquire_timeout(self.pg_acquire_timeout)
+            .connect_lazy_with(options))
+    }
+}
+
+/// Redis: where, and how many connections.
+#[derive(Debug, Clone, Args)]
+pub struct RedisArgs {
+    /// Redis connection URL.
+    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379", hide_env_values = true, value_parser = secret)]
+    pub redis_url: SecretString,
+    /// Redis connections per replica.
+    #[arg(long, env = "REDIS_POOL_SIZE", default_value_t = 16)]
+    pub redis_pool_size: usize,
+    /// Prefix of every lease key, so several deployments can share one Redis.
+    #[arg(long, env = "REDIS_KEY_PREFIX", default_value = "walletlock")]
+    pub redis_key_prefix: String,
+    /// Bound on any single Redis call, pool checkout included.
+    #[arg(long, env = "REDIS_TIMEOUT", default_value = "500ms", value_parser = duration)]
+    pub redis_timeout: Duration,
+}
+
+impl RedisArgs {
+    pub fn pool(&self) -> anyhow::Result<deadpool_redis::Pool> {
+        let mut config = deadpool_redis::Config::from_url(self.redis_url.expose_secret());
+        let mut pool = deadpool_redis::PoolConfig::new(self.redis_pool_size);
+        // Without these a checkout would wait forever for a Redis that does not answer.
+        pool.timeouts.wait = Some(self.redis_timeout);
+        pool.timeouts.create = Some(self.redis_timeout);
+        pool.timeouts.recycle = Some(self.redis_timeout);
+        config.pool = Some(pool);
+        config
+            .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+            .map_err(|err| anyhow::anyhow!("REDIS_URL is not usable: {err}"))
+    }
+}
+
+/// The wallet lease's timing.
+#[derive(Debug, Clone, Args)]
+pub struct LeaseArgs {
+    /// A lease's life without a refresh (at least 1ms). The watchdog refreshes every third of it;
+    /// a crashed holder blocks its wallet for at most this long.
+    #[arg(long, env = "LEASE_TTL", default_value = "2s")]
+    pub lease_ttl: Ttl,
+    /// How long a payment waits for its wallet's lease before 503 lock_timeout.
+    #[arg(long, env = "LEASE_WAIT", default_value = "3s", value_parser = duration)]
+    pub lease_wait: Duration,
+}
+
+impl LeaseArgs {
+    pub fn settings(&self, redis: &RedisArgs) -> LeaseSettings {
+        LeaseSettings::new(self.lease_ttl, self.lease_wait).with_op_timeout(redis.redis_timeout)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Pretty,
+    Json,
+}
+
+/// `walletlock serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "LISTEN_ADDR", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// This replica's name, sent as X-Served-By (default: <hostname>-<port>).
+    #[arg(long, env = "REPLICA_NAME")]
+    pub replica_name: Option<String>,
+    /// How long shutdown waits for payments in flight.
+    #[arg(long, env = "SHUTDOWN_GRACE", default_value = "10s", value_parser = duration)]
+    pub shutdown_grace: Duration,
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    #[command(flatten)]
+    pub lease: LeaseArgs,
+}
+
+impl ServeArgs {
+    pub fn replica_name(&self) -> String {
+        self.replica_name.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|name| name.trim().to_owned())
+                .unwrap_or_else(|_| "walletlock".to_owned());
+            format!("{host}-{}", self.listen.port())
+        })
+    }
+}

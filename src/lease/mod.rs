@@ -1,0 +1,387 @@
+//! The distributed lock: a lease on a name, kept in Redis.
+//!
+//! This module knows nothing of wallets. A caller names what it wants exclusive access to, gets a
+//! [`Lease`] carrying a fencing token, does its work, and releases it. It is the Rust counterpart of
+//! the tutorial's `lock` package and of bsm/redislock:
+//!
+//! - **acquire** is `SET key token NX PX ttl` with a fresh 128-bit random token, retried with
+//!   randomized backoff until a deadline, then [`LeaseError::NotObtained`]. The same script
+//!   increments the name's fence counter, so the lease and its fencing token come in one round trip.
+//! - **release** deletes the key only while it still holds our token; otherwise it deletes nothing
+//!   and reports [`LeaseError::NotHeld`].
+//! - **refresh** resets the expiry only while the key holds our token. [`Lease::keep_alive`] starts a
+//!   watchdog that refreshes every TTL/3 and signals [`Lease::lost`] the moment a refresh fails.
+//! - A lease is released on every path: explicitly, or by `Drop` when the holder returns early,
+//!   panics, or is a future that was dropped.
+//!
+//! # What a lease cannot promise
+//! A lease expires whether or not its holder has finished, and Redis can forget it (a restart
+//! without persistence, `FLUSHALL`, a failover to a replica that had not seen the write). A holder
+//! that was paused cannot tell that its lease is gone. So a lease is never proof of exclusivity: it
+//! keeps holders from contending, and the fencing token lets the store that is written refuse a
+//! holder whose lease has passed to someone else. Fences only grow for a name as long as Redis keeps
+//! the counter; when a store sees a fence at least as high as the one it was handed, the counter
+//! went backwards and [`Lease::advance_fence`] lifts it above what the store has seen.
+//!
+//! # Keys
+//! For prefix `P` and name `N`, `{P:N}:lease` holds the holder's token and `{P:N}:fence` the fence
+//! counter. The braces are a Redis Cluster hash tag: both keys live in one slot, so every script
+//! that touches both runs on one node.
+
+mod scripts;
+mod settings;
+
+pub use settings::{Backoff, InvalidTtl, LeaseSettings, Ttl};
+
+use deadpool_redis::{Pool, PoolError, redis::RedisError};
+use std::{
+    fmt,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// How long a fence counter outlives the last acquisition of its name.
+const FENCE_RETENTION_MS: u64 = 7 * 24 * 3600 * 1000;
+
+/// Why a lease operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// Another holder kept the lease for the whole wait.
+    #[error("lease {name:?} not obtained within {waited:?}")]
+    NotObtained { name: String, waited: Duration },
+    /// The lease expired or passed to another holder; nothing was changed.
+    #[error("lease {name:?} is not held (it expired or belongs to another holder)")]
+    NotHeld { name: String },
+    /// Redis did not answer, or answered with an error.
+    #[error("redis unavailable")]
+    Unavailable(#[from] RedisFailure),
+}
+
+/// A failed conversation with Redis.
+#[derive(Debug, thiserror::Error)]
+pub enum RedisFailure {
+    #[error("no redis connection: {0}")]
+    Pool(#[from] PoolError),
+    #[error("redis command failed: {0}")]
+    Command(#[from] RedisError),
+    #[error("redis did not answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// Takes and manages leases. Cheap to clone: clones share one connection pool.
+#[derive(Clone)]
+pub struct LeaseClient {
+    pool: Pool,
+    /// Namespaces every key, so several deployments (or tests) can share one Redis.
+    prefix: Arc<str>,
+    settings: LeaseSettings,
+}
+
+impl fmt::Debug for LeaseClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaseClient")
+            .field("prefix", &self.prefix)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LeaseClient {
+    pub fn new(pool: Pool, prefix: impl Into<Arc<str>>, settings: LeaseSettings) -> Self {
+        Self { pool, prefix: prefix.into(), settings }
+    }
+
+    pub fn settings(&self) -> &LeaseSettings {
+        &self.settings
+    }
+
+    /// Takes the lease on `name`, waiting up to the configured wait.
+    pub async fn acquire(&self, name: &str) -> Result<Lease, LeaseError> {
+        self.acquire_until(name, Instant::now() + self.settings.wait).await
+    }
+
+    /// Takes the lease on `name`, retrying with backoff until `deadline`.
+    ///
+    /// Redis errors are retried like a busy lease until the deadline, so a Redis restart shorter
+    /// than the wait is invisible to the caller; past the deadline the last error is returned.
+    pub async fn acquire_until(&self, name: &str, deadline: Instant) -> Result<Lease, LeaseError> {
+        let started = Instant::now();
+        let keys = Keys::new(&self.prefix, name);
+        let token = Token::random();
+        loop {
+            let outcome = self
+                .run::<(i64, i64)>(
+                    &scripts::ACQUIRE,
+                    &[&keys.lease, &keys.fence],
+                    (&token.0, self.settings.ttl.as_millis(), FENCE_RETENTION_MS),
+                )
+                .await;
+            let last_error = match outcome {
+                Ok((1, fence)) => {
+                    tracing::debug!(
+                        lease = name,
+                        fence,
+                        waited_ms = started.elapsed().as_millis() as u64,
+                        "lease acquired"
+                    );
+                    return Ok(Lease {
+                        client: self.clone(),
+                        name: name.to_owned(),
+                        keys,
+                        token,
+                        fence,
+                        acquired_at: Instant::now(),
+                        waited: started.elapsed(),
+                        watchdog: None,
+                        lost: CancellationToken::new(),
+                        released: false,
+                    });
+                }
+                Ok(_busy) => None,
+                Err(failure) => Some(failure),
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(match last_error {
+                    Some(failure) => LeaseError::Unavailable(failure),
+                    None => LeaseError::NotObtained { name: name.to_owned(), waited: started.elapsed() },
+                });
+            }
+            tokio::time::sleep(self.settings.backoff.pause().min(deadline - now)).await;
+        }
+    }
+
+    /// Answers whether Redis responds within the operation timeout.
+    pub async fn ping(&self) -> Result<(), RedisFailure> {
+        self.bounded(async {
+            let mut conn = self.pool.get().await?;
+            deadpool_redis::redis::cmd("PING").query_async::<()>(&mut conn).await?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn run<T: deadpool_redis::redis::FromRedisValue>(
+        &self,
+        script: &scripts::LeaseScript,
+        keys: &[&str],
+        args: impl deadpool_redis::redis::ToRedisArgs,
+    ) -> Result<T, RedisFailure> {
+        self.bounded(async {
+            let mut conn = self.pool.get().await?;
+            Ok(script.run(&mut conn, keys, args).await?)
+        })
+        .await
+    }
+
+    /// Bounds one Redis conversation (pool checkout included) by the operation timeout, so a
+    /// paused or unreachable Redis never hangs a caller.
+    async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, RedisFailure>>,
+    ) -> Result<T, RedisFailure> {
+        let limit = self.settings.op_timeout;
+        tokio::time::timeout(limit, call).await.unwrap_or(Err(RedisFailure::Timeout(limit)))
+    }
+
+    async fn release_token(&self, name: &str, keys: &Keys, token: &Token) -> Result<(), LeaseError> {
+        match self.run::<i64>(&scripts::RELEASE, &[&keys.lease], &token.0).await? {
+            1 => Ok(()),
+            _ => Err(LeaseError::NotHeld { name: name.to_owned() }),
+        }
+    }
+
+    async fn refresh_token(&self, name: &str, keys: &Keys, token: &Token) -> Result<(), LeaseError> {
+        let ttl = self.settings.ttl.as_millis();
+        match self.run::<i64>(&scripts::REFRESH, &[&keys.lease], (&token.0, ttl)).await? {
+            1 => Ok(()),
+            _ => Err(LeaseError::NotHeld { name: name.to_owned() }),
+        }
+    }
+}
+
+/// The two keys of one name; see the module doc for their layout.
+#[derive(Debug, Clone)]
+struct Keys {
+    lease: String,
+    fence: String,
+}
+
+impl Keys {
+    fn new(prefix: &str, name: &str) -> Self {
+        let tag = format!("{{{prefix}:{name}}}");
+        Self { lease: format!("{tag}:lease"), fence: format!("{tag}:fence") }
+    }
+}
+
+/// A lease holder's secret: 128 random bits, so no other holder can guess it and release or
+/// extend a lease that is not theirs.
+#[derive(Clone, PartialEq, Eq)]
+struct Token(String);
+
+impl Token {
+    fn random() -> Self {
+        Self(format!("{:032x}", rand::random::<u128>()))
+    }
+}
+
+/// A held lease on one name.
+///
+/// Dropping a lease that was not released releases it in the background (token-checked, like
+/// [`Lease::release`]), so an early return, a panic or a dropped future never leaves it behind
+/// for a full TTL.
+pub struct Lease {
+    client: LeaseClient,
+    name: String,
+    keys: Keys,
+    token: Token,
+    /// Issued with the lease; higher than every fence issued for this name before, as long as
+    /// Redis kept the counter (see [`Lease::advance_fence`] for when it did not).
+    fence: i64,
+    acquired_at: Instant,
+    waited: Duration,
+    /// The refresh task, once [`Lease::keep_alive`] started it; stopped when the lease goes.
+    watchdog: Option<JoinHandle<()>>,
+    /// Cancelled by the watchdog when it could not keep the lease.
+    lost: CancellationToken,
+    /// Set once released, so `Drop` does not release again.
+    released: bool,
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("name", &self.name)
+            .field("fence", &self.fence)
+            .field("lost", &self.lost.is_cancelled())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Lease {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The fencing token: pass it to every write this lease protects.
+    pub fn fence(&self) -> i64 {
+        self.fence
+    }
+
+    /// How long [`LeaseClient::acquire`] waited for this lease.
+    pub fn waited(&self) -> Duration {
+        self.waited
+    }
+
+    /// How long this lease has been held.
+    pub fn held_for(&self) -> Duration {
+        self.acquired_at.elapsed()
+    }
+
+    /// Starts the watchdog: it refreshes the lease every TTL/3, each refresh bounded by TTL/3, and
+    /// signals [`Lease::lost`] as soon as a refresh fails or finds the lease gone. Idempotent.
+    pub fn keep_alive(&mut self) {
+        if self.watchdog.is_some() {
+            return;
+        }
+        let (client, name, keys, token, lost) = (
+            self.client.clone(),
+            self.name.clone(),
+            self.keys.clone(),
+            self.token.clone(),
+            self.lost.clone(),
+        );
+        let period = self.client.settings.ttl.refresh_period();
+        self.watchdog = Some(tokio::spawn(async move {
+            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+            loop {
+                ticks.tick().await;
+                let refresh = tokio::time::timeout(period, client.refresh_token(&name, &keys, &token));
+                match refresh.await {
+                    Ok(Ok(())) => tracing::trace!(lease = %name, "lease refreshed"),
+                    Ok(Err(err)) => {
+                        tracing::warn!(lease = %name, error = %err, "lease refresh failed; cancelling the holder's work");
+                        lost.cancel();
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::warn!(lease = %name, "lease refresh timed out; cancelling the holder's work");
+                        lost.cancel();
+                        return;
+                    }
+                }
+            }
+        }));
+    }
+
+    /// Completes when the watchdog finds the lease gone; never, without a watchdog. Select on it
+    /// around the protected work so the work stops as soon as the lease does. The future does not
+    /// borrow the lease, so the work may use it meanwhile.
+    pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.lost.clone().cancelled_owned()
+    }
+
+    /// Whether the watchdog has found the lease gone.
+    pub fn is_lost(&self) -> bool {
+        self.lost.is_cancelled()
+    }
+
+    /// Extends the lease by one TTL from now, if it is still ours.
+    pub async fn refresh(&self) -> Result<(), LeaseError> {
+        self.client.refresh_token(&self.name, &self.keys, &self.token).await
+    }
+
+    /// Replaces this lease's fence with one above `seen`: call it when the store this lease
+    /// protects has already seen a fence at least as high as ours. Redis lost the counter, so it
+    /// went backwards; lifting it keeps fences growing and keeps the name from being wedged.
+    ///
+    /// Token-checked: a holder whose lease is gone gets [`LeaseError::NotHeld`], because a stale
+    /// holder is exactly the case a store refuses on purpose.
+    pub async fn advance_fence(&mut self, seen: i64) -> Result<i64, LeaseError> {
+        let keys = [self.keys.lease.as_str(), self.keys.fence.as_str()];
+        match self.client.run::<i64>(&scripts::ADVANCE_FENCE, &keys, (&self.token.0, seen)).await? {
+            -1 => Err(LeaseError::NotHeld { name: self.name.clone() }),
+            fence => {
+                tracing::info!(lease = %self.name, old = self.fence, new = fence, seen, "fence counter resynchronized from the store");
+                self.fence = fence;
+                Ok(fence)
+            }
+        }
+    }
+
+    /// Releases the lease if it is still ours; [`LeaseError::NotHeld`] (with nothing deleted) if
+    /// it expired or passed to another holder.
+    pub async fn release(mut self) -> Result<(), LeaseError> {
+        self.released = true;
+        self.stop_watchdog();
+        let result = self.client.release_token(&self.name, &self.keys, &self.token).await;
+        tracing::debug!(lease = %self.name, fence = self.fence, held_ms = self.held_for().as_millis() as u64, ok = result.is_ok(), "lease released");
+        result
+    }
+
+    fn stop_watchdog(&mut self) {
+        if let Some(task) = self.watchdog.take() {
+            task.abort();
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.stop_watchdog();
+        if self.released {
+            return;
+        }
+        // Without a runtime (the process is exiting) the lease simply expires after its TTL.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (client, name, keys, token) =
+                (self.client.clone(), std::mem::take(&mut self.name), self.keys.clone(), self.token.clone());
+            runtime.spawn(async move {
+                let result = client.release_token(&name, &keys, &token).await;
+                tracing::debug!(lease = %name, ok = result.is_ok(), "lease released on drop");
+            });
+        }
+    }
+}

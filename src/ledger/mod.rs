@@ -1,0 +1,343 @@
+//! The fenced ledger store: every SQL statement walletlock runs against Postgres.
+//!
+//! A wallet row carries a `version` (one more per ledger entry) and a `fence` (the highest fencing
+//! token any lease holder has claimed the row with). A lease holder changes a balance in two steps:
+//!
+//! 1. [`claim`] raises the row's fence to the holder's token and reads the balance and version, in
+//!    one statement, and only if the token is higher than the row's fence. From the moment the claim
+//!    commits, every holder with a lower token is refused, even before the new holder writes.
+//! 2. [`commit`] writes the new balance with one conditional `UPDATE ... WHERE fence = $ours AND
+//!    version = $read`, in the same transaction as the ledger entries. If another holder claimed or
+//!    wrote since our claim, it matches no row, nothing is applied, and the caller gets
+//!    [`StoreError::LeaseLost`].
+//!
+//! Where fences come from: the lease layer issues them from a Redis counter, in the same script
+//! that takes the lease. Redis can lose that counter (a restart without persistence, `FLUSHALL`, a
+//! failover), after which it issues tokens at or below what this table has seen. Such a token is
+//! refused by [`claim`] like any stale one ([`StoreError::FenceBehind`] carries the row's fence);
+//! the caller then asks the lease layer, with a token-checked script, to lift the counter above it.
+//! Only the current lease holder can do that, so a stale holder stays refused, and a wallet is never
+//! wedged by a counter that went backwards. We resynchronize rather than issue fences from Postgres
+//! because a Redis-issued fence comes with the lease in one round trip and orders holders by when
+//! they took the lease, not by when they reached the database: a holder paused between acquire and
+//! claim is refused instead of overtaking the holder that replaced it.
+
+pub mod schema;
+pub mod unguarded;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("wallet not found")]
+    WalletNotFound,
+    #[error("wallet already exists")]
+    WalletExists,
+    /// The row has already been claimed with a fence at least as high as ours.
+    #[error("fence {ours} is not above the wallet's fence {seen}")]
+    FenceBehind { ours: i64, seen: i64 },
+    /// Another holder claimed or wrote the row after our claim: nothing was applied.
+    #[error("the wallet was claimed by a newer lease holder; nothing was applied")]
+    LeaseLost,
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+impl StoreError {
+    /// Whether the database could not be reached or is restarting, as opposed to a bug or a
+    /// refused write: the caller may retry later.
+    pub fn is_unavailable(&self) -> bool {
+        let StoreError::Database(err) = self else { return false };
+        match err {
+            sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Protocol(_) => true,
+            sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+                // Class 08: connection exception; 57P0x: the server is shutting down or starting;
+                // 53300: too many connections; 40001/40P01: serialization failure or deadlock.
+                code.starts_with("08")
+                    || code.starts_with("57P0")
+                    || code == "53300"
+                    || code == "40001"
+                    || code == "40P01"
+            }),
+            _ => false,
+        }
+    }
+}
+
+/// One wallet as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Wallet {
+    pub id: String,
+    pub balance: i64,
+    pub version: i64,
+    #[serde(skip)]
+    pub fence: i64,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// What an entry did to its wallet's balance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EntryKind {
+    Open,
+    Deposit,
+    Pay,
+}
+
+impl EntryKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EntryKind::Open => "open",
+            EntryKind::Deposit => "deposit",
+            EntryKind::Pay => "pay",
+        }
+    }
+
+    fn parse(kind: &str) -> Result<Self, sqlx::Error> {
+        match kind {
+            "open" => Ok(EntryKind::Open),
+            "deposit" => Ok(EntryKind::Deposit),
+            "pay" => Ok(EntryKind::Pay),
+            other => Err(sqlx::Error::Decode(format!("unknown ledger entry kind {other:?}").into())),
+        }
+    }
+}
+
+/// One ledger entry as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Entry {
+    pub id: Uuid,
+    pub wallet_id: String,
+    pub kind: EntryKind,
+    pub amount: i64,
+    /// The wallet's balance right after this entry.
+    pub balance: i64,
+    /// The wallet's version right after this entry (its position in the wallet's ledger).
+    pub version: i64,
+    pub fence: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
+    pub created_at: DateTime<Utc>,
+}
+
+struct EntryRow {
+    id: Uuid,
+    wallet_id: String,
+    seq: i64,
+    kind: String,
+    amount: i64,
+    balance_after: i64,
+    fence: i64,
+    reference: Option<String>,
+    created_at: DateTime<Utc>,
+}
+
+impl TryFrom<EntryRow> for Entry {
+    type Error = sqlx::Error;
+
+    fn try_from(row: EntryRow) -> Result<Self, Self::Error> {
+        Ok(Entry {
+            id: row.id,
+            wallet_id: row.wallet_id,
+            kind: EntryKind::parse(&row.kind)?,
+            amount: row.amount,
+            balance: row.balance_after,
+            version: row.seq,
+            fence: row.fence,
+            reference: row.reference,
+            created_at: row.created_at,
+        })
+    }
+}
+
+/// An entry to append in [`commit`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewEntry {
+    pub id: Uuid,
+    pub kind: EntryKind,
+    pub amount: i64,
+    pub balance_after: i64,
+    pub reference: Option<String>,
+}
+
+/// What a holder read when it claimed a wallet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claimed {
+    pub balance: i64,
+    pub version: i64,
+}
+
+/// Creates a wallet with an opening balance and its `open` entry, so that from its first moment
+/// the wallet's balance equals the sum of its ledger. No lease is needed: a new row has no other
+/// writer, and its primary key refuses a second creation.
+pub async fn create_wallet(
+    conn: &mut PgConnection,
+    id: &str,
+    balance: i64,
+) -> Result<(Wallet, Entry), StoreError> {
+    let wallet = sqlx::query_as!(
+        Wallet,
+        // language=PostgreSQL
+        r#"insert into wallet (id, balance, version) values ($1, $2, 1)
+           returning id, balance, version, fence, created_at, updated_at"#,
+        id,
+        balance,
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|err| match &err {
+        sqlx::Error::Database(db) if db.constraint() == Some("wallet_pkey") => StoreError::WalletExists,
+        _ => StoreError::Database(err),
+    })?;
+    let open = NewEntry {
+        id: Uuid::new_v4(),
+        kind: EntryKind::Open,
+        amount: balance,
+        balance_after: balance,
+        reference: None,
+    };
+    let mut entries = append_entries(conn, id, 0, 0, &[open]).await?;
+    Ok((wallet, entries.remove(0)))
+}
+
+pub async fn find_wallet(conn: &mut PgConnection, id: &str) -> Result<Option<Wallet>, StoreError> {
+    Ok(sqlx::query_as!(
+        Wallet,
+        // language=PostgreSQL
+        "select id, balance, version, fence, created_at, updated_at from wallet where id = $1",
+        id,
+    )
+    .fetch_optional(conn)
+    .await?)
+}
+
+/// Claims the wallet for the holder of `fence` and reads its balance and version.
+///
+/// Succeeds only if `fence` is strictly above the row's fence: a token equal to the row's was
+/// issued twice (the counter went backwards) and must not let two holders in.
+pub async fn claim(conn: &mut PgConnection, id: &str, fence: i64) -> Result<Claimed, StoreError> {
+    let claimed = sqlx::query_as!(
+        Claimed,
+        // language=PostgreSQL
+        "update wallet set fence = $2 where id = $1 and fence < $2 returning balance, version",
+        id,
+        fence,
+    )
+    .fetch_optional(&mut *conn)
+    .await?;
+    if let Some(claimed) = claimed {
+        return Ok(claimed);
+    }
+    // language=PostgreSQL
+    match sqlx::query_scalar!("select fence from wallet where id = $1", id).fetch_optional(conn).await? {
+        Some(seen) => Err(StoreError::FenceBehind { ours: fence, seen }),
+        None => Err(StoreError::WalletNotFound),
+    }
+}
+
+/// Applies `entries` to a wallet claimed with `fence` at `read_version`: one conditional UPDATE of
+/// the balance, then the entries, in the caller's transaction. The wallet's new balance is the last
+/// entry's `balance_after`; its new version is `read_version` plus the number of entries.
+///
+/// If the row's fence or version moved since the claim, nothing is written and the result is
+/// [`StoreError::LeaseLost`]; the caller must roll back.
+pub async fn commit(
+    tx: &mut PgConnection,
+    id: &str,
+    fence: i64,
+    read_version: i64,
+    entries: &[NewEntry],
+) -> Result<Vec<Entry>, StoreError> {
+    let Some(last) = entries.last() else { return Ok(Vec::new()) };
+    let new_version = read_version + entries.len() as i64;
+    let updated = sqlx::query_scalar!(
+        // language=PostgreSQL
+        r#"update wallet set balance = $4, version = $5, updated_at = now()
+           where id = $1 and fence = $2 and version = $3
+           returning id"#,
+        id,
+        fence,
+        read_version,
+        last.balance_after,
+        new_version,
+    )
+    .fetch_optional(&mut *tx)
+    .await?;
+    if updated.is_none() {
+        return Err(StoreError::LeaseLost);
+    }
+    append_entries(tx, id, fence, read_version, entries).await
+}
+
+/// Appends entries numbered from `after_seq + 1`, in one statement.
+async fn append_entries(
+    conn: &mut PgConnection,
+    id: &str,
+    fence: i64,
+    after_seq: i64,
+    entries: &[NewEntry],
+) -> Result<Vec<Entry>, StoreError> {
+    let ids: Vec<Uuid> = entries.iter().map(|e| e.id).collect();
+    let seqs: Vec<i64> = (1..=entries.len() as i64).map(|n| after_seq + n).collect();
+    let kinds: Vec<String> = entries.iter().map(|e| e.kind.as_str().to_owned()).collect();
+    let amounts: Vec<i64> = entries.iter().map(|e| e.amount).collect();
+    let balances: Vec<i64> = entries.iter().map(|e| e.balance_after).collect();
+    let references: Vec<Option<String>> = entries.iter().map(|e| e.reference.clone()).collect();
+    let rows = sqlx::query_as!(
+        EntryRow,
+        // language=PostgreSQL
+        r#"insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence, reference)
+           select e.id, $2, e.seq, e.kind, e.amount, e.balance_after, $3, e.reference
+           from unnest($1::uuid[], $4::int8[], $5::text[], $6::int8[], $7::int8[], $8::text[])
+                as e(id, seq, kind, amount, balance_after, reference)
+           returning id, wallet_id, seq, kind, amount, balance_after, fence, reference, created_at"#,
+        &ids,
+        id,
+        fence,
+        &seqs,
+        &kinds,
+        &amounts,
+        &balances,
+        &references as &[Option<String>],
+    )
+    .fetch_all(conn)
+    .await?;
+    let mut entries = rows.into_iter().map(Entry::try_from).collect::<Result<Vec<_>, _>>()?;
+    entries.sort_by_key(|entry| entry.version);
+    Ok(entries)
+}
+
+/// A page of a wallet's entries, newest first: those with a version below `before` (all, when
+/// `None`), at most `limit`.
+pub async fn entries_page(
+    conn: &mut PgConnection,
+    id: &str,
+    before: Option<i64>,
+    limit: i64,
+) -> Result<Vec<Entry>, StoreError> {
+    let rows = sqlx::query_as!(
+        EntryRow,
+        // language=PostgreSQL
+        r#"select id, wallet_id, seq, kind, amount, balance_after, fence, reference, created_at
+           from ledger_entry
+           where wallet_id = $1 and seq < coalesce($2, 9223372036854775807)
+           order by seq desc
+           limit $3"#,
+        id,
+        before,
+        limit,
+    )
+    .fetch_all(conn)
+    .await?;
+    Ok(rows.into_iter().map(Entry::try_from).collect::<Result<_, _>>()?)
+}

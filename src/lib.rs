@@ -1,0 +1,26 @@
+//! walletlock: stateless wallet replicas behind a load balancer that never lose or double-apply a
+//! payment.
+//!
+//! Two requests for one wallet can land on two replicas in the same millisecond. Each payment
+//! therefore runs under the wallet's **lease** in Redis (one holder at a time), and commits with a
+//! **fenced** conditional `UPDATE` in Postgres, so a holder whose lease expired mid-work is refused
+//! instead of overwriting a newer holder's result.
+//!
+//! # Layout
+//! - [`lease`] is the distributed lock: a small library over Redis that knows nothing of wallets
+//!   (acquire with SET NX PX and a fence, token-checked release and refresh, the watchdog).
+//! - [`ledger`] is the fenced ledger store: all SQL lives there (wallets, ledger entries, the claim
+//!   and the conditional commit, migrations).
+//! - [`wallet`] holds the domain (ids, amounts, movements) and the service that runs each movement
+//!   under its wallet's lease with a fenced commit; it touches neither Redis commands nor SQL.
+//! - [`config`] declares every setting, as a flag and an environment variable; [`telemetry`] sets
+//!   up logging.
+//! - [`cli`] holds the `walletlock` subcommands, and [`demo`] the tutorial's experiments.
+
+pub mod cli;
+pub mod config;
+pub mod demo;
+pub mod lease;
+pub mod ledger;
+pub mod telemetry;
+pub mod wallet;

@@ -1,0 +1,20 @@
+//! Logging: `tracing` to stderr, human-readable or one JSON object per line.
+//!
+//! The filter comes from `RUST_LOG` when set (e.g. `RUST_LOG=walletlock=debug` shows every lease
+//! acquisition and release), else `info`. Secrets never reach a log line: the URLs that may carry
+//! passwords are `SecretString`s, which print as `[REDACTED]`.
+
+use crate::config::LogFormat;
+use tracing_subscriber::{EnvFilter, fmt};
+
+pub fn init(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // A second initialisation (tests that start several servers in one process) keeps the first.
+    let _ = match format {
+        LogFormat::Pretty => builder.try_init(),
+        LogFormat::Json => {
+            builder.json().flatten_event(true).with_current_span(true).with_span_list(false).try_init()
+        }
+    };
+}

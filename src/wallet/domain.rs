@@ -1,0 +1,161 @@
+//! The wallet's vocabulary: validated ids and amounts, the movements of money, and the one rule
+//! that decides a movement against a balance.
+
+use serde::Serialize;
+use std::fmt;
+
+/// Input that breaks one of the rules below; names the field and the rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {rule}")]
+pub struct InvalidInput {
+    pub field: &'static str,
+    pub rule: &'static str,
+}
+
+/// A wallet id: 1 to 64 characters of `[A-Za-z0-9_-]`, so it is safe in a URL path, a Redis key
+/// and a log line without escaping.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+#[serde(transparent)]
+pub struct WalletId(String);
+
+impl WalletId {
+    pub const RULE: &'static str = "1 to 64 characters of A-Z, a-z, 0-9, '_' and '-'";
+
+    pub fn parse(id: &str) -> Result<Self, InvalidInput> {
+        let valid = (1..=64).contains(&id.len())
+            && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if valid { Ok(Self(id.to_owned())) } else { Err(InvalidInput { field: "id", rule: Self::RULE }) }
+    }
+
+    /// A fresh random id (a UUID), for wallets created without one.
+    pub fn generate() -> Self {
+        Self(uuid::Uuid::new_v4().to_string())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for WalletId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// An amount of money in minor units (cents): 1 to 10^12.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(transparent)]
+pub struct Amount(i64);
+
+impl Amount {
+    pub const MAX: i64 = 1_000_000_000_000;
+    pub const RULE: &'static str = "an integer from 1 to 1000000000000 (minor units)";
+
+    pub fn new(amount: i64) -> Result<Self, InvalidInput> {
+        if (1..=Self::MAX).contains(&amount) {
+            Ok(Self(amount))
+        } else {
+            Err(InvalidInput { field: "amount", rule: Self::RULE })
+        }
+    }
+
+    pub fn get(self) -> i64 {
+        self.0
+    }
+}
+
+/// A new wallet's balance: 0 to 10^12 minor units.
+pub fn opening_balance(balance: i64) -> Result<i64, InvalidInput> {
+    if (0..=Amount::MAX).contains(&balance) {
+        Ok(balance)
+    } else {
+        Err(InvalidInput { field: "balance", rule: "an integer from 0 to 1000000000000 (minor units)" })
+    }
+}
+
+/// The caller's own note on a payment (an order number, say): at most 256 characters.
+pub fn reference(reference: Option<String>) -> Result<Option<String>, InvalidInput> {
+    match reference {
+        Some(text) if text.chars().count() > 256 || text.contains('\0') => {
+            Err(InvalidInput { field: "reference", rule: "at most 256 characters, no NUL" })
+        }
+        other => Ok(other),
+    }
+}
+
+/// A change to a balance that needs the wallet's lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Movement {
+    Deposit { amount: Amount },
+    Pay { amount: Amount, reference: Option<String> },
+}
+
+/// Why a movement was refused on its merits (as opposed to a failure to run it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("insufficient funds: the balance is {balance}")]
+    InsufficientFunds { balance: i64 },
+    #[error("the deposit would overflow the balance of {balance}")]
+    BalanceOverflow { balance: i64 },
+}
+
+impl Movement {
+    pub fn amount(&self) -> Amount {
+        match self {
+            Movement::Deposit { amount } | Movement::Pay { amount, .. } => *amount,
+        }
+    }
+
+    /// The balance after this movement, or why it cannot happen. A balance never goes below zero
+    /// and never past `i64::MAX`.
+    pub fn apply_to(&self, balance: i64) -> Result<i64, Refusal> {
+        match self {
+            Movement::Deposit { amount } => {
+                balance.checked_add(amount.get()).ok_or(Refusal::BalanceOverflow { balance })
+            }
+            Movement::Pay { amount, .. } => match balance - amount.get() {
+                after if after >= 0 => Ok(after),
+                _ => Err(Refusal::InsufficientFunds { balance }),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wallet_ids_are_short_url_safe_words() {
+        for ok in ["a", "wallet-42", "A_b-9", &"x".repeat(64)] {
+            assert!(WalletId::parse(ok).is_ok(), "{ok:?} should be accepted");
+        }
+        for bad in ["", &"x".repeat(65), "a/b", "..", "%2e%2e", "a\0b", "a\r\nb", "é", "a b", "a.b"] {
+            assert!(WalletId::parse(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
+
+    #[test]
+    fn amounts_are_positive_and_bounded() {
+        assert!(Amount::new(1).is_ok());
+        assert!(Amount::new(Amount::MAX).is_ok());
+        for bad in [0, -1, Amount::MAX + 1, i64::MIN, i64::MAX] {
+            assert!(Amount::new(bad).is_err(), "{bad} should be refused");
+        }
+    }
+
+    #[test]
+    fn a_payment_never_takes_the_balance_below_zero() {
+        let pay = |amount| Movement::Pay { amount: Amount::new(amount).unwrap(), reference: None };
+        assert_eq!(pay(10).apply_to(10), Ok(0));
+        assert_eq!(pay(11).apply_to(10), Err(Refusal::InsufficientFunds { balance: 10 }));
+    }
+
+    #[test]
+    fn a_deposit_never_overflows_the_balance() {
+        let deposit = Movement::Deposit { amount: Amount::new(Amount::MAX).unwrap() };
+        assert_eq!(deposit.apply_to(5), Ok(5 + Amount::MAX));
+        assert_eq!(deposit.apply_to(i64::MAX - 1), Err(Refusal::BalanceOverflow { balance: i64::MAX - 1 }));
+    }
+}

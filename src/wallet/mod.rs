@@ -1,0 +1,224 @@
+//! Wallets: opening them, reading them, and moving money under the wallet's lease with a fenced
+//! commit.
+//!
+//! This is where the lease and the ledger meet, and the only place that does. A movement of money
+//! runs as: take the wallet's lease (waiting up to the configured wait), start its watchdog, claim
+//! the wallet row with the lease's fence (reading the balance), decide, commit conditionally on the
+//! fence and the version read, release. It never touches Redis commands or SQL itself: those live
+//! in [`crate::lease`] and [`crate::ledger`].
+
+pub mod domain;
+
+pub use domain::{Amount, InvalidInput, Movement, Refusal, WalletId};
+
+use crate::lease::{Lease, LeaseClient, LeaseError};
+use crate::ledger::{self, Entry, EntryKind, NewEntry, StoreError, Wallet};
+use sqlx::PgPool;
+use std::time::Duration;
+use tokio_util::task::TaskTracker;
+use uuid::Uuid;
+
+/// Why a wallet operation did not happen. Every variant means nothing was applied.
+#[derive(Debug, thiserror::Error)]
+pub enum WalletError {
+    #[error("wallet not found")]
+    NotFound,
+    #[error("wallet already exists")]
+    Exists,
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    /// Another holder kept the wallet's lease for the whole wait.
+    #[error("the wallet's lease was not obtained within {waited:?}")]
+    LockTimeout { waited: Duration },
+    /// Our lease expired or passed to another holder before the commit, which was refused.
+    #[error("the wallet's lease was lost before the commit; nothing was applied")]
+    LeaseLost,
+    /// Redis or Postgres could not be reached in time.
+    #[error("{dependency} unavailable")]
+    Unavailable { dependency: &'static str, source: anyhow::Error },
+    #[error(transparent)]
+    Internal(anyhow::Error),
+}
+
+impl From<StoreError> for WalletError {
+    fn from(err: StoreError) -> Self {
+        match err {
+            StoreError::WalletNotFound => WalletError::NotFound,
+            StoreError::WalletExists => WalletError::Exists,
+            StoreError::LeaseLost | StoreError::FenceBehind { .. } => WalletError::LeaseLost,
+            err if err.is_unavailable() => {
+                WalletError::Unavailable { dependency: "postgres", source: err.into() }
+            }
+            err => WalletError::Internal(err.into()),
+        }
+    }
+}
+
+impl From<sqlx::Error> for WalletError {
+    fn from(err: sqlx::Error) -> Self {
+        StoreError::from(err).into()
+    }
+}
+
+impl From<LeaseError> for WalletError {
+    fn from(err: LeaseError) -> Self {
+        match err {
+            LeaseError::NotObtained { waited, .. } => WalletError::LockTimeout { waited },
+            LeaseError::NotHeld { .. } => WalletError::LeaseLost,
+            LeaseError::Unavailable(failure) => {
+                WalletError::Unavailable { dependency: "redis", source: failure.into() }
+            }
+        }
+    }
+}
+
+/// The wallet service. Cheap to clone; clones share pools and the task tracker.
+#[derive(Debug, Clone)]
+pub struct Wallets {
+    db: PgPool,
+    leases: LeaseClient,
+    /// Every movement in progress runs as a task on this tracker, so it finishes (commit or roll
+    /// back, then release) even if the request that started it is dropped, and so shutdown can
+    /// wait for all of them.
+    in_flight: TaskTracker,
+}
+
+impl Wallets {
+    pub fn new(db: PgPool, leases: LeaseClient) -> Self {
+        Self { db, leases, in_flight: TaskTracker::new() }
+    }
+
+    pub fn db(&self) -> &PgPool {
+        &self.db
+    }
+
+    pub fn leases(&self) -> &LeaseClient {
+        &self.leases
+    }
+
+    /// Opens a wallet with an opening balance (recorded as its `open` entry).
+    pub async fn open(&self, id: &WalletId, balance: i64) -> Result<(Wallet, Entry), WalletError> {
+        let mut tx = self.db.begin().await?;
+        let created = ledger::create_wallet(&mut tx, id.as_str(), balance).await?;
+        tx.commit().await?;
+        Ok(created)
+    }
+
+    pub async fn get(&self, id: &WalletId) -> Result<Wallet, WalletError> {
+        let mut conn = self.db.acquire().await?;
+        ledger::find_wallet(&mut conn, id.as_str()).await?.ok_or(WalletError::NotFound)
+    }
+
+    /// A page of the wallet's ledger, newest first, below version `before`.
+    pub async fn history(
+        &self,
+        id: &WalletId,
+        before: Option<i64>,
+        limit: i64,
+    ) -> Result<Vec<Entry>, WalletError> {
+        let mut conn = self.db.acquire().await?;
+        let page = ledger::entries_page(&mut conn, id.as_str(), before, limit).await?;
+        // Every wallet has its `open` entry, so an empty page means no wallet or past its start.
+        if page.is_empty() && ledger::find_wallet(&mut conn, id.as_str()).await?.is_none() {
+            return Err(WalletError::NotFound);
+        }
+        Ok(page)
+    }
+
+    /// Applies a movement under the wallet's lease with a fenced commit.
+    ///
+    /// The work runs as its own task: if the caller is dropped (the client hung up), the movement
+    /// still runs to its end, commit or roll back, and the lease is released.
+    pub async fn apply(&self, id: &WalletId, movement: Movement) -> Result<Entry, WalletError> {
+        let task = self.in_flight.spawn(self.clone().apply_under_lease(id.clone(), movement));
+        task.await.map_err(|join| WalletError::Internal(anyhow::anyhow!("movement task failed: {join}")))?
+    }
+
+    /// Waits until every movement in progress has finished, up to `limit`. Call after the server
+    /// stopped taking requests.
+    pub async fn drain(&self, limit: Duration) -> bool {
+        self.in_flight.close();
+        tokio::time::timeout(limit, self.in_flight.wait()).await.is_ok()
+    }
+
+    async fn apply_under_lease(self, id: WalletId, movement: Movement) -> Result<Entry, WalletError> {
+        let mut lease = self.leases.acquire(&lease_name(&id)).await?;
+        lease.keep_alive();
+        let outcome = self.apply_fenced(&mut lease, &id, &movement).await;
+        // Release on every outcome, so the next holder does not wait out our TTL. A lease found
+        // already gone changes nothing: the fence has decided by now.
+        if let Err(err) = lease.release().await {
+            tracing::debug!(wallet = %id, error = %err, "release found the lease gone");
+        }
+        outcome
+    }
+
+    async fn apply_fenced(
+        &self,
+        lease: &mut Lease,
+        id: &WalletId,
+        movement: &Movement,
+    ) -> Result<Entry, WalletError> {
+        let mut conn = self.db.acquire().await?;
+        let lost = lease.lost();
+        let claimed = tokio::select! {
+            biased;
+            () = lost => return Err(WalletError::LeaseLost),
+            claimed = claim(&mut conn, lease, id) => claimed?,
+        };
+        let balance_after = movement.apply_to(claimed.balance)?;
+        if lease.is_lost() {
+            return Err(WalletError::LeaseLost);
+        }
+        let entry = match movement {
+            Movement::Deposit { amount } => NewEntry {
+                id: Uuid::new_v4(),
+                kind: EntryKind::Deposit,
+                amount: amount.get(),
+                balance_after,
+                reference: None,
+            },
+            Movement::Pay { amount, reference } => NewEntry {
+                id: Uuid::new_v4(),
+                kind: EntryKind::Pay,
+                amount: amount.get(),
+                balance_after,
+                reference: reference.clone(),
+            },
+        };
+        // From here the commit runs to its end even if the watchdog loses the lease meanwhile: the
+        // fence in its WHERE decides, and cancelling a commit in flight would leave its outcome
+        // unknown.
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let mut written =
+            ledger::commit(&mut tx, id.as_str(), lease.fence(), claimed.version, &[entry]).await?;
+        tx.commit().await?;
+        Ok(written.remove(0))
+    }
+}
+
+/// The lease that guards a wallet's balance.
+pub fn lease_name(id: &WalletId) -> String {
+    format!("wallet:{id}")
+}
+
+/// Claims the wallet with the lease's fence. If the row has seen our fence or a higher one, either
+/// we are a stale holder (then the token-checked resynchronization refuses us too) or Redis lost
+/// the fence counter, which is lifted above what the row has seen before claiming again.
+pub async fn claim(
+    conn: &mut sqlx::PgConnection,
+    lease: &mut Lease,
+    id: &WalletId,
+) -> Result<ledger::Claimed, WalletError> {
+    // Two rounds: after one resynchronization our fence is above every fence the row has seen,
+    // unless another holder claimed meanwhile, which only a holder that lost its lease lets happen.
+    for _ in 0..2 {
+        match ledger::claim(conn, id.as_str(), lease.fence()).await {
+            Err(StoreError::FenceBehind { seen, .. }) => {
+                lease.advance_fence(seen).await?;
+            }
+            other => return Ok(other?),
+        }
+    }
+    Err(WalletError::LeaseLost)
+}

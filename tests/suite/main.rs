@@ -1,0 +1,11 @@
+//! walletlock's behaviour, against real Redis and Postgres processes.
+//!
+//! One test binary (so it links once); each module reads as the specification of one part.
+
+mod support;
+
+mod burst;
+mod demos;
+mod fence;
+mod lease;
+mod redis_loss;

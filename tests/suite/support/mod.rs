@@ -1,0 +1,170 @@
+//! The test harness: real Redis and Postgres, a fresh schema and key prefix per test.
+//!
+//! `deploy/test` starts one Redis and one Postgres for the whole run and passes them in
+//! `WALLETLOCK_TEST_REDIS_URL` and `WALLETLOCK_TEST_DATABASE_URL`; each test then isolates itself
+//! with its own schema and key prefix. Without those variables (a bare `cargo nextest run`), each
+//! test starts private servers, which is slower but needs nothing else. Tests that restart or flush
+//! a server always start their own.
+
+pub mod servers;
+
+use servers::{PostgresServer, RedisServer};
+use sqlx::PgPool;
+use std::time::Duration;
+use walletlock::lease::{LeaseClient, LeaseSettings, Ttl};
+use walletlock::ledger::schema::ScratchSchema;
+use walletlock::wallet::Wallets;
+
+/// Where a test's Redis and Postgres are, and the servers it owns (if any), which stop when the
+/// environment is dropped.
+pub struct TestEnv {
+    pub redis_url: String,
+    pub database_url: String,
+    pub redis: Option<RedisServer>,
+    /// Held so a private Postgres lives exactly as long as the test.
+    #[allow(dead_code)]
+    pub postgres: Option<PostgresServer>,
+    /// Namespaces this test's Redis keys.
+    pub prefix: String,
+}
+
+impl TestEnv {
+    /// The shared servers when `deploy/test` provides them, else private ones.
+    pub fn new() -> Self {
+        init_tracing();
+        let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
+        match (std::env::var("WALLETLOCK_TEST_REDIS_URL"), std::env::var("WALLETLOCK_TEST_DATABASE_URL")) {
+            (Ok(redis_url), Ok(database_url)) => {
+                Self { redis_url, database_url, redis: None, postgres: None, prefix }
+            }
+            _ => Self::private_postgres(RedisServer::start(), prefix),
+        }
+    }
+
+    /// A Redis of this test's own (to restart or flush), with the shared Postgres when there is one.
+    pub fn with_own_redis() -> Self {
+        init_tracing();
+        let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
+        let redis = RedisServer::start();
+        match std::env::var("WALLETLOCK_TEST_DATABASE_URL") {
+            Ok(database_url) => {
+                Self { redis_url: redis.url(), database_url, redis: Some(redis), postgres: None, prefix }
+            }
+            Err(_) => Self::private_postgres(redis, prefix),
+        }
+    }
+
+    fn private_postgres(redis: RedisServer, prefix: String) -> Self {
+        let postgres = PostgresServer::start();
+        Self {
+            redis_url: redis.url(),
+            database_url: postgres.url("postgres"),
+            redis: Some(redis),
+            postgres: Some(postgres),
+            prefix,
+        }
+    }
+
+    pub fn own_redis(&mut self) -> &mut RedisServer {
+        self.redis.as_mut().expect("this test owns its Redis")
+    }
+
+    /// A fresh, migrated schema and a pool of `pool_size` connections into it.
+    pub async fn database(&self, pool_size: u32) -> (ScratchSchema, PgPool) {
+        ScratchSchema::create(&self.database_url, "test", pool_size).await.expect("scratch schema")
+    }
+
+    /// A separate Redis connection pool, as one replica would have.
+    pub fn redis_pool(&self) -> deadpool_redis::Pool {
+        let mut config = deadpool_redis::Config::from_url(&self.redis_url);
+        let mut pool = deadpool_redis::PoolConfig::new(16);
+        pool.timeouts.wait = Some(Duration::from_millis(500));
+        pool.timeouts.create = Some(Duration::from_millis(500));
+        pool.timeouts.recycle = Some(Duration::from_millis(500));
+        config.pool = Some(pool);
+        config.create_pool(Some(deadpool_redis::Runtime::Tokio1)).expect("redis pool")
+    }
+
+    /// A lease client of its own (its own Redis pool), under this test's key prefix.
+    pub fn leases(&self, ttl: Duration, wait: Duration) -> LeaseClient {
+        let settings = LeaseSettings::new(Ttl::new(ttl).expect("ttl"), wait);
+        LeaseClient::new(self.redis_pool(), self.prefix.clone(), settings)
+    }
+
+    /// The wallet service as one replica runs it: its own Postgres pool into `schema`, its own
+    /// Redis pool.
+    pub async fn replica(&self, schema: &ScratchSchema, ttl: Duration, wait: Duration) -> Wallets {
+        let db = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(10)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect(&schema.url)
+            .await
+            .expect("replica pool");
+        Wallets::new(db, self.leases(ttl, wait))
+    }
+
+    /// Runs a redis command on this test's Redis, for checks and sabotage.
+    pub async fn redis_cmd<T: deadpool_redis::redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        let client = deadpool_redis::redis::Client::open(self.redis_url.as_str()).expect("redis url");
+        let mut conn = client.get_multiplexed_async_connection().await.expect("redis connection");
+        deadpool_redis::redis::cmd(args[0])
+            .arg(&args[1..])
+            .query_async(&mut conn)
+            .await
+            .expect("redis command")
+    }
+
+    /// The Redis key that holds the lease on `name` (see the lease module's key layout).
+    pub fn lease_key(&self, name: &str) -> String {
+        format!("{{{}:{name}}}:lease", self.prefix)
+    }
+
+    pub fn fence_key(&self, name: &str) -> String {
+        format!("{{{}:{name}}}:fence", self.prefix)
+    }
+}
+
+/// Polls `check` every few milliseconds until it holds, or panics with `what` after `limit`.
+pub async fn eventually<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + limit;
+    while !check().await {
+        assert!(std::time::Instant::now() < deadline, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn init_tracing() {
+    if std::env::var_os("TEST_LOG").is_some() {
+        walletlock::telemetry::init(walletlock::config::LogFormat::Pretty);
+    }
+}
+
+/// The balance and the ledger of a wallet, read straight from the tables.
+pub struct Books {
+    pub balance: i64,
+    pub ledger_sum: i64,
+    pub pays: i64,
+    pub fence: i64,
+}
+
+pub async fn books(db: &PgPool, wallet: &str) -> Books {
+    let (balance, fence): (i64, i64) = sqlx::query_as("select balance, fence from wallet where id = $1")
+        .bind(wallet)
+        .fetch_one(db)
+        .await
+        .expect("wallet row");
+    let (ledger_sum, pays): (i64, i64) = sqlx::query_as(
+        "select coalesce(sum(case kind when 'pay' then -amount else amount end), 0)::int8,
+                count(*) filter (where kind = 'pay')
+         from ledger_entry where wallet_id = $1",
+    )
+    .bind(wallet)
+    .fetch_one(db)
+    .await
+    .expect("ledger");
+    Books { balance, ledger_sum, pays, fence }
+}
