@@ -125,3 +125,45 @@ wl_start_redis() {
   echo $! >"$dir/redis.pid"
   wl_wait_for "redis on :$port" 15 redis-cli -p "$port" ping
 }
+
+# wl_nginx_prepare DIR LISTEN PORT...: DIR gets a verbatim copy of the top-level nginx.conf and
+# the two files it includes: listen.conf (LISTEN, e.g. 127.0.0.1:8080) and upstream.conf (one
+# replica per PORT on 127.0.0.1).
+wl_nginx_prepare() {
+  local dir=$1 listen=$2; shift 2
+  local root; root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  mkdir -p "$dir"
+  cp "$root/nginx.conf" "$dir/nginx.conf"
+  printf 'listen %s;\n' "$listen" >"$dir/listen.conf"
+  {
+    echo "# Written by deploy/lib.sh (wl_nginx_prepare): the local replicas."
+    echo "upstream walletlock {"
+    local port
+    for port in "$@"; do
+      # One failed connection takes a replica out of rotation for 2 s (passive health check).
+      echo "    server 127.0.0.1:$port max_fails=1 fail_timeout=2s;"
+    done
+    echo "    keepalive 64;"
+    echo "    # Below the replicas' 30 s idle timeout: nginx, not the replica, closes idle connections,"
+    echo "    # so it never sends a request down a connection the replica is closing."
+    echo "    keepalive_timeout 5s;"
+    echo "}"
+  } >"$dir/upstream.conf"
+}
+
+# wl_nginx_command DIR: the command that runs nginx in the foreground from DIR (see
+# wl_nginx_prepare), logging errors to stderr.
+wl_nginx_command() {
+  local dir=$1 nginx; nginx=$(command -v nginx || echo /usr/sbin/nginx)
+  printf '%s\n' "$nginx" -p "$dir" -c "$dir/nginx.conf" -e stderr -g "daemon off; pid $dir/nginx.pid;"
+}
+
+# wl_start_nginx DIR: starts nginx from DIR in the background; its pid is DIR/nginx.pid.
+wl_start_nginx() {
+  local dir=$1 cmd
+  mapfile -t cmd < <(wl_nginx_command "$dir")
+  "${cmd[@]}" -t -q || wl_die "nginx rejected $dir/nginx.conf"
+  # nginx writes its own pid (the master's, which is $!) to DIR/nginx.pid and removes it on exit.
+  "${cmd[@]}" >>"$dir/access.log" 2>>"$dir/error.log" &
+  wl_wait_for "nginx" 10 test -s "$dir/nginx.pid"
+}

@@ -1,6 +1,8 @@
 //! The `walletlock` command line: one subcommand per job.
 
-use crate::config::{DatabaseArgs, LogFormat, RedisArgs};
+use crate::app::Application;
+use crate::config::{DatabaseArgs, LogFormat, RedisArgs, ServeArgs};
+use crate::http::server::shutdown_signal;
 use crate::demo::{self, Demo, Sandbox};
 use crate::ledger::schema;
 use clap::{Parser, Subcommand};
@@ -23,6 +25,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Serve the HTTP API (one replica). Stops on SIGTERM or SIGINT after draining.
+    Serve(ServeArgs),
     /// Apply the database migrations (safe to run from several replicas at once).
     Migrate {
         #[command(flatten)]
@@ -58,6 +62,10 @@ impl Cli {
 
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
+        Command::Serve(args) => {
+            Application::build(&args).await?.run_until_stopped(shutdown_signal()).await?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Migrate { database } => {
             schema::migrate(&database.pool()?).await?;
             tracing::info!("migrations applied");

@@ -14,7 +14,8 @@
 //! | `REDIS_TIMEOUT` | `500ms` | bound on any single Redis call |
 //! | `LEASE_TTL` | `2s` | a lease's life without a refresh; at least 1ms |
 //! | `LEASE_WAIT` | `3s` | how long a payment waits for its wallet's lease before 503 `lock_timeout` |
-//! | `SHUTDOWN_GRACE` | `10s` | how long shutdown waits for payments in flight |
+//! | `SHUTDOWN_GRACE` | `10s` | how long shutdown waits for open connections and payments in flight |
+//! | `REQUEST_TIMEOUT` | `8s` | bound on one request (503 past it); above `LEASE_WAIT`, below nginx's read timeout |
 //! | `LOG_FORMAT` | `pretty` | `pretty` or `json` |
 
 use crate::lease::{LeaseSettings, Ttl};
@@ -123,9 +124,13 @@ pub struct ServeArgs {
     /// This replica's name, sent as X-Served-By (default: <hostname>-<port>).
     #[arg(long, env = "REPLICA_NAME")]
     pub replica_name: Option<String>,
-    /// How long shutdown waits for payments in flight.
+    /// How long shutdown waits for open connections and payments in flight.
     #[arg(long, env = "SHUTDOWN_GRACE", default_value = "10s", value_parser = duration)]
     pub shutdown_grace: Duration,
+    /// Bound on one request, from arrival to response (503 request_timeout past it). Keep it
+    /// above LEASE_WAIT and below nginx's proxy_read_timeout.
+    #[arg(long, env = "REQUEST_TIMEOUT", default_value = "8s", value_parser = duration)]
+    pub request_timeout: Duration,
     #[command(flatten)]
     pub database: DatabaseArgs,
     #[command(flatten)]
@@ -135,12 +140,13 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
-    pub fn replica_name(&self) -> String {
+    /// The configured name, else `<hostname>-<port>` with the port actually bound.
+    pub fn replica_name(&self, port: u16) -> String {
         self.replica_name.clone().unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|name| name.trim().to_owned())
                 .unwrap_or_else(|_| "walletlock".to_owned());
-            format!("{host}-{}", self.listen.port())
+            format!("{host}-{port}")
         })
     }
 }

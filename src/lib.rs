@@ -15,11 +15,15 @@
 //!   under its wallet's lease with a fenced commit; it touches neither Redis commands nor SQL.
 //! - [`config`] declares every setting, as a flag and an environment variable; [`telemetry`] sets
 //!   up logging.
+//! - [`http`] is the API: routes, the problem format for errors, middleware, the accept loop and its
+//!   drain; handlers call [`wallet`] and never write SQL. [`app`] builds one replica from its settings.
 //! - [`cli`] holds the `walletlock` subcommands, and [`demo`] the tutorial's experiments.
 
+pub mod app;
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod http;
 pub mod lease;
 pub mod ledger;
 pub mod telemetry;

@@ -1,0 +1,56 @@
+//! One replica: build it from its settings, run it until a shutdown signal, drain.
+
+use crate::config::ServeArgs;
+use crate::http::{self, ApiContext, Draining};
+use crate::lease::LeaseClient;
+use crate::wallet::Wallets;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+pub struct Application {
+    listener: TcpListener,
+    ctx: ApiContext,
+    grace: Duration,
+}
+
+impl Application {
+    /// Binds the listener and sets up the pools. Connects to nothing yet: a replica starts (and
+    /// reports not ready) while Redis or Postgres is still down.
+    pub async fn build(args: &ServeArgs) -> anyhow::Result<Self> {
+        let leases = LeaseClient::new(
+            args.redis.pool()?,
+            args.redis.redis_key_prefix.clone(),
+            args.lease.settings(&args.redis),
+        );
+        let wallets = Wallets::new(args.database.pool()?, leases);
+        let listener = TcpListener::bind(args.listen)
+            .await
+            .map_err(|err| anyhow::anyhow!("cannot listen on {}: {err}", args.listen))?;
+        let port = listener.local_addr()?.port();
+        let ctx = ApiContext {
+            wallets,
+            replica: args.replica_name(port).into(),
+            draining: Draining::default(),
+            request_timeout: args.request_timeout,
+        };
+        Ok(Self { listener, ctx, grace: args.shutdown_grace })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.listener.local_addr().map(|addr| addr.port()).unwrap_or_default()
+    }
+
+    /// Serves until `shutdown` completes, then drains: connections close, movements whose
+    /// clients left finish (commit or roll back, release their lease), pools close.
+    pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let Self { listener, ctx, grace } = self;
+        tracing::info!(replica = %ctx.replica, addr = %listener.local_addr()?, "walletlock serving");
+        http::server::serve(listener, http::router(ctx.clone()), ctx.draining.clone(), shutdown, grace).await;
+        if !ctx.wallets.drain(grace).await {
+            tracing::warn!("payments still in flight after the grace period");
+        }
+        ctx.wallets.db().close().await;
+        tracing::info!(replica = %ctx.replica, "walletlock stopped");
+        Ok(())
+    }
+}

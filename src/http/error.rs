@@ -1,0 +1,225 @@
+//! Every error the API returns, as an RFC 9457 problem (`application/problem+json`).
+//!
+//! Each problem carries `type`, `title`, `status`, `detail` and a stable `code` that clients can
+//! match on. A 4xx explains what was wrong with the request; a 5xx says only what the caller can
+//! do (retry later) and logs the cause, so no internals reach the client.
+
+use crate::wallet::{InvalidInput, Refusal, WalletError};
+use axum::{
+    Json,
+    extract::rejection::{JsonRejection, PathRejection, QueryRejection},
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+use serde_json::{Map, Value, json};
+use std::time::Duration;
+
+/// Seconds a client should wait before retrying a 503.
+const RETRY_AFTER_SECONDS: u64 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// A field broke its rule (an amount of 0, an id with a slash).
+    #[error(transparent)]
+    InvalidInput(#[from] InvalidInput),
+    /// The request could not be read: malformed JSON, a wrong type, a missing field.
+    #[error("{detail}")]
+    BadRequest { code: &'static str, detail: String },
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    #[error("the request body is larger than {limit} bytes")]
+    PayloadTooLarge { limit: usize },
+    #[error("no route for this path")]
+    RouteNotFound,
+    #[error("this method is not allowed on this path")]
+    MethodNotAllowed,
+    #[error(transparent)]
+    Wallet(#[from] WalletError),
+    #[error("the request did not complete within {0:?}")]
+    Timeout(Duration),
+    #[error("the request handler panicked")]
+    Panic,
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge { limit: super::BODY_LIMIT },
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => {
+                ApiError::UnsupportedMediaType("send the body as JSON, with Content-Type: application/json".into())
+            }
+            _ => {
+                let code = match rejection {
+                    JsonRejection::JsonSyntaxError(_) => "malformed_json",
+                    _ => "invalid_body",
+                };
+                ApiError::BadRequest { code, detail: rejection.body_text() }
+            }
+        }
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(rejection: PathRejection) -> Self {
+        ApiError::BadRequest { code: "invalid_path", detail: rejection.body_text() }
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(rejection: QueryRejection) -> Self {
+        ApiError::BadRequest { code: "invalid_query", detail: rejection.body_text() }
+    }
+}
+
+/// The parts of one problem document.
+struct Problem {
+    status: StatusCode,
+    code: &'static str,
+    title: &'static str,
+    detail: String,
+    extra: Map<String, Value>,
+    retry_after: bool,
+}
+
+impl Problem {
+    fn new(status: StatusCode, code: &'static str, title: &'static str, detail: impl Into<String>) -> Self {
+        Self { status, code, title, detail: detail.into(), extra: Map::new(), retry_after: false }
+    }
+
+    fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
+        self.extra.insert(key.to_owned(), value.into());
+        self
+    }
+
+    fn retry_later(mut self) -> Self {
+        self.retry_after = true;
+        self
+    }
+}
+
+impl ApiError {
+    fn problem(&self) -> Problem {
+        use StatusCode as S;
+        match self {
+            ApiError::InvalidInput(invalid) => {
+                Problem::new(S::BAD_REQUEST, invalid_code(invalid.field), "Invalid input", invalid.to_string())
+                    .with("field", invalid.field)
+            }
+            ApiError::BadRequest { code, detail } => Problem::new(S::BAD_REQUEST, code, "Bad request", detail.clone()),
+            ApiError::UnsupportedMediaType(detail) => {
+                Problem::new(S::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", "Unsupported media type", detail.clone())
+            }
+            ApiError::PayloadTooLarge { .. } => {
+                Problem::new(S::PAYLOAD_TOO_LARGE, "payload_too_large", "Payload too large", self.to_string())
+            }
+            ApiError::RouteNotFound => Problem::new(S::NOT_FOUND, "not_found", "Not found", self.to_string()),
+            ApiError::MethodNotAllowed => {
+                Problem::new(S::METHOD_NOT_ALLOWED, "method_not_allowed", "Method not allowed", self.to_string())
+            }
+            ApiError::Wallet(err) => wallet_problem(err),
+            ApiError::Timeout(_) => Problem::new(
+                S::SERVICE_UNAVAILABLE,
+                "request_timeout",
+                "Request timed out",
+                "the request did not complete in time; it is safe to retry with the same Idempotency-Key",
+            )
+            .retry_later(),
+            ApiError::Panic => internal(),
+        }
+    }
+}
+
+fn invalid_code(field: &str) -> &'static str {
+    match field {
+        "id" => "invalid_wallet_id",
+        "amount" => "invalid_amount",
+        "balance" => "invalid_balance",
+        "reference" => "invalid_reference",
+        "limit" => "invalid_limit",
+        "before" => "invalid_cursor",
+        "Idempotency-Key" => "invalid_idempotency_key",
+        _ => "invalid_input",
+    }
+}
+
+fn internal() -> Problem {
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal_error",
+        "Internal error",
+        "the server failed to handle the request; it has been logged",
+    )
+}
+
+fn wallet_problem(err: &WalletError) -> Problem {
+    use StatusCode as S;
+    match err {
+        WalletError::NotFound => Problem::new(S::NOT_FOUND, "wallet_not_found", "Wallet not found", "no wallet has this id"),
+        WalletError::Exists => {
+            Problem::new(S::CONFLICT, "wallet_exists", "Wallet exists", "a wallet with this id already exists")
+        }
+        WalletError::Refused(Refusal::InsufficientFunds { balance }) => Problem::new(
+            S::UNPROCESSABLE_ENTITY,
+            "insufficient_funds",
+            "Insufficient funds",
+            format!("the balance of {balance} does not cover this payment"),
+        )
+        .with("balance", *balance),
+        WalletError::Refused(Refusal::BalanceOverflow { balance }) => Problem::new(
+            S::UNPROCESSABLE_ENTITY,
+            "balance_overflow",
+            "Balance overflow",
+            format!("the balance of {balance} cannot hold this deposit"),
+        )
+        .with("balance", *balance),
+        WalletError::LockTimeout { .. } => Problem::new(
+            S::SERVICE_UNAVAILABLE,
+            "lock_timeout",
+            "Wallet busy",
+            "other payments held this wallet for the whole wait; nothing was applied, retry later",
+        )
+        .retry_later(),
+        WalletError::LeaseLost => Problem::new(
+            S::CONFLICT,
+            "lease_lost",
+            "Lease lost",
+            "this replica lost the wallet's lease before committing; nothing was applied, it is safe to retry",
+        ),
+        WalletError::Unavailable { .. } => Problem::new(
+            S::SERVICE_UNAVAILABLE,
+            "dependency_unavailable",
+            "Service unavailable",
+            "a backing service did not answer in time; nothing was applied, retry later",
+        )
+        .retry_later(),
+        WalletError::Internal(_) => internal(),
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let problem = self.problem();
+        if problem.status.is_server_error() {
+            // The cause goes to the log, with its whole source chain; the client gets the code.
+            tracing::error!(code = problem.code, error = ?anyhow::Error::from(self), "request failed");
+        }
+        tracing::Span::current().record("outcome", problem.code);
+        let mut body = json!({
+            "type": format!("urn:walletlock:problem:{}", problem.code),
+            "title": problem.title,
+            "status": problem.status.as_u16(),
+            "detail": problem.detail,
+            "code": problem.code,
+        });
+        if let Value::Object(fields) = &mut body {
+            fields.extend(problem.extra);
+        }
+        let mut response = (problem.status, Json(body)).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if problem.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
+        }
+        response
+    }
+}

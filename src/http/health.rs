@@ -1,0 +1,41 @@
+//! Liveness and readiness.
+
+use super::ApiContext;
+use axum::{Json, Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
+use serde_json::json;
+use std::time::Duration;
+
+/// How long each dependency may take to answer a readiness probe.
+const PROBE_LIMIT: Duration = Duration::from_millis(800);
+
+pub fn router() -> Router<ApiContext> {
+    Router::new().route("/healthz", get(healthz)).route("/readyz", get(readyz))
+}
+
+/// The process is alive and serving HTTP. Says nothing about Redis or Postgres, so an orchestrator
+/// does not restart a healthy replica because a dependency is down.
+async fn healthz(State(ctx): State<ApiContext>) -> impl IntoResponse {
+    Json(json!({ "status": "ok", "replica": &*ctx.replica }))
+}
+
+/// Ready to take payments: Redis and Postgres both answer within a short bound, and the replica
+/// is not shutting down. A 503 tells a load balancer or orchestrator to send traffic elsewhere.
+async fn readyz(State(ctx): State<ApiContext>) -> impl IntoResponse {
+    let (redis, postgres) = tokio::join!(
+        tokio::time::timeout(PROBE_LIMIT, ctx.wallets.leases().ping()),
+        tokio::time::timeout(PROBE_LIMIT, sqlx::query("select 1").execute(ctx.wallets.db())),
+    );
+    let redis_ok = matches!(redis, Ok(Ok(())));
+    let postgres_ok = matches!(postgres, Ok(Ok(_)));
+    let draining = ctx.draining.is_draining();
+    let ready = redis_ok && postgres_ok && !draining;
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let word = |ok: bool| if ok { "ok" } else { "unavailable" };
+    let body = json!({
+        "status": if ready { "ready" } else if draining { "draining" } else { "unavailable" },
+        "replica": &*ctx.replica,
+        "redis": word(redis_ok),
+        "postgres": word(postgres_ok),
+    });
+    (status, Json(body))
+}

@@ -1,0 +1,104 @@
+//! The HTTP API: routes, the problem format for errors, and the middleware every request goes
+//! through (request id, replica name, tracing, body limit, timeout, panic handling, drain).
+
+mod error;
+mod extract;
+mod health;
+pub mod server;
+mod wallets;
+
+pub use error::ApiError;
+pub use server::Draining;
+
+use crate::wallet::Wallets;
+use axum::{
+    Router,
+    extract::{MatchedPath, Request, State},
+    http::{HeaderName, HeaderValue, header},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+};
+use std::{sync::Arc, time::Duration};
+use tower::ServiceBuilder;
+use tower_http::{
+    catch_panic::CatchPanicLayer,
+    request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer},
+    trace::{DefaultOnRequest, DefaultOnResponse, TraceLayer},
+};
+use tracing::Level;
+
+/// The largest request body accepted, in bytes.
+pub const BODY_LIMIT: usize = 16 * 1024;
+
+static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+static X_SERVED_BY: HeaderName = HeaderName::from_static("x-served-by");
+
+/// What every handler can reach. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct ApiContext {
+    pub wallets: Wallets,
+    /// This replica's name, sent as `X-Served-By` on every response.
+    pub replica: Arc<str>,
+    /// Set once shutdown begins: readiness fails and responses close their connection.
+    pub draining: Draining,
+    /// Bound on one request from arrival to response.
+    pub request_timeout: Duration,
+}
+
+/// The whole API with its middleware.
+pub fn router(ctx: ApiContext) -> Router {
+    let served_by = HeaderValue::from_str(&ctx.replica).unwrap_or(HeaderValue::from_static("walletlock"));
+    Router::new()
+        .merge(health::router())
+        .merge(wallets::router())
+        .fallback(|| async { ApiError::RouteNotFound })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(middleware::from_fn_with_state(ctx.clone(), bounded_and_draining))
+        .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(
+            ServiceBuilder::new()
+                .layer(SetRequestIdLayer::new(X_REQUEST_ID.clone(), MakeRequestUuid))
+                .layer(TraceLayer::new_for_http().make_span_with(move |request: &Request| {
+                    let route = request.extensions().get::<MatchedPath>().map(MatchedPath::as_str);
+                    let request_id = request.headers().get(&X_REQUEST_ID).and_then(|v| v.to_str().ok());
+                    tracing::info_span!(
+                        "request",
+                        request_id,
+                        method = %request.method(),
+                        route = route.unwrap_or(request.uri().path()),
+                        wallet_id = tracing::field::Empty,
+                        fence = tracing::field::Empty,
+                        outcome = tracing::field::Empty,
+                    )
+                })
+                .on_request(DefaultOnRequest::new().level(Level::DEBUG))
+                .on_response(DefaultOnResponse::new().level(Level::INFO)))
+                .layer(PropagateRequestIdLayer::new(X_REQUEST_ID.clone()))
+                .layer(middleware::from_fn(move |request: Request, next: Next| {
+                    let served_by = served_by.clone();
+                    async move {
+                        let mut response = next.run(request).await;
+                        response.headers_mut().insert(X_SERVED_BY.clone(), served_by);
+                        response
+                    }
+                }))
+                .layer(CatchPanicLayer::custom(|_panic| ApiError::Panic.into_response())),
+        )
+        .with_state(ctx)
+}
+
+/// Bounds each request in time, and during shutdown asks the client (nginx) to close the
+/// connection after this response, so it opens its next one to a replica that is staying.
+async fn bounded_and_draining(State(ctx): State<ApiContext>, request: Request, next: Next) -> Response {
+    let mut response = match tokio::time::timeout(ctx.request_timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => ApiError::Timeout(ctx.request_timeout).into_response(),
+    };
+    if response.status().is_success() {
+        tracing::Span::current().record("outcome", "ok");
+    }
+    if ctx.draining.is_draining() {
+        response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}

@@ -1,0 +1,114 @@
+//! The accept loop, and a shutdown that drops no request behind nginx.
+//!
+//! On the shutdown signal the replica (1) starts draining: readiness fails and every response
+//! carries `Connection: close`, so nginx opens its next connection elsewhere; (2) closes its
+//! listener, so a new connection is refused, which nginx safely retries on another replica even for
+//! a POST (nothing was sent); (3) serves the connections it has until each closes. Idle keep-alive
+//! connections are left for nginx to close (its upstream `keepalive_timeout` is shorter than the
+//! grace), never closed from this side: closing one races with nginx sending a request on it, and
+//! nginx does not resend a POST that may have reached a replica, so the client would get a 502.
+//! Connections still open when the grace runs out are cut.
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use std::sync::{
+    Arc,
+    atomic::{AtomicBool, Ordering},
+};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+/// How long an idle keep-alive connection is kept open. Longer than nginx's upstream
+/// `keepalive_timeout` (see nginx.conf), so nginx, not the replica, closes idle connections and
+/// never sends a request down one the replica is closing.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Whether this replica is shutting down. Clones share the flag.
+#[derive(Debug, Clone, Default)]
+pub struct Draining(Arc<AtomicBool>);
+
+impl Draining {
+    pub fn start(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Serves `router` on `listener` until `shutdown` completes, then drains as the module doc says,
+/// waiting at most `grace` for open connections.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    draining: Draining,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+) {
+    let connections = TaskTracker::new();
+    let cut = CancellationToken::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => stream,
+                Err(err) => {
+                    // Out of file descriptors, say: back off instead of spinning.
+                    tracing::warn!(error = %err, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(router.clone());
+        let cut = cut.clone();
+        connections.spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder.timer(TokioTimer::new()).header_read_timeout(IDLE_TIMEOUT);
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::select! {
+                result = connection => if let Err(err) = result {
+                    tracing::debug!(error = %err, "connection ended with an error");
+                },
+                () = cut.cancelled() => {}
+            }
+        });
+    }
+
+    tracing::info!("shutting down: draining connections");
+    draining.start();
+    drop(listener);
+    connections.close();
+    if tokio::time::timeout(grace, connections.wait()).await.is_err() {
+        tracing::warn!(?grace, "connections still open after the grace period; closing them");
+        cut.cancel();
+        connections.wait().await;
+    }
+}
+
+/// Completes on SIGTERM or SIGINT (Ctrl-C).
+pub async fn shutdown_signal() {
+    let interrupt = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+}
