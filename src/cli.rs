@@ -2,8 +2,8 @@
 
 use crate::app::Application;
 use crate::config::{DatabaseArgs, LogFormat, RedisArgs, ServeArgs};
-use crate::http::server::shutdown_signal;
 use crate::demo::{self, Demo, Sandbox};
+use crate::http::server::shutdown_signal;
 use crate::ledger::schema;
 use clap::{Parser, Subcommand};
 use secrecy::ExposeSecret;
@@ -32,6 +32,8 @@ pub enum Command {
         #[command(flatten)]
         database: DatabaseArgs,
     },
+    /// GET a URL and exit 0 on a 2xx answer, 1 otherwise: the container health check.
+    Probe(ProbeArgs),
     /// Run one of the tutorial's experiments against real Redis and Postgres, in a throwaway
     /// schema, and print its verdict.
     Demo {
@@ -42,6 +44,17 @@ pub enum Command {
         #[command(flatten)]
         redis: RedisArgs,
     },
+}
+
+/// `walletlock probe`: a health check for container runtimes that have no curl.
+#[derive(Debug, clap::Args)]
+pub struct ProbeArgs {
+    /// The URL to GET; the probe succeeds on a 2xx answer.
+    #[arg(default_value = "http://127.0.0.1:8080/readyz", env = "PROBE_URL")]
+    pub url: String,
+    /// How long to wait for the answer.
+    #[arg(long, default_value = "2s", value_parser = crate::config::duration)]
+    pub timeout: std::time::Duration,
 }
 
 impl Cli {
@@ -71,6 +84,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             tracing::info!("migrations applied");
             Ok(ExitCode::SUCCESS)
         }
+        Command::Probe(probe) => Ok(match crate::http::probe(&probe.url, probe.timeout).await {
+            Ok(status) if (200..300).contains(&status) => ExitCode::SUCCESS,
+            Ok(status) => {
+                eprintln!("{}: HTTP {status}", probe.url);
+                ExitCode::FAILURE
+            }
+            Err(err) => {
+                eprintln!("{}: {err}", probe.url);
+                ExitCode::FAILURE
+            }
+        }),
         Command::Demo { name, database, redis } => {
             let sandbox = Sandbox::create(database.database_url.expose_secret(), redis.pool()?).await?;
             let outcome = demo::run(name, &sandbox).await;

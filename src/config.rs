@@ -24,7 +24,7 @@ use secrecy::{ExposeSecret, SecretString};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use std::{net::SocketAddr, str::FromStr, time::Duration};
 
-fn duration(text: &str) -> Result<Duration, String> {
+pub(crate) fn duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|err| err.to_string())
 }
 

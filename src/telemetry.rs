@@ -8,7 +8,8 @@ use crate::config::LogFormat;
 use tracing_subscriber::{EnvFilter, fmt};
 
 pub fn init(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx::postgres::notice=warn"));
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,sqlx::postgres::notice=warn"));
     let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
     // A second initialisation (tests that start several servers in one process) keeps the first.
     let _ = match format {

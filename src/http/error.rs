@@ -45,9 +45,9 @@ impl From<JsonRejection> for ApiError {
     fn from(rejection: JsonRejection) -> Self {
         match rejection.status() {
             StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge { limit: super::BODY_LIMIT },
-            StatusCode::UNSUPPORTED_MEDIA_TYPE => {
-                ApiError::UnsupportedMediaType("send the body as JSON, with Content-Type: application/json".into())
-            }
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => ApiError::UnsupportedMediaType(
+                "send the body as JSON, with Content-Type: application/json".into(),
+            ),
             _ => {
                 let code = match rejection {
                     JsonRejection::JsonSyntaxError(_) => "malformed_json",
@@ -101,21 +101,32 @@ impl ApiError {
     fn problem(&self) -> Problem {
         use StatusCode as S;
         match self {
-            ApiError::InvalidInput(invalid) => {
-                Problem::new(S::BAD_REQUEST, invalid_code(invalid.field), "Invalid input", invalid.to_string())
-                    .with("field", invalid.field)
+            ApiError::InvalidInput(invalid) => Problem::new(
+                S::BAD_REQUEST,
+                invalid_code(invalid.field),
+                "Invalid input",
+                invalid.to_string(),
+            )
+            .with("field", invalid.field),
+            ApiError::BadRequest { code, detail } => {
+                Problem::new(S::BAD_REQUEST, code, "Bad request", detail.clone())
             }
-            ApiError::BadRequest { code, detail } => Problem::new(S::BAD_REQUEST, code, "Bad request", detail.clone()),
-            ApiError::UnsupportedMediaType(detail) => {
-                Problem::new(S::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", "Unsupported media type", detail.clone())
-            }
+            ApiError::UnsupportedMediaType(detail) => Problem::new(
+                S::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "Unsupported media type",
+                detail.clone(),
+            ),
             ApiError::PayloadTooLarge { .. } => {
                 Problem::new(S::PAYLOAD_TOO_LARGE, "payload_too_large", "Payload too large", self.to_string())
             }
             ApiError::RouteNotFound => Problem::new(S::NOT_FOUND, "not_found", "Not found", self.to_string()),
-            ApiError::MethodNotAllowed => {
-                Problem::new(S::METHOD_NOT_ALLOWED, "method_not_allowed", "Method not allowed", self.to_string())
-            }
+            ApiError::MethodNotAllowed => Problem::new(
+                S::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "Method not allowed",
+                self.to_string(),
+            ),
             ApiError::Wallet(err) => wallet_problem(err),
             ApiError::Timeout(_) => Problem::new(
                 S::SERVICE_UNAVAILABLE,
@@ -154,10 +165,15 @@ fn internal() -> Problem {
 fn wallet_problem(err: &WalletError) -> Problem {
     use StatusCode as S;
     match err {
-        WalletError::NotFound => Problem::new(S::NOT_FOUND, "wallet_not_found", "Wallet not found", "no wallet has this id"),
-        WalletError::Exists => {
-            Problem::new(S::CONFLICT, "wallet_exists", "Wallet exists", "a wallet with this id already exists")
+        WalletError::NotFound => {
+            Problem::new(S::NOT_FOUND, "wallet_not_found", "Wallet not found", "no wallet has this id")
         }
+        WalletError::Exists => Problem::new(
+            S::CONFLICT,
+            "wallet_exists",
+            "Wallet exists",
+            "a wallet with this id already exists",
+        ),
         WalletError::Refused(Refusal::InsufficientFunds { balance }) => Problem::new(
             S::UNPROCESSABLE_ENTITY,
             "insufficient_funds",

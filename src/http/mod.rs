@@ -4,10 +4,12 @@
 mod error;
 mod extract;
 mod health;
+mod probe;
 pub mod server;
 mod wallets;
 
 pub use error::ApiError;
+pub use probe::probe;
 pub use server::Draining;
 
 use crate::wallet::Wallets;
@@ -58,21 +60,25 @@ pub fn router(ctx: ApiContext) -> Router {
         .layer(
             ServiceBuilder::new()
                 .layer(SetRequestIdLayer::new(X_REQUEST_ID.clone(), MakeRequestUuid))
-                .layer(TraceLayer::new_for_http().make_span_with(move |request: &Request| {
-                    let route = request.extensions().get::<MatchedPath>().map(MatchedPath::as_str);
-                    let request_id = request.headers().get(&X_REQUEST_ID).and_then(|v| v.to_str().ok());
-                    tracing::info_span!(
-                        "request",
-                        request_id,
-                        method = %request.method(),
-                        route = route.unwrap_or(request.uri().path()),
-                        wallet_id = tracing::field::Empty,
-                        fence = tracing::field::Empty,
-                        outcome = tracing::field::Empty,
-                    )
-                })
-                .on_request(DefaultOnRequest::new().level(Level::DEBUG))
-                .on_response(DefaultOnResponse::new().level(Level::INFO)))
+                .layer(
+                    TraceLayer::new_for_http()
+                        .make_span_with(move |request: &Request| {
+                            let route = request.extensions().get::<MatchedPath>().map(MatchedPath::as_str);
+                            let request_id =
+                                request.headers().get(&X_REQUEST_ID).and_then(|v| v.to_str().ok());
+                            tracing::info_span!(
+                                "request",
+                                request_id,
+                                method = %request.method(),
+                                route = route.unwrap_or(request.uri().path()),
+                                wallet_id = tracing::field::Empty,
+                                fence = tracing::field::Empty,
+                                outcome = tracing::field::Empty,
+                            )
+                        })
+                        .on_request(DefaultOnRequest::new().level(Level::DEBUG))
+                        .on_response(DefaultOnResponse::new().level(Level::INFO)),
+                )
                 .layer(PropagateRequestIdLayer::new(X_REQUEST_ID.clone()))
                 .layer(middleware::from_fn(move |request: Request, next: Next| {
                     let served_by = served_by.clone();

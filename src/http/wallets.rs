@@ -45,7 +45,10 @@ async fn open_wallet(
     Ok((StatusCode::CREATED, [(header::LOCATION, location)], Json(wallet)))
 }
 
-async fn get_wallet(State(ctx): State<ApiContext>, WalletPath(id): WalletPath) -> Result<Json<Wallet>, ApiError> {
+async fn get_wallet(
+    State(ctx): State<ApiContext>,
+    WalletPath(id): WalletPath,
+) -> Result<Json<Wallet>, ApiError> {
     Ok(Json(ctx.wallets.get(&id).await?))
 }
 
@@ -76,7 +79,8 @@ async fn pay(
     WalletPath(id): WalletPath,
     JsonBody(body): JsonBody<Pay>,
 ) -> Result<Json<Entry>, ApiError> {
-    let movement = Movement::Pay { amount: Amount::new(body.amount)?, reference: domain::reference(body.reference)? };
+    let movement =
+        Movement::Pay { amount: Amount::new(body.amount)?, reference: domain::reference(body.reference)? };
     Ok(Json(ctx.wallets.apply(&id, movement).await?))
 }
 
@@ -122,6 +126,7 @@ async fn transactions(
     let transactions = ctx.wallets.history(&id, before, limit).await?;
     // Versions are contiguous from 1, so there is an older page exactly when the oldest entry on
     // this one is not the wallet's first.
-    let next_cursor = transactions.last().filter(|oldest| oldest.version > 1).map(|oldest| oldest.version.to_string());
+    let next_cursor =
+        transactions.last().filter(|oldest| oldest.version > 1).map(|oldest| oldest.version.to_string());
     Ok(Json(Page { transactions, next_cursor }))
 }
