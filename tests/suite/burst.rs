@@ -4,7 +4,7 @@ use crate::support::{TestEnv, books, eventually};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Barrier;
-use walletlock::demo::{Spent, hammer, unguarded_spend};
+use walletlock::demo::{hammer, unguarded_spend};
 use walletlock::ledger;
 use walletlock::wallet::{Amount, Movement, Refusal, WalletError, WalletId, Wallets};
 
@@ -94,6 +94,7 @@ async fn a_dropped_caller_leaves_no_lease_behind_and_no_half_applied_spend() {
         let spend = wallets.apply(&id, pay(1));
         let _ = tokio::time::timeout(Duration::from_micros(cutoff_us), spend).await;
     }
+    assert!(wallets.drain(Duration::from_secs(5)).await, "every abandoned spend finished");
     eventually("no lease left behind", Duration::from_secs(3), || async {
         env.redis_cmd::<i64>(&["EXISTS", &env.lease_key(&walletlock::wallet::lease_name(&id))]).await == 0
     })
@@ -123,5 +124,4 @@ async fn a_spend_whose_caller_left_still_runs_to_its_end() {
     .await;
     assert!(wallets.drain(Duration::from_secs(1)).await, "nothing left in flight");
     assert_eq!(books(&db, id.as_str()).await.balance, 90);
-    let _ = Spent::Accepted;
 }

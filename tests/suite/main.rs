@@ -4,8 +4,10 @@
 
 mod support;
 
+mod api;
 mod burst;
 mod demos;
 mod fence;
+mod fleet;
 mod lease;
 mod redis_loss;

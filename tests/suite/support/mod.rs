@@ -6,6 +6,8 @@
 //! test starts private servers, which is slower but needs nothing else. Tests that restart or flush
 //! a server always start their own.
 
+pub mod app;
+pub mod fleet;
 pub mod servers;
 
 use servers::{PostgresServer, RedisServer};
@@ -152,19 +154,18 @@ pub struct Books {
 }
 
 pub async fn books(db: &PgPool, wallet: &str) -> Books {
-    let (balance, fence): (i64, i64) = sqlx::query_as("select balance, fence from wallet where id = $1")
-        .bind(wallet)
-        .fetch_one(db)
-        .await
-        .expect("wallet row");
-    let (ledger_sum, pays): (i64, i64) = sqlx::query_as(
-        "select coalesce(sum(case kind when 'pay' then -amount else amount end), 0)::int8,
-                count(*) filter (where kind = 'pay')
-         from ledger_entry where wallet_id = $1",
+    // One statement, so balance and ledger are read from the same snapshot.
+    let (balance, fence, ledger_sum, pays): (i64, i64, i64, i64) = sqlx::query_as(
+        "select w.balance, w.fence,
+                coalesce(sum(case e.kind when 'pay' then -e.amount else e.amount end), 0)::int8,
+                count(e.id) filter (where e.kind = 'pay')
+         from wallet w left join ledger_entry e on e.wallet_id = w.id
+         where w.id = $1
+         group by w.id",
     )
     .bind(wallet)
     .fetch_one(db)
     .await
-    .expect("ledger");
+    .expect("wallet row");
     Books { balance, ledger_sum, pays, fence }
 }

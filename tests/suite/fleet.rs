@@ -1,0 +1,121 @@
+//! The fleet: the real binary as three replica processes behind the real nginx.
+
+use crate::support::fleet::{Fleet, repo};
+use crate::support::{TestEnv, books};
+use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_pays_through_nginx_to_three_replicas_accept_exactly_ten() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 3, &[]).await;
+    let created = fleet
+        .client
+        .post(fleet.url("/wallets"))
+        .json(&json!({ "id": "burst", "balance": 100 }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 201);
+
+    let pays: Vec<_> = (0..50)
+        .map(|_| {
+            let request = fleet.client.post(fleet.url("/wallets/burst/pay")).json(&json!({ "amount": 10 }));
+            tokio::spawn(async move {
+                let response = request.send().await.unwrap();
+                let served_by = response.headers()["x-served-by"].to_str().unwrap().to_owned();
+                (response.status().as_u16(), served_by)
+            })
+        })
+        .collect();
+    let mut statuses = BTreeMap::new();
+    let mut replicas = BTreeSet::new();
+    for pay in pays {
+        let (status, served_by) = pay.await.unwrap();
+        *statuses.entry(status).or_insert(0) += 1;
+        replicas.insert(served_by);
+    }
+
+    assert_eq!(statuses, BTreeMap::from([(200, 10), (422, 40)]), "exactly ten accepted");
+    assert_eq!(replicas, BTreeSet::from(["replica-1".into(), "replica-2".into(), "replica-3".into()]));
+    let wallet: serde_json::Value =
+        fleet.client.get(fleet.url("/wallets/burst")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(wallet["balance"], 0);
+    let books = books(&fleet.db, "burst").await;
+    assert_eq!((books.balance, books.ledger_sum, books.pays), (0, 0, 10));
+}
+
+#[tokio::test]
+async fn replicas_that_migrate_at_once_apply_each_migration_once() {
+    let env = TestEnv::new();
+    let admin = sqlx::PgPool::connect(&env.database_url).await.unwrap();
+    let schema = format!("bare_{}", uuid::Uuid::new_v4().simple());
+    sqlx::query(sqlx::AssertSqlSafe(format!(r#"create schema "{schema}""#))).execute(&admin).await.unwrap();
+    let url = format!("{}?options[search_path]={schema}", env.database_url);
+
+    let migrators: Vec<_> = (0..3)
+        .map(|_| {
+            Command::new(env!("CARGO_BIN_EXE_walletlock"))
+                .arg("migrate")
+                .env("DATABASE_URL", &url)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut migrator in migrators {
+        assert!(migrator.wait().unwrap().success());
+    }
+    let applied: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        r#"select count(*) from "{schema}"._sqlx_migrations"#
+    )))
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    let files = std::fs::read_dir(repo().join("migrations")).unwrap().count() as i64;
+    assert_eq!(applied, files);
+}
+
+#[test]
+fn an_invalid_setting_stops_the_replica_with_one_line_naming_it() {
+    let out = Command::new(env!("CARGO_BIN_EXE_walletlock"))
+        .args(["serve", "--lease-ttl", "0ms", "--database-url", "postgres://localhost/x"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("--lease-ttl") && stderr.contains("at least 1ms"), "{stderr}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_walletlock"))
+        .args(["serve"])
+        .env("LEASE_WAIT", "soon")
+        .env("DATABASE_URL", "x")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--lease-wait"));
+}
+
+#[test]
+fn help_lists_every_setting_with_its_environment_variable_and_default() {
+    let out = Command::new(env!("CARGO_BIN_EXE_walletlock")).args(["serve", "--help"]).output().unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    for var in [
+        "LISTEN_ADDR",
+        "DATABASE_URL",
+        "REDIS_URL",
+        "LEASE_TTL",
+        "LEASE_WAIT",
+        "REPLICA_NAME",
+        "PG_POOL_SIZE",
+        "REDIS_POOL_SIZE",
+        "LOG_FORMAT",
+        "SHUTDOWN_GRACE",
+        "REQUEST_TIMEOUT",
+    ] {
+        assert!(help.contains(&format!("env: {var}")), "{var} missing from --help");
+    }
+    assert!(help.contains("[default: 2s]") && help.contains("[default: 3s]"));
+}

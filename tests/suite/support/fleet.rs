@@ -1,0 +1,149 @@
+//! The fleet: the real `walletlock` binary as several replica processes behind a real nginx
+//! running the top-level nginx.conf, all stopped by pid when the fleet is dropped.
+
+use super::TestEnv;
+use super::servers::{OwnedChild, free_port, listening, wait_until};
+use nix::sys::signal::Signal;
+use sqlx::PgPool;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use tempfile::TempDir;
+use walletlock::ledger::schema::ScratchSchema;
+
+pub fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Runs a function of deploy/lib.sh, so tests and deploy/local share one way of doing it.
+pub fn lib_sh(script: &str) -> String {
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg(format!("set -euo pipefail; source deploy/lib.sh; {script}"))
+        .current_dir(repo())
+        .output()
+        .expect("bash");
+    assert!(out.status.success(), "{script}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+pub struct Replica {
+    pub name: String,
+    pub port: u16,
+    process: Option<OwnedChild>,
+    log: PathBuf,
+    env: Vec<(String, String)>,
+}
+
+impl Replica {
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_walletlock"))
+            .arg("serve")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("walletlock serve");
+        self.process = Some(OwnedChild(child));
+    }
+
+    /// Waits until the replica answers /readyz.
+    pub fn wait_ready(&self) {
+        let url = format!("http://127.0.0.1:{}/readyz", self.port);
+        wait_until(&format!("{} ready", self.name), Duration::from_secs(20), || {
+            std::process::Command::new("curl")
+                .args(["-fsS", "-o", "/dev/null", "--max-time", "1", &url])
+                .status()
+                .is_ok_and(|s| s.success())
+        });
+    }
+
+    /// Stops the replica with `signal` (SIGKILL: a crash; SIGTERM: a graceful stop).
+    pub fn stop(&mut self, signal: Signal) {
+        if let Some(mut process) = self.process.take() {
+            process.stop(signal, Duration::from_secs(15));
+        }
+    }
+}
+
+pub struct Fleet {
+    pub replicas: Vec<Replica>,
+    pub nginx_port: u16,
+    pub db: PgPool,
+    pub client: reqwest::Client,
+    nginx: Option<OwnedChild>,
+    /// Replica logs and nginx's files; removed with the fleet.
+    _dir: TempDir,
+    _schema: ScratchSchema,
+}
+
+impl Fleet {
+    /// `count` replicas on one fresh schema, and nginx in front of them.
+    pub async fn start(env: &TestEnv, count: usize, settings: &[(&str, &str)]) -> Fleet {
+        let (schema, db) = env.database(4).await;
+        let dir = TempDir::new().expect("temp dir");
+        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .expect("chmod");
+        let mut replicas = Vec::new();
+        for n in 1..=count {
+            let port = free_port();
+            let mut vars: Vec<(String, String)> = vec![
+                ("DATABASE_URL".into(), schema.url.clone()),
+                ("REDIS_URL".into(), env.redis_url.clone()),
+                ("REDIS_KEY_PREFIX".into(), env.prefix.clone()),
+                ("LISTEN_ADDR".into(), format!("127.0.0.1:{port}")),
+                ("REPLICA_NAME".into(), format!("replica-{n}")),
+                ("LOG_FORMAT".into(), "json".into()),
+                ("RUST_LOG".into(), "info".into()),
+            ];
+            vars.extend(settings.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+            let log = dir.path().join(format!("replica-{n}.log"));
+            let mut replica = Replica { name: format!("replica-{n}"), port, process: None, log, env: vars };
+            replica.spawn();
+            replicas.push(replica);
+        }
+        for replica in &replicas {
+            replica.wait_ready();
+        }
+
+        let nginx_port = free_port();
+        let nginx_dir = dir.path().join("nginx");
+        let ports: Vec<String> = replicas.iter().map(|r| r.port.to_string()).collect();
+        lib_sh(&format!(
+            "wl_nginx_prepare {} 127.0.0.1:{nginx_port} {}",
+            nginx_dir.display(),
+            ports.join(" ")
+        ));
+        let command: Vec<String> =
+            lib_sh(&format!("wl_nginx_command {}", nginx_dir.display())).lines().map(str::to_owned).collect();
+        let nginx_log = std::fs::File::create(dir.path().join("nginx.log")).expect("nginx log");
+        let nginx = Command::new(&command[0])
+            .args(&command[1..])
+            .stdout(nginx_log.try_clone().expect("log"))
+            .stderr(nginx_log)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("nginx");
+        wait_until("nginx", Duration::from_secs(10), || listening(nginx_port));
+
+        let client = reqwest::Client::builder().pool_max_idle_per_host(64).build().expect("client");
+        Fleet { replicas, nginx_port, db, client, nginx: Some(OwnedChild(nginx)), _dir: dir, _schema: schema }
+    }
+
+    /// A URL through nginx.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.nginx_port)
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        if let Some(mut nginx) = self.nginx.take() {
+            nginx.stop(Signal::SIGQUIT, Duration::from_secs(5));
+        }
+        for replica in &mut self.replicas {
+            replica.stop(Signal::SIGTERM);
+        }
+    }
+}
