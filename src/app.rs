@@ -6,6 +6,25 @@ use crate::lease::LeaseClient;
 use crate::wallet::Wallets;
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// How often each replica deletes idempotency keys past their retention. Replicas may purge at
+/// the same time: each skips the rows another is deleting.
+const PURGE_EVERY: Duration = Duration::from_secs(60);
+
+async fn purge_expired_keys(db: sqlx::PgPool, stop: CancellationToken) {
+    loop {
+        match crate::idempotency::purge_expired(&db).await {
+            Ok(0) => {}
+            Ok(purged) => tracing::info!(purged, "purged expired idempotency keys"),
+            Err(err) => tracing::warn!(error = %err, "could not purge expired idempotency keys"),
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(PURGE_EVERY) => {}
+        }
+    }
+}
 
 pub struct Application {
     listener: TcpListener,
@@ -32,6 +51,7 @@ impl Application {
             replica: args.replica_name(port).into(),
             draining: Draining::default(),
             request_timeout: args.request_timeout,
+            keys: args.key_settings(),
         };
         Ok(Self { listener, ctx, grace: args.shutdown_grace })
     }
@@ -45,7 +65,11 @@ impl Application {
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
         let Self { listener, ctx, grace } = self;
         tracing::info!(replica = %ctx.replica, addr = %listener.local_addr()?, "walletlock serving");
+        let stop_purging = CancellationToken::new();
+        let purger = tokio::spawn(purge_expired_keys(ctx.wallets.db().clone(), stop_purging.clone()));
         http::server::serve(listener, http::router(ctx.clone()), ctx.draining.clone(), shutdown, grace).await;
+        stop_purging.cancel();
+        let _ = purger.await;
         if !ctx.wallets.drain(grace).await {
             tracing::warn!("payments still in flight after the grace period");
         }

@@ -32,6 +32,13 @@ pub enum Command {
         #[command(flatten)]
         database: DatabaseArgs,
     },
+    /// Check the books: every balance equals its ledger, nothing negative, versions and fences
+    /// only grow, every stored idempotent success has exactly one ledger entry. Prints one line
+    /// per problem and exits 1 if there is any.
+    Audit {
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
     /// GET a URL and exit 0 on a 2xx answer, 1 otherwise: the container health check.
     Probe(ProbeArgs),
     /// Run one of the tutorial's experiments against real Redis and Postgres, in a throwaway
@@ -83,6 +90,24 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             schema::migrate(&database.pool()?).await?;
             tracing::info!("migrations applied");
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Audit { database } => {
+            let pool = database.pool()?;
+            let report = crate::ledger::audit::run(&mut *pool.acquire().await?).await?;
+            for problem in &report.problems {
+                println!("{problem}");
+            }
+            let summary = format!(
+                "{} wallets, {} ledger entries, {} idempotent responses",
+                report.wallets, report.entries, report.keys
+            );
+            if report.problems.is_empty() {
+                println!("audit OK: {summary}; every balance equals its ledger");
+                Ok(ExitCode::SUCCESS)
+            } else {
+                println!("audit FAILED: {} problems in {summary}", report.problems.len());
+                Ok(ExitCode::FAILURE)
+            }
         }
         Command::Probe(probe) => Ok(match crate::http::probe(&probe.url, probe.timeout).await {
             Ok(status) if (200..300).contains(&status) => ExitCode::SUCCESS,

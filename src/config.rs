@@ -16,6 +16,8 @@
 //! | `LEASE_WAIT` | `3s` | how long a payment waits for its wallet's lease before 503 `lock_timeout` |
 //! | `SHUTDOWN_GRACE` | `10s` | how long shutdown waits for open connections and payments in flight |
 //! | `REQUEST_TIMEOUT` | `8s` | bound on one request (503 past it); above `LEASE_WAIT`, below nginx's read timeout |
+//! | `IDEMPOTENCY_RETENTION` | `24h` | how long a stored response is replayed for its key |
+//! | `IDEMPOTENCY_STALE_AFTER` | `10s` | when an in-flight key counts as abandoned by a dead replica |
 //! | `LOG_FORMAT` | `pretty` | `pretty` or `json` |
 
 use crate::lease::{LeaseSettings, Ttl};
@@ -131,6 +133,13 @@ pub struct ServeArgs {
     /// above LEASE_WAIT and below nginx's proxy_read_timeout.
     #[arg(long, env = "REQUEST_TIMEOUT", default_value = "8s", value_parser = duration)]
     pub request_timeout: Duration,
+    /// How long a stored response is replayed for its Idempotency-Key before the key is purged.
+    #[arg(long, env = "IDEMPOTENCY_RETENTION", default_value = "24h", value_parser = duration)]
+    pub idempotency_retention: Duration,
+    /// When a request still in flight with an Idempotency-Key counts as abandoned (its replica
+    /// died), so a retry may take the key over. Keep it above REQUEST_TIMEOUT.
+    #[arg(long, env = "IDEMPOTENCY_STALE_AFTER", default_value = "10s", value_parser = duration)]
+    pub idempotency_stale_after: Duration,
     #[command(flatten)]
     pub database: DatabaseArgs,
     #[command(flatten)]
@@ -140,6 +149,13 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    pub fn key_settings(&self) -> crate::idempotency::KeySettings {
+        crate::idempotency::KeySettings {
+            retention: self.idempotency_retention,
+            stale_after: self.idempotency_stale_after,
+        }
+    }
+
     /// The configured name, else `<hostname>-<port>` with the port actually bound.
     pub fn replica_name(&self, port: u16) -> String {
         self.replica_name.clone().unwrap_or_else(|| {

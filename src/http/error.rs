@@ -4,10 +4,10 @@
 //! match on. A 4xx explains what was wrong with the request; a 5xx says only what the caller can
 //! do (retry later) and logs the cause, so no internals reach the client.
 
+use crate::ledger::idempotency::StoredResponse;
 use crate::wallet::{InvalidInput, Refusal, WalletError};
 use axum::{
-    Json,
-    extract::rejection::{JsonRejection, PathRejection, QueryRejection},
+    extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection},
     http::{HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
 };
@@ -35,6 +35,10 @@ pub enum ApiError {
     MethodNotAllowed,
     #[error(transparent)]
     Wallet(#[from] WalletError),
+    #[error("this Idempotency-Key was used for a different request")]
+    IdempotencyKeyReused,
+    #[error("the first request with this Idempotency-Key is still in flight")]
+    IdempotencyKeyInFlight,
     #[error("the request did not complete within {0:?}")]
     Timeout(Duration),
     #[error("the request handler panicked")]
@@ -55,6 +59,15 @@ impl From<JsonRejection> for ApiError {
                 };
                 ApiError::BadRequest { code, detail: rejection.body_text() }
             }
+        }
+    }
+}
+
+impl From<BytesRejection> for ApiError {
+    fn from(rejection: BytesRejection) -> Self {
+        match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge { limit: super::BODY_LIMIT },
+            _ => ApiError::BadRequest { code: "invalid_body", detail: rejection.body_text() },
         }
     }
 }
@@ -128,6 +141,13 @@ impl ApiError {
                 self.to_string(),
             ),
             ApiError::Wallet(err) => wallet_problem(err),
+            ApiError::IdempotencyKeyReused => Problem::new(
+                S::UNPROCESSABLE_ENTITY,
+                "idempotency_key_reused",
+                "Idempotency key reused",
+                "this Idempotency-Key was already used with a different method, path or body; nothing was applied",
+            ),
+            ApiError::IdempotencyKeyInFlight => in_flight(),
             ApiError::Timeout(_) => Problem::new(
                 S::SERVICE_UNAVAILABLE,
                 "request_timeout",
@@ -151,6 +171,16 @@ fn invalid_code(field: &str) -> &'static str {
         "Idempotency-Key" => "invalid_idempotency_key",
         _ => "invalid_input",
     }
+}
+
+fn in_flight() -> Problem {
+    Problem::new(
+        StatusCode::CONFLICT,
+        "idempotency_key_in_flight",
+        "Request in flight",
+        "the first request with this Idempotency-Key is still running; retry shortly to get its response",
+    )
+    .retry_later()
 }
 
 fn internal() -> Problem {
@@ -208,18 +238,15 @@ fn wallet_problem(err: &WalletError) -> Problem {
             "a backing service did not answer in time; nothing was applied, retry later",
         )
         .retry_later(),
+        WalletError::KeyTakenOver => in_flight(),
         WalletError::Internal(_) => internal(),
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+impl ApiError {
+    /// The problem document as bytes, as sent and as stored for an idempotency key.
+    pub fn render(&self) -> StoredResponse {
         let problem = self.problem();
-        if problem.status.is_server_error() {
-            // The cause goes to the log, with its whole source chain; the client gets the code.
-            tracing::error!(code = problem.code, error = ?anyhow::Error::from(self), "request failed");
-        }
-        tracing::Span::current().record("outcome", problem.code);
         let mut body = json!({
             "type": format!("urn:walletlock:problem:{}", problem.code),
             "title": problem.title,
@@ -230,11 +257,26 @@ impl IntoResponse for ApiError {
         if let Value::Object(fields) = &mut body {
             fields.extend(problem.extra);
         }
-        let mut response = (problem.status, Json(body)).into_response();
-        let headers = response.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        StoredResponse {
+            status: problem.status.as_u16(),
+            content_type: "application/problem+json".to_owned(),
+            body: serde_json::to_vec(&body).unwrap_or_default(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let problem = self.problem();
+        let rendered = self.render();
+        if problem.status.is_server_error() {
+            // The cause goes to the log, with its whole source chain; the client gets the code.
+            tracing::error!(code = problem.code, error = ?anyhow::Error::from(self), "request failed");
+        }
+        tracing::Span::current().record("outcome", problem.code);
+        let mut response = super::idempotent::into_response(rendered);
         if problem.retry_after {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
         }
         response
     }

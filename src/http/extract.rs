@@ -1,15 +1,45 @@
 //! Extractors that turn every rejection into the API's problem format.
 
 use super::error::ApiError;
+use crate::idempotency::IdempotencyKey;
 use crate::wallet::WalletId;
-use axum::extract::{FromRequest, FromRequestParts, Path};
-use axum::http::request::Parts;
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::http::{header, request::Parts};
+use serde::de::DeserializeOwned;
 
 /// A JSON body: `Content-Type: application/json`, at most [`super::BODY_LIMIT`] bytes, and
 /// matching `T` exactly (unknown and duplicate fields are refused by `T`'s serde attributes).
-#[derive(Debug, FromRequest)]
-#[from_request(via(axum::Json), rejection(ApiError))]
-pub struct JsonBody<T>(pub T);
+/// Keeps the raw bytes, which an idempotency key's fingerprint covers.
+#[derive(Debug)]
+pub struct JsonBody<T> {
+    pub value: T,
+    pub raw: Bytes,
+}
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        if !is_json(request.headers().get(header::CONTENT_TYPE)) {
+            return Err(ApiError::UnsupportedMediaType(
+                "send the body as JSON, with Content-Type: application/json".into(),
+            ));
+        }
+        let raw = Bytes::from_request(request, state).await?;
+        let axum::Json(value) = axum::Json::<T>::from_bytes(&raw)?;
+        Ok(Self { value, raw })
+    }
+}
+
+/// `application/json`, or any `application/*+json`, with or without parameters.
+fn is_json(content_type: Option<&axum::http::HeaderValue>) -> bool {
+    let Some(essence) = content_type.and_then(|v| v.to_str().ok()).and_then(|v| v.split(';').next()) else {
+        return false;
+    };
+    let essence = essence.trim().to_ascii_lowercase();
+    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
 
 /// Query parameters matching `T`.
 #[derive(Debug, FromRequestParts)]
@@ -28,5 +58,25 @@ impl<S: Send + Sync> FromRequestParts<S> for WalletPath {
         let id = WalletId::parse(&id)?;
         tracing::Span::current().record("wallet_id", id.as_str());
         Ok(Self(id))
+    }
+}
+
+/// The optional `Idempotency-Key` header; a malformed or repeated one is a 400.
+#[derive(Debug)]
+pub struct IdempotencyHeader(pub Option<IdempotencyKey>);
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyHeader {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let mut values = parts.headers.get_all("idempotency-key").iter();
+        match (values.next(), values.next()) {
+            (None, _) => Ok(Self(None)),
+            (Some(value), None) => Ok(Self(Some(IdempotencyKey::parse(value.as_bytes())?))),
+            (Some(_), Some(_)) => Err(ApiError::BadRequest {
+                code: "invalid_idempotency_key",
+                detail: "send one Idempotency-Key header, not several".into(),
+            }),
+        }
     }
 }

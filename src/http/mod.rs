@@ -4,6 +4,7 @@
 mod error;
 mod extract;
 mod health;
+mod idempotent;
 mod probe;
 pub mod server;
 mod wallets;
@@ -12,6 +13,7 @@ pub use error::ApiError;
 pub use probe::probe;
 pub use server::Draining;
 
+use crate::idempotency::KeySettings;
 use crate::wallet::Wallets;
 use axum::{
     Router,
@@ -45,6 +47,8 @@ pub struct ApiContext {
     pub draining: Draining,
     /// Bound on one request from arrival to response.
     pub request_timeout: Duration,
+    /// How long idempotency keys live, and when an in-flight one counts as abandoned.
+    pub keys: KeySettings,
 }
 
 /// The whole API with its middleware.

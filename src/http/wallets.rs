@@ -2,14 +2,16 @@
 
 use super::ApiContext;
 use super::error::ApiError;
-use super::extract::{JsonBody, QueryParams, WalletPath};
+use super::extract::{IdempotencyHeader, JsonBody, QueryParams, WalletPath};
+use super::idempotent::{self, render_movement, render_open};
+use crate::idempotency::{Receipt, Scope};
 use crate::ledger::{Entry, Wallet};
-use crate::wallet::{Amount, InvalidInput, Movement, WalletId, domain};
+use crate::wallet::{AlreadyExists, Amount, InvalidInput, Movement, WalletError, WalletId, domain};
 use axum::{
     Json, Router,
     extract::State,
-    http::{StatusCode, header},
-    response::IntoResponse,
+    http::Uri,
+    response::Response,
     routing::{get, post},
 };
 use serde::{Deserialize, Serialize};
@@ -32,17 +34,28 @@ struct OpenWallet {
 
 async fn open_wallet(
     State(ctx): State<ApiContext>,
-    JsonBody(body): JsonBody<OpenWallet>,
-) -> Result<impl IntoResponse, ApiError> {
-    let id = match body.id {
-        Some(id) => WalletId::parse(&id)?,
+    IdempotencyHeader(key): IdempotencyHeader,
+    uri: Uri,
+    body: JsonBody<OpenWallet>,
+) -> Result<Response, ApiError> {
+    let id = match &body.value.id {
+        Some(id) => WalletId::parse(id)?,
         None => WalletId::generate(),
     };
     tracing::Span::current().record("wallet_id", id.as_str());
-    let balance = domain::opening_balance(body.balance.unwrap_or(0))?;
-    let (wallet, _open) = ctx.wallets.open(&id, balance).await?;
-    let location = format!("/wallets/{}", wallet.id);
-    Ok((StatusCode::CREATED, [(header::LOCATION, location)], Json(wallet)))
+    let balance = domain::opening_balance(body.value.balance.unwrap_or(0))?;
+    let scope = Scope::wallet_creation();
+    let claim = match idempotent::begin(&ctx, key, scope, "POST", uri.path(), &body.raw).await {
+        Ok(claim) => claim,
+        Err(answered) => return Ok(answered),
+    };
+    let receipt = claim.map(|claim| Receipt { claim, render: render_open });
+    let outcome = match ctx.wallets.open(&id, balance, receipt).await {
+        Ok(wallet) => Ok(wallet),
+        Err(WalletError::Exists) => Err(AlreadyExists),
+        Err(err) => return Err(err.into()),
+    };
+    Ok(idempotent::into_response(render_open(&outcome)))
 }
 
 async fn get_wallet(
@@ -61,10 +74,12 @@ struct Deposit {
 async fn deposit(
     State(ctx): State<ApiContext>,
     WalletPath(id): WalletPath,
-    JsonBody(body): JsonBody<Deposit>,
-) -> Result<Json<Entry>, ApiError> {
-    let movement = Movement::Deposit { amount: Amount::new(body.amount)? };
-    Ok(Json(ctx.wallets.apply(&id, movement).await?))
+    IdempotencyHeader(key): IdempotencyHeader,
+    uri: Uri,
+    body: JsonBody<Deposit>,
+) -> Result<Response, ApiError> {
+    let movement = Movement::Deposit { amount: Amount::new(body.value.amount)? };
+    Ok(move_money(&ctx, &id, key, &uri, &body.raw, movement).await)
 }
 
 #[derive(Debug, Deserialize)]
@@ -77,11 +92,34 @@ struct Pay {
 async fn pay(
     State(ctx): State<ApiContext>,
     WalletPath(id): WalletPath,
-    JsonBody(body): JsonBody<Pay>,
-) -> Result<Json<Entry>, ApiError> {
-    let movement =
-        Movement::Pay { amount: Amount::new(body.amount)?, reference: domain::reference(body.reference)? };
-    Ok(Json(ctx.wallets.apply(&id, movement).await?))
+    IdempotencyHeader(key): IdempotencyHeader,
+    uri: Uri,
+    body: JsonBody<Pay>,
+) -> Result<Response, ApiError> {
+    let Pay { amount, reference } = body.value;
+    let movement = Movement::Pay { amount: Amount::new(amount)?, reference: domain::reference(reference)? };
+    Ok(move_money(&ctx, &id, key, &uri, &body.raw, movement).await)
+}
+
+/// Runs a validated movement, honouring its idempotency key.
+async fn move_money(
+    ctx: &ApiContext,
+    id: &WalletId,
+    key: Option<crate::idempotency::IdempotencyKey>,
+    uri: &Uri,
+    raw: &[u8],
+    movement: Movement,
+) -> Response {
+    let claim = match idempotent::begin(ctx, key, Scope::wallet(id), "POST", uri.path(), raw).await {
+        Ok(claim) => claim,
+        Err(answered) => return answered,
+    };
+    let receipt = claim.map(|claim| Receipt { claim, render: render_movement });
+    let result = ctx.wallets.apply(id, movement, receipt).await;
+    if let Ok(entry) = &result {
+        tracing::Span::current().record("fence", entry.fence);
+    }
+    idempotent::movement_response(result)
 }
 
 /// At most this many entries per page.

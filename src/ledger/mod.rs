@@ -22,6 +22,8 @@
 //! they took the lease, not by when they reached the database: a holder paused between acquire and
 //! claim is refused instead of overtaking the holder that replaced it.
 
+pub mod audit;
+pub mod idempotency;
 pub mod schema;
 pub mod unguarded;
 

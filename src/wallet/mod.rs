@@ -11,6 +11,7 @@ pub mod domain;
 
 pub use domain::{Amount, InvalidInput, Movement, Refusal, WalletId};
 
+use crate::idempotency::{self, Receipt};
 use crate::lease::{Lease, LeaseClient, LeaseError};
 use crate::ledger::{self, Entry, EntryKind, NewEntry, StoreError, Wallet};
 use sqlx::PgPool;
@@ -36,9 +37,31 @@ pub enum WalletError {
     /// Redis or Postgres could not be reached in time.
     #[error("{dependency} unavailable")]
     Unavailable { dependency: &'static str, source: anyhow::Error },
+    /// The request's idempotency key was taken over by a retry while this request ran (it was
+    /// presumed dead); the retry runs it, this one applied nothing.
+    #[error("the idempotency key was taken over by another request; nothing was applied")]
+    KeyTakenOver,
     #[error(transparent)]
     Internal(anyhow::Error),
 }
+
+impl WalletError {
+    /// Whether the outcome is stored for an idempotency key: deterministic refusals are (a retry
+    /// would be refused the same way); failures that a retry might not meet are not.
+    fn is_stored(&self) -> bool {
+        matches!(self, WalletError::Refused(_) | WalletError::Exists | WalletError::KeyTakenOver)
+    }
+}
+
+/// How a movement ended, as stored for its idempotency key.
+pub type MovementOutcome = Result<Entry, Refusal>;
+
+/// A wallet creation refused because the id is taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AlreadyExists;
+
+/// How a wallet creation ended, as stored for its idempotency key.
+pub type OpenOutcome = Result<Wallet, AlreadyExists>;
 
 impl From<StoreError> for WalletError {
     fn from(err: StoreError) -> Self {
@@ -96,12 +119,43 @@ impl Wallets {
         &self.leases
     }
 
-    /// Opens a wallet with an opening balance (recorded as its `open` entry).
-    pub async fn open(&self, id: &WalletId, balance: i64) -> Result<(Wallet, Entry), WalletError> {
-        let mut tx = self.db.begin().await?;
-        let created = ledger::create_wallet(&mut tx, id.as_str(), balance).await?;
-        tx.commit().await?;
-        Ok(created)
+    /// Opens a wallet with an opening balance (recorded as its `open` entry). With a receipt, the
+    /// outcome is stored for its idempotency key in the same transaction.
+    pub async fn open(
+        &self,
+        id: &WalletId,
+        balance: i64,
+        receipt: Option<Receipt<OpenOutcome>>,
+    ) -> Result<Wallet, WalletError> {
+        let (this, id) = (self.clone(), id.clone());
+        self.run_to_end(receipt.as_ref().map(|r| r.claim.clone()), async move {
+            let mut tx = this.db.begin().await?;
+            match ledger::create_wallet(&mut tx, id.as_str(), balance).await {
+                Ok((wallet, open)) => {
+                    if let Some(receipt) = &receipt
+                        && !idempotency::complete(&mut tx, receipt, &Ok(wallet.clone()), Some(open.id))
+                            .await?
+                    {
+                        return Err(WalletError::KeyTakenOver);
+                    }
+                    tx.commit().await?;
+                    Ok(wallet)
+                }
+                Err(StoreError::WalletExists) => {
+                    drop(tx);
+                    if let Some(receipt) = &receipt {
+                        let mut tx = this.db.begin().await?;
+                        if !idempotency::complete(&mut tx, receipt, &Err(AlreadyExists), None).await? {
+                            return Err(WalletError::KeyTakenOver);
+                        }
+                        tx.commit().await?;
+                    }
+                    Err(WalletError::Exists)
+                }
+                Err(err) => Err(err.into()),
+            }
+        })
+        .await
     }
 
     pub async fn get(&self, id: &WalletId) -> Result<Wallet, WalletError> {
@@ -125,13 +179,40 @@ impl Wallets {
         Ok(page)
     }
 
-    /// Applies a movement under the wallet's lease with a fenced commit.
-    ///
-    /// The work runs as its own task: if the caller is dropped (the client hung up), the movement
-    /// still runs to its end, commit or roll back, and the lease is released.
-    pub async fn apply(&self, id: &WalletId, movement: Movement) -> Result<Entry, WalletError> {
-        let task = self.in_flight.spawn(self.clone().apply_under_lease(id.clone(), movement));
-        task.await.map_err(|join| WalletError::Internal(anyhow::anyhow!("movement task failed: {join}")))?
+    /// Applies a movement under the wallet's lease with a fenced commit. With a receipt, the
+    /// outcome is stored for its idempotency key in the transaction that moves the money.
+    pub async fn apply(
+        &self,
+        id: &WalletId,
+        movement: Movement,
+        receipt: Option<Receipt<MovementOutcome>>,
+    ) -> Result<Entry, WalletError> {
+        let (this, id) = (self.clone(), id.clone());
+        self.run_to_end(receipt.as_ref().map(|r| r.claim.clone()), async move {
+            this.apply_under_lease(&id, &movement, receipt.as_ref()).await
+        })
+        .await
+    }
+
+    /// Runs `work` as its own task, so that it finishes (commit or roll back, release its lease,
+    /// store or give up its idempotency key) even if the caller is dropped because the client hung
+    /// up. A claim whose outcome is not stored is given up, so a retry runs.
+    async fn run_to_end<T: Send + 'static>(
+        &self,
+        claim: Option<idempotency::Claim>,
+        work: impl Future<Output = Result<T, WalletError>> + Send + 'static,
+    ) -> Result<T, WalletError> {
+        let db = self.db.clone();
+        let task = self.in_flight.spawn(async move {
+            let outcome = work.await;
+            if let (Some(claim), Err(err)) = (&claim, &outcome)
+                && !err.is_stored()
+            {
+                idempotency::abandon(&db, claim).await;
+            }
+            outcome
+        });
+        task.await.map_err(|join| WalletError::Internal(anyhow::anyhow!("wallet task failed: {join}")))?
     }
 
     /// Waits until every movement in progress has finished, up to `limit`. Call after the server
@@ -141,10 +222,15 @@ impl Wallets {
         tokio::time::timeout(limit, self.in_flight.wait()).await.is_ok()
     }
 
-    async fn apply_under_lease(self, id: WalletId, movement: Movement) -> Result<Entry, WalletError> {
-        let mut lease = self.leases.acquire(&lease_name(&id)).await?;
+    async fn apply_under_lease(
+        &self,
+        id: &WalletId,
+        movement: &Movement,
+        receipt: Option<&Receipt<MovementOutcome>>,
+    ) -> Result<Entry, WalletError> {
+        let mut lease = self.leases.acquire(&lease_name(id)).await?;
         lease.keep_alive();
-        let outcome = self.apply_fenced(&mut lease, &id, &movement).await;
+        let outcome = self.apply_fenced(&mut lease, id, movement, receipt).await;
         // Release on every outcome, so the next holder does not wait out our TTL. A lease found
         // already gone changes nothing: the fence has decided by now.
         if let Err(err) = lease.release().await {
@@ -158,6 +244,7 @@ impl Wallets {
         lease: &mut Lease,
         id: &WalletId,
         movement: &Movement,
+        receipt: Option<&Receipt<MovementOutcome>>,
     ) -> Result<Entry, WalletError> {
         let mut conn = self.db.acquire().await?;
         let lost = lease.lost();
@@ -166,34 +253,43 @@ impl Wallets {
             () = lost => return Err(WalletError::LeaseLost),
             claimed = claim(&mut conn, lease, id) => claimed?,
         };
-        let balance_after = movement.apply_to(claimed.balance)?;
+        let balance_after = match movement.apply_to(claimed.balance) {
+            Ok(balance_after) => balance_after,
+            Err(refusal) => {
+                if let Some(receipt) = receipt {
+                    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+                    if !idempotency::complete(&mut tx, receipt, &Err(refusal), None).await? {
+                        return Err(WalletError::KeyTakenOver);
+                    }
+                    tx.commit().await?;
+                }
+                return Err(refusal.into());
+            }
+        };
         if lease.is_lost() {
             return Err(WalletError::LeaseLost);
         }
-        let entry = match movement {
-            Movement::Deposit { amount } => NewEntry {
-                id: Uuid::new_v4(),
-                kind: EntryKind::Deposit,
-                amount: amount.get(),
-                balance_after,
-                reference: None,
-            },
-            Movement::Pay { amount, reference } => NewEntry {
-                id: Uuid::new_v4(),
-                kind: EntryKind::Pay,
-                amount: amount.get(),
-                balance_after,
-                reference: reference.clone(),
-            },
+        let (kind, reference) = match movement {
+            Movement::Deposit { .. } => (EntryKind::Deposit, None),
+            Movement::Pay { reference, .. } => (EntryKind::Pay, reference.clone()),
         };
+        let entry =
+            NewEntry { id: Uuid::new_v4(), kind, amount: movement.amount().get(), balance_after, reference };
         // From here the commit runs to its end even if the watchdog loses the lease meanwhile: the
         // fence in its WHERE decides, and cancelling a commit in flight would leave its outcome
-        // unknown.
+        // unknown. The idempotency record goes in the same transaction as the money.
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        let mut written =
-            ledger::commit(&mut tx, id.as_str(), lease.fence(), claimed.version, &[entry]).await?;
+        let entry =
+            ledger::commit(&mut tx, id.as_str(), lease.fence(), claimed.version, &[entry]).await?.remove(0);
+        if let Some(receipt) = receipt
+            && !idempotency::complete(&mut tx, receipt, &Ok(entry.clone()), Some(entry.id)).await?
+        {
+            return Err(WalletError::KeyTakenOver);
+        }
+        crate::failpoint::hit("before_commit");
         tx.commit().await?;
-        Ok(written.remove(0))
+        crate::failpoint::hit("after_commit");
+        Ok(entry)
     }
 }
 

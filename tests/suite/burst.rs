@@ -14,7 +14,7 @@ fn pay(amount: i64) -> Movement {
 
 async fn open(wallets: &Wallets, balance: i64) -> WalletId {
     let id = WalletId::generate();
-    wallets.open(&id, balance).await.unwrap();
+    wallets.open(&id, balance, None).await.unwrap();
     id
 }
 
@@ -36,7 +36,7 @@ async fn fifty_concurrent_spends_through_three_replicas_accept_exactly_ten() {
             let (replica, id, start) = (replicas[n % 3].clone(), id.clone(), start.clone());
             tokio::spawn(async move {
                 start.wait().await;
-                replica.apply(&id, pay(10)).await
+                replica.apply(&id, pay(10), None).await
             })
         })
         .collect();
@@ -91,7 +91,7 @@ async fn a_dropped_caller_leaves_no_lease_behind_and_no_half_applied_spend() {
     // commits. Whatever moment, the spend is either fully applied or not at all, and the lease
     // does not linger until its TTL.
     for cutoff_us in [0, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000] {
-        let spend = wallets.apply(&id, pay(1));
+        let spend = wallets.apply(&id, pay(1), None);
         let _ = tokio::time::timeout(Duration::from_micros(cutoff_us), spend).await;
     }
     assert!(wallets.drain(Duration::from_secs(5)).await, "every abandoned spend finished");
@@ -114,7 +114,7 @@ async fn a_spend_whose_caller_left_still_runs_to_its_end() {
     // Another holder keeps the wallet busy, so our spend is waiting for the lease when its
     // caller gives up.
     let blocker = wallets.leases().acquire(&walletlock::wallet::lease_name(&id)).await.unwrap();
-    let spend = wallets.apply(&id, pay(10));
+    let spend = wallets.apply(&id, pay(10), None);
     assert!(tokio::time::timeout(Duration::from_millis(50), spend).await.is_err());
     blocker.release().await.unwrap();
 

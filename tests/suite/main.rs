@@ -9,5 +9,6 @@ mod burst;
 mod demos;
 mod fence;
 mod fleet;
+mod idempotency;
 mod lease;
 mod redis_loss;

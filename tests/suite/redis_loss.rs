@@ -24,7 +24,7 @@ async fn spend_through(loss: Loss) {
         env.replica(&schema, ttl, wait).await,
     ];
     let id = WalletId::generate();
-    replicas[0].open(&id, 1_000_000).await.unwrap();
+    replicas[0].open(&id, 1_000_000, None).await.unwrap();
 
     let accepted = Arc::new(AtomicUsize::new(0));
     let run = Duration::from_millis(1_500);
@@ -35,7 +35,7 @@ async fn spend_through(loss: Loss) {
             tokio::spawn(async move {
                 while Instant::now() < stop_at {
                     match replica
-                        .apply(&id, Movement::Pay { amount: Amount::new(1).unwrap(), reference: None })
+                        .apply(&id, Movement::Pay { amount: Amount::new(1).unwrap(), reference: None }, None)
                         .await
                     {
                         Ok(_) => {

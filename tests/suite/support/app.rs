@@ -37,6 +37,8 @@ pub async fn spawn_app_on(env: &TestEnv, schema: ScratchSchema, db: PgPool, extr
         ("--redis-url", &env.redis_url),
         ("--redis-key-prefix", &env.prefix),
         ("--lease-wait", "2s"),
+        // The test client keeps idle connections open; a drain need not wait long for them.
+        ("--shutdown-grace", "1s"),
     ];
     // `extra` is flag-value pairs; each replaces the default of the same flag.
     for pair in extra.chunks(2) {

@@ -15,6 +15,16 @@ pub fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Runs `walletlock audit` on `database_url`: whether the books balance, and what it printed.
+pub fn audit(database_url: &str) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_walletlock"))
+        .arg("audit")
+        .env("DATABASE_URL", database_url)
+        .output()
+        .expect("walletlock audit");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 /// Runs a function of deploy/lib.sh, so tests and deploy/local share one way of doing it.
 pub fn lib_sh(script: &str) -> String {
     let out = Command::new("bash")
@@ -32,10 +42,36 @@ pub struct Replica {
     pub port: u16,
     process: Option<OwnedChild>,
     log: PathBuf,
-    env: Vec<(String, String)>,
+    /// The replica's environment; a test may change it before [`Replica::start`].
+    pub env: Vec<(String, String)>,
 }
 
 impl Replica {
+    /// A URL on this replica directly, bypassing nginx.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// Whether the process has exited (a failpoint aborted it, say).
+    pub fn exited(&mut self) -> bool {
+        self.process.as_mut().is_none_or(|p| matches!(p.0.try_wait(), Ok(Some(_))))
+    }
+
+    /// Starts the replica again (after a crash or a stop) and waits until it is ready.
+    pub fn start(&mut self) {
+        self.stop(Signal::SIGKILL);
+        self.spawn();
+        self.wait_ready();
+    }
+
+    /// Sets one environment variable for the next start; `None` removes it.
+    pub fn set_env(&mut self, key: &str, value: Option<&str>) {
+        self.env.retain(|(k, _)| k != key);
+        if let Some(value) = value {
+            self.env.push((key.to_owned(), value.to_owned()));
+        }
+    }
+
     fn spawn(&mut self) {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("log file");
         let child = Command::new(env!("CARGO_BIN_EXE_walletlock"))
@@ -69,6 +105,8 @@ impl Replica {
 
 pub struct Fleet {
     pub replicas: Vec<Replica>,
+    /// The fleet's database (its schema first on the search path), for `walletlock audit`.
+    pub database_url: String,
     pub nginx_port: u16,
     pub db: PgPool,
     pub client: reqwest::Client,
@@ -128,7 +166,17 @@ impl Fleet {
         wait_until("nginx", Duration::from_secs(10), || listening(nginx_port));
 
         let client = reqwest::Client::builder().pool_max_idle_per_host(64).build().expect("client");
-        Fleet { replicas, nginx_port, db, client, nginx: Some(OwnedChild(nginx)), _dir: dir, _schema: schema }
+        let database_url = schema.url.clone();
+        Fleet {
+            replicas,
+            database_url,
+            nginx_port,
+            db,
+            client,
+            nginx: Some(OwnedChild(nginx)),
+            _dir: dir,
+            _schema: schema,
+        }
     }
 
     /// A URL through nginx.
@@ -142,8 +190,10 @@ impl Drop for Fleet {
         if let Some(mut nginx) = self.nginx.take() {
             nginx.stop(Signal::SIGQUIT, Duration::from_secs(5));
         }
+        // The test is over: no need for a graceful drain (which would wait for the test client's
+        // idle keep-alive connections to close).
         for replica in &mut self.replicas {
-            replica.stop(Signal::SIGTERM);
+            replica.stop(Signal::SIGKILL);
         }
     }
 }

@@ -1,0 +1,92 @@
+//! Idempotency keys at the HTTP edge: claim or replay before running, render the outcome the same
+//! way whether it is sent now or replayed later (see [`crate::idempotency`]).
+
+use super::ApiContext;
+use super::error::ApiError;
+use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Scope};
+use crate::ledger::idempotency::StoredResponse;
+use crate::wallet::{AlreadyExists, MovementOutcome, OpenOutcome, Refusal, WalletError};
+use axum::body::Body;
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+static IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// For a request with a key: claims it (`Ok(Some(claim))`), or answers at once with the stored
+/// response or a conflict (`Err(response)`). Without a key: `Ok(None)`.
+pub async fn begin(
+    ctx: &ApiContext,
+    key: Option<IdempotencyKey>,
+    scope: Scope,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> Result<Option<Claim>, Response> {
+    let Some(key) = key else { return Ok(None) };
+    let fingerprint = idempotency::fingerprint(method, path, body);
+    match idempotency::begin(ctx.wallets.db(), ctx.keys, scope, key, fingerprint).await {
+        Ok(Begin::Proceed(claim)) => Ok(Some(claim)),
+        Ok(Begin::Replay(stored)) => {
+            tracing::Span::current().record("outcome", "replayed");
+            let mut response = into_response(stored);
+            response.headers_mut().insert(IDEMPOTENT_REPLAYED.clone(), HeaderValue::from_static("true"));
+            Err(response)
+        }
+        Ok(Begin::Reused) => Err(ApiError::IdempotencyKeyReused.into_response()),
+        Ok(Begin::InFlight) => Err(ApiError::IdempotencyKeyInFlight.into_response()),
+        Err(err) => Err(ApiError::Wallet(WalletError::from(err)).into_response()),
+    }
+}
+
+/// A stored (or about to be stored) response as an HTTP response.
+pub fn into_response(stored: StoredResponse) -> Response {
+    let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let content_type =
+        HeaderValue::from_str(&stored.content_type).unwrap_or(HeaderValue::from_static("application/json"));
+    (status, [(header::CONTENT_TYPE, content_type)], Body::from(stored.body)).into_response()
+}
+
+fn json(status: StatusCode, value: &impl Serialize) -> StoredResponse {
+    StoredResponse {
+        status: status.as_u16(),
+        content_type: "application/json".to_owned(),
+        body: serde_json::to_vec(value).unwrap_or_default(),
+    }
+}
+
+/// A deposit's or payment's response: the ledger entry, or the refusal.
+pub fn render_movement(outcome: &MovementOutcome) -> StoredResponse {
+    match outcome {
+        Ok(entry) => json(StatusCode::OK, entry),
+        Err(refusal) => ApiError::Wallet(WalletError::Refused(*refusal)).render(),
+    }
+}
+
+/// A wallet creation's response: the wallet, or the conflict.
+pub fn render_open(outcome: &OpenOutcome) -> StoredResponse {
+    match outcome {
+        Ok(wallet) => json(StatusCode::CREATED, wallet),
+        Err(AlreadyExists) => ApiError::Wallet(WalletError::Exists).render(),
+    }
+}
+
+/// The live response for a movement, rendered exactly as a replay of it would be.
+pub fn movement_response(result: Result<crate::ledger::Entry, WalletError>) -> Response {
+    let outcome: MovementOutcome = match result {
+        Ok(entry) => Ok(entry),
+        Err(WalletError::Refused(refusal)) => Err(refusal),
+        Err(err) => return ApiError::Wallet(err).into_response(),
+    };
+    if let Err(refusal) = &outcome {
+        tracing::Span::current().record("outcome", refusal_code(refusal));
+    }
+    into_response(render_movement(&outcome))
+}
+
+fn refusal_code(refusal: &Refusal) -> &'static str {
+    match refusal {
+        Refusal::InsufficientFunds { .. } => "insufficient_funds",
+        Refusal::BalanceOverflow { .. } => "balance_overflow",
+    }
+}

@@ -1,0 +1,222 @@
+//! Idempotency keys: a retried request is charged once.
+//!
+//! The lease makes two requests for one wallet run one after the other; it does not make a
+//! retried payment one payment. A request may carry an `Idempotency-Key` (1 to 255 printable ASCII
+//! characters). The first request with a key claims it and runs; its final response is stored in
+//! the same Postgres transaction as the balance change, so there is never a charge without its
+//! record nor a record without its charge. Later requests with the same key:
+//!
+//! - and the same request (method, path and body fingerprint): get the stored response again, byte
+//!   for byte, and charge nothing;
+//! - and a different request: are refused (`Begin::Reused`);
+//! - while the first is still in flight: are refused at once (`Begin::InFlight`), never kept
+//!   waiting. A claim left by a replica that died is taken over once it is older than any live
+//!   request can be (`stale_after`); even if its request was only slow, the takeover is safe,
+//!   because a response is stored only by the holder of the current claim, in the transaction that
+//!   moves the money, so exactly one of them commits.
+//!
+//! Only deterministic outcomes are stored (a success, a refusal such as insufficient funds, a
+//! wallet that already exists). A transient failure (the lease not obtained or lost, a dependency
+//! down) gives the claim up, so a retry can still succeed.
+//!
+//! Keys are unique within a scope: the wallet for its movements, wallet creation for new wallets.
+//! Stored responses are kept for the retention (24 h by default), then purged; an expired key
+//! behaves as new.
+
+use crate::ledger::StoreError;
+pub use crate::ledger::idempotency::KeySettings;
+use crate::ledger::idempotency::{self as store, StoredResponse};
+use crate::wallet::{InvalidInput, WalletId};
+use sha2::{Digest, Sha256};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// The value of an `Idempotency-Key` header: 1 to 255 printable ASCII characters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    pub fn parse(raw: &[u8]) -> Result<Self, InvalidInput> {
+        let printable = raw.iter().all(|b| (0x20..=0x7e).contains(b));
+        if (1..=255).contains(&raw.len()) && printable {
+            // Printable ASCII is valid UTF-8.
+            Ok(Self(String::from_utf8_lossy(raw).into_owned()))
+        } else {
+            Err(InvalidInput { field: "Idempotency-Key", rule: "1 to 255 printable ASCII characters" })
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// What a key is unique within.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scope(String);
+
+impl Scope {
+    /// The movements of one wallet.
+    pub fn wallet(id: &WalletId) -> Self {
+        Self(format!("wallet:{id}"))
+    }
+
+    /// The creation of wallets.
+    pub fn wallet_creation() -> Self {
+        Self("wallets".to_owned())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// SHA-256 over the method, the path and the body: what "the same request" means.
+pub fn fingerprint(method: &str, path: &str, body: &[u8]) -> [u8; 32] {
+    let mut hash = Sha256::new();
+    for part in [method.as_bytes(), b"\n", path.as_bytes(), b"\n", body] {
+        hash.update(part);
+    }
+    hash.finalize().into()
+}
+
+/// A claim on a key, held by the one request that runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub scope: Scope,
+    pub key: IdempotencyKey,
+    pub token: Uuid,
+}
+
+/// What a request with a key should do.
+#[derive(Debug)]
+pub enum Begin {
+    /// The key is ours: run, then store the response with [`Receipt`].
+    Proceed(Claim),
+    /// The same request already ran: send this again.
+    Replay(StoredResponse),
+    /// The key was used for a different request.
+    Reused,
+    /// The first request with this key is still running.
+    InFlight,
+}
+
+/// Claims `key` in `scope` for a request with `fingerprint`, or says why not.
+pub async fn begin(
+    db: &PgPool,
+    settings: KeySettings,
+    scope: Scope,
+    key: IdempotencyKey,
+    fingerprint: [u8; 32],
+) -> Result<Begin, StoreError> {
+    let mut conn = db.acquire().await?;
+    let token = Uuid::new_v4();
+    let (scope_str, key_str) = (scope.as_str().to_owned(), key.as_str().to_owned());
+    let claim = Claim { scope, key, token };
+    // A row can vanish (purged) or change (taken over) between our reads; a few rounds settle it.
+    for _ in 0..3 {
+        if store::insert_claim(&mut conn, &scope_str, &key_str, &fingerprint, token, settings.retention)
+            .await?
+        {
+            return Ok(Begin::Proceed(claim));
+        }
+        let Some(row) = store::find(&mut conn, &scope_str, &key_str, settings.stale_after).await? else {
+            continue;
+        };
+        let replaceable = row.expired || (row.claim.is_some() && row.stale && row.fingerprint == fingerprint);
+        if replaceable {
+            let taken =
+                store::take_over(&mut conn, &scope_str, &key_str, &fingerprint, token, row.claim, settings)
+                    .await?;
+            if taken {
+                if !row.expired {
+                    tracing::warn!(scope = %scope_str, "took over an idempotency key abandoned in flight");
+                }
+                return Ok(Begin::Proceed(claim));
+            }
+            continue;
+        }
+        return Ok(if row.fingerprint != fingerprint {
+            Begin::Reused
+        } else {
+            match row.response {
+                Some(response) => Begin::Replay(response),
+                None => Begin::InFlight,
+            }
+        });
+    }
+    Ok(Begin::InFlight)
+}
+
+/// Handed to the wallet service with a claim: how to render the outcome as the response to store.
+/// The same function renders the live response, so a replay is byte for byte what was sent.
+#[derive(Debug)]
+pub struct Receipt<T> {
+    pub claim: Claim,
+    pub render: fn(&T) -> StoredResponse,
+}
+
+/// Stores the rendered outcome for `claim` in `tx`. False if the claim was taken over (the caller
+/// must roll back: the other request will run).
+pub async fn complete<T>(
+    tx: &mut sqlx::PgConnection,
+    receipt: &Receipt<T>,
+    outcome: &T,
+    entry_id: Option<Uuid>,
+) -> Result<bool, StoreError> {
+    let claim = &receipt.claim;
+    let response = (receipt.render)(outcome);
+    store::complete(tx, claim.scope.as_str(), claim.key.as_str(), claim.token, &response, entry_id).await
+}
+
+/// Gives the claim up after a transient failure, so a retry runs. A failure to do so is only
+/// logged: the claim then counts as abandoned after `stale_after`.
+pub async fn abandon(db: &PgPool, claim: &Claim) {
+    let outcome = async {
+        let mut conn = db.acquire().await?;
+        store::abandon(&mut conn, claim.scope.as_str(), claim.key.as_str(), claim.token).await
+    };
+    if let Err(err) = outcome.await {
+        tracing::warn!(error = %err, scope = claim.scope.as_str(), "could not release an idempotency key; it frees itself when stale");
+    }
+}
+
+/// Deletes keys past their retention, in batches, until none is left.
+pub async fn purge_expired(db: &PgPool) -> Result<u64, StoreError> {
+    const BATCH: i64 = 1_000;
+    let mut conn = db.acquire().await?;
+    let mut total = 0;
+    loop {
+        let purged = store::purge_expired(&mut conn, BATCH).await?;
+        total += purged;
+        if purged < BATCH as u64 {
+            return Ok(total);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_one_to_255_printable_ascii_characters() {
+        assert!(IdempotencyKey::parse(b"a").is_ok());
+        assert!(IdempotencyKey::parse(b"pay 2026-11-30 #7 ~").is_ok());
+        assert!(IdempotencyKey::parse(&[b'k'; 255]).is_ok());
+        for bad in
+            [&b""[..], &[b'k'; 256], b"tab\there", b"new\nline", b"nul\0", "caf\u{e9}".as_bytes(), b"\x7f"]
+        {
+            assert!(IdempotencyKey::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_fingerprint_tells_requests_apart() {
+        let base = fingerprint("POST", "/wallets/a/pay", br#"{"amount":10}"#);
+        assert_eq!(base, fingerprint("POST", "/wallets/a/pay", br#"{"amount":10}"#));
+        assert_ne!(base, fingerprint("POST", "/wallets/a/pay", br#"{"amount":11}"#));
+        assert_ne!(base, fingerprint("POST", "/wallets/b/pay", br#"{"amount":10}"#));
+        assert_ne!(base, fingerprint("POST", "/wallets/a/deposit", br#"{"amount":10}"#));
+    }
+}

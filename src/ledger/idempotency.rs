@@ -1,0 +1,187 @@
+//! The SQL behind idempotency keys (see [`crate::idempotency`] for what they mean).
+
+use super::StoreError;
+use sqlx::PgConnection;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// How long keys live and when an in-flight one counts as abandoned.
+#[derive(Debug, Clone, Copy)]
+pub struct KeySettings {
+    /// How long a stored response is replayed before the key is purged.
+    pub retention: Duration,
+    /// How long a claim may stay in flight before a retry may take the key over.
+    pub stale_after: Duration,
+}
+
+/// A response as it was sent, to be sent again on a retry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    pub status: u16,
+    pub content_type: String,
+    pub body: Vec<u8>,
+}
+
+/// A key as stored.
+#[derive(Debug)]
+pub struct KeyRow {
+    pub fingerprint: Vec<u8>,
+    /// The in-flight request's token; `None` once a response is stored.
+    pub claim: Option<Uuid>,
+    pub response: Option<StoredResponse>,
+    /// Past its retention: it behaves as a new key.
+    pub expired: bool,
+    /// In flight for longer than any live request can be: its replica died.
+    pub stale: bool,
+}
+
+/// Claims a new key for the request holding `claim`. False if the key already exists.
+pub async fn insert_claim(
+    conn: &mut PgConnection,
+    scope: &str,
+    key: &str,
+    fingerprint: &[u8],
+    claim: Uuid,
+    retention: Duration,
+) -> Result<bool, StoreError> {
+    let inserted = sqlx::query_scalar!(
+        // language=PostgreSQL
+        r#"insert into idempotency_key (scope, key, fingerprint, claim, expires_at)
+           values ($1, $2, $3, $4, now() + make_interval(secs => $5))
+           on conflict (scope, key) do nothing
+           returning true as "inserted!""#,
+        scope,
+        key,
+        fingerprint,
+        claim,
+        retention.as_secs_f64(),
+    )
+    .fetch_optional(conn)
+    .await?;
+    Ok(inserted.is_some())
+}
+
+pub async fn find(
+    conn: &mut PgConnection,
+    scope: &str,
+    key: &str,
+    stale_after: Duration,
+) -> Result<Option<KeyRow>, StoreError> {
+    let row = sqlx::query!(
+        // language=PostgreSQL
+        r#"select fingerprint, claim, status, content_type, body,
+                  expires_at < now() as "expired!",
+                  claimed_at < now() - make_interval(secs => $3) as "stale!"
+           from idempotency_key where scope = $1 and key = $2"#,
+        scope,
+        key,
+        stale_after.as_secs_f64(),
+    )
+    .fetch_optional(conn)
+    .await?;
+    Ok(row.map(|row| KeyRow {
+        fingerprint: row.fingerprint,
+        claim: row.claim,
+        response: match (row.status, row.content_type, row.body) {
+            (Some(status), Some(content_type), Some(body)) => {
+                Some(StoredResponse { status: status as u16, content_type, body })
+            }
+            _ => None,
+        },
+        expired: row.expired,
+        stale: row.stale,
+    }))
+}
+
+/// Replaces an expired key, or a claim left stale by a replica that died, with a fresh claim.
+/// Only if the row is still as the caller saw it (`seen_claim`), so two requests cannot both take
+/// it over. True if taken.
+pub async fn take_over(
+    conn: &mut PgConnection,
+    scope: &str,
+    key: &str,
+    fingerprint: &[u8],
+    claim: Uuid,
+    seen_claim: Option<Uuid>,
+    settings: KeySettings,
+) -> Result<bool, StoreError> {
+    let taken = sqlx::query_scalar!(
+        // language=PostgreSQL
+        r#"update idempotency_key
+           set fingerprint = $3, claim = $4, claimed_at = now(), status = null, content_type = null,
+               body = null, entry_id = null, created_at = now(),
+               expires_at = now() + make_interval(secs => $6)
+           where scope = $1 and key = $2
+             and (expires_at < now()
+                  or (claim = $5 and claimed_at < now() - make_interval(secs => $7)))
+           returning true as "taken!""#,
+        scope,
+        key,
+        fingerprint,
+        claim,
+        seen_claim,
+        settings.retention.as_secs_f64(),
+        settings.stale_after.as_secs_f64(),
+    )
+    .fetch_optional(conn)
+    .await?;
+    Ok(taken.is_some())
+}
+
+/// Stores the response of the request holding `claim`, in the caller's transaction (the one that
+/// moved the money, if any). False if the claim is no longer ours: another request took the key
+/// over, and the caller must roll back.
+pub async fn complete(
+    tx: &mut PgConnection,
+    scope: &str,
+    key: &str,
+    claim: Uuid,
+    response: &StoredResponse,
+    entry_id: Option<Uuid>,
+) -> Result<bool, StoreError> {
+    let done = sqlx::query_scalar!(
+        // language=PostgreSQL
+        r#"update idempotency_key
+           set claim = null, status = $4, content_type = $5, body = $6, entry_id = $7
+           where scope = $1 and key = $2 and claim = $3
+           returning true as "done!""#,
+        scope,
+        key,
+        claim,
+        response.status as i16,
+        response.content_type,
+        response.body,
+        entry_id,
+    )
+    .fetch_optional(tx)
+    .await?;
+    Ok(done.is_some())
+}
+
+/// Gives up a claim whose request failed in a way worth retrying, so the retry runs.
+pub async fn abandon(conn: &mut PgConnection, scope: &str, key: &str, claim: Uuid) -> Result<(), StoreError> {
+    // language=PostgreSQL
+    sqlx::query!(
+        "delete from idempotency_key where scope = $1 and key = $2 and claim = $3",
+        scope,
+        key,
+        claim
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Deletes up to `batch` keys past their retention; returns how many.
+pub async fn purge_expired(conn: &mut PgConnection, batch: i64) -> Result<u64, StoreError> {
+    let purged = sqlx::query!(
+        // language=PostgreSQL
+        r#"delete from idempotency_key where ctid in (
+               select ctid from idempotency_key where expires_at < now()
+               limit $1 for update skip locked)"#,
+        batch,
+    )
+    .execute(conn)
+    .await?;
+    Ok(purged.rows_affected())
+}
