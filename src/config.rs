@@ -14,6 +14,7 @@
 //! | `REDIS_TIMEOUT` | `500ms` | bound on any single Redis call |
 //! | `LEASE_TTL` | `2s` | a lease's life without a refresh; at least 1ms |
 //! | `LEASE_WAIT` | `3s` | how long a payment waits for its wallet's lease before 503 `lock_timeout` |
+//! | `LEASE_STRATEGY` | `standard` | `tutorial`: the tutorial's 5-15 ms polling lock, the benchmark's baseline |
 //! | `SHUTDOWN_GRACE` | `10s` | how long shutdown waits for open connections and payments in flight |
 //! | `REQUEST_TIMEOUT` | `8s` | bound on one request (503 past it); above `LEASE_WAIT`, below nginx's read timeout |
 //! | `IDEMPOTENCY_RETENTION` | `24h` | how long a stored response is replayed for its key |
@@ -103,11 +104,28 @@ pub struct LeaseArgs {
     /// How long a payment waits for its wallet's lease before 503 lock_timeout.
     #[arg(long, env = "LEASE_WAIT", default_value = "3s", value_parser = duration)]
     pub lease_wait: Duration,
+    /// How payments wait for a busy wallet. `tutorial` is the tutorial's lock (every request polls
+    /// the lease every 5 to 15 ms), kept as the benchmark's baseline.
+    #[arg(long, env = "LEASE_STRATEGY", value_enum, default_value = "standard")]
+    pub lease_strategy: LeaseStrategy,
+}
+
+/// How payments wait for a busy wallet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LeaseStrategy {
+    /// Each request retries the lease after a short random pause (1 to 8 ms).
+    Standard,
+    /// The tutorial's lock: each request retries after 5 to 15 ms. The benchmark's baseline.
+    Tutorial,
 }
 
 impl LeaseArgs {
     pub fn settings(&self, redis: &RedisArgs) -> LeaseSettings {
-        LeaseSettings::new(self.lease_ttl, self.lease_wait).with_op_timeout(redis.redis_timeout)
+        let settings = LeaseSettings::new(self.lease_ttl, self.lease_wait).with_op_timeout(redis.redis_timeout);
+        match self.lease_strategy {
+            LeaseStrategy::Standard => settings,
+            LeaseStrategy::Tutorial => settings.with_backoff(crate::lease::Backoff::TUTORIAL),
+        }
     }
 }
 
