@@ -121,7 +121,8 @@ pub enum LeaseStrategy {
 
 impl LeaseArgs {
     pub fn settings(&self, redis: &RedisArgs) -> LeaseSettings {
-        let settings = LeaseSettings::new(self.lease_ttl, self.lease_wait).with_op_timeout(redis.redis_timeout);
+        let settings =
+            LeaseSettings::new(self.lease_ttl, self.lease_wait).with_op_timeout(redis.redis_timeout);
         match self.lease_strategy {
             LeaseStrategy::Standard => settings,
             LeaseStrategy::Tutorial => settings.with_backoff(crate::lease::Backoff::TUTORIAL),
