@@ -45,6 +45,39 @@ wl_install_missing() {
   export PATH="$PATH:/usr/sbin"
 }
 
+# wl_tools_venv: the virtualenv that holds the Python tools the scripts install from PyPI (Debian's
+# own Python refuses `pip install` outside one).
+wl_tools_venv() {
+  echo "${XDG_CACHE_HOME:-$HOME/.cache}/walletlock/tools"
+}
+
+# wl_pip_tool COMMAND PACKAGE==VERSION: makes COMMAND available, from PATH if it is there, else
+# installed from PyPI into the tools virtualenv (which then goes on PATH).
+wl_pip_tool() {
+  local command=$1 package=$2 venv; venv=$(wl_tools_venv)
+  command -v "$command" >/dev/null && return
+  if [ ! -x "$venv/bin/$command" ]; then
+    if [ ! -x "$venv/bin/pip" ]; then
+      python3 -m venv "$venv" 2>/dev/null || { wl_apt_install python3-venv; python3 -m venv "$venv"; }
+    fi
+    wl_log "installing $package"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "$package"
+  fi
+  export PATH="$PATH:$venv/bin"
+}
+
+# wl_pip_module MODULE PACKAGE==VERSION: a Python module importable by the tools virtualenv's python3.
+wl_pip_module() {
+  local module=$1 package=$2 venv; venv=$(wl_tools_venv)
+  if [ ! -x "$venv/bin/pip" ]; then
+    python3 -m venv "$venv" 2>/dev/null || { wl_apt_install python3-venv; python3 -m venv "$venv"; }
+  fi
+  if ! "$venv/bin/python3" -c "import $module" 2>/dev/null; then
+    wl_log "installing $package"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "$package"
+  fi
+}
+
 # wl_free_port: a TCP port nothing listens on right now.
 wl_free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
@@ -127,14 +160,16 @@ wl_start_redis() {
 }
 
 # wl_nginx_prepare DIR LISTEN PORT...: DIR gets a verbatim copy of the top-level nginx.conf and
-# the two files it includes: listen.conf (LISTEN, e.g. 127.0.0.1:8080) and upstream.conf (one
-# replica per PORT on 127.0.0.1).
+# the files it includes: listen.conf (LISTEN, e.g. 127.0.0.1:8080), status_listen.conf (loopback,
+# port WALLETLOCK_NGINX_STATUS_PORT, 8090 by default) and upstream.conf (one replica per PORT on
+# 127.0.0.1).
 wl_nginx_prepare() {
   local dir=$1 listen=$2; shift 2
   local root; root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   mkdir -p "$dir"
   cp "$root/nginx.conf" "$dir/nginx.conf"
   printf 'listen %s;\n' "$listen" >"$dir/listen.conf"
+  printf 'listen 127.0.0.1:%s;\n' "${WALLETLOCK_NGINX_STATUS_PORT:-8090}" >"$dir/status_listen.conf"
   {
     echo "# Written by deploy/lib.sh (wl_nginx_prepare): the local replicas."
     echo "upstream walletlock {"

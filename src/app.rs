@@ -46,9 +46,13 @@ impl Application {
             .await
             .map_err(|err| anyhow::anyhow!("cannot listen on {}: {err}", args.listen))?;
         let port = listener.local_addr()?.port();
+        let replica = args.replica_name(port);
+        let metrics = crate::telemetry::metrics::install();
+        crate::telemetry::metrics::set_replica(&replica);
         let ctx = ApiContext {
             wallets,
-            replica: args.replica_name(port).into(),
+            metrics,
+            replica: replica.into(),
             draining: Draining::default(),
             request_timeout: args.request_timeout,
             keys: args.key_settings(),

@@ -31,6 +31,22 @@ use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+/// Describes the metrics recorded for idempotency keys, and registers them at zero.
+pub fn describe_metrics() {
+    metrics::describe_counter!(
+        "walletlock_idempotent_replays_total",
+        "Stored responses replayed for a retried key."
+    );
+    metrics::counter!("walletlock_idempotent_replays_total").absolute(0);
+    metrics::describe_counter!(
+        "walletlock_idempotency_conflicts_total",
+        "Requests refused because their key was in flight or used for another request."
+    );
+    for reason in ["in_flight", "reused"] {
+        metrics::counter!("walletlock_idempotency_conflicts_total", "reason" => reason).absolute(0);
+    }
+}
+
 /// The value of an `Idempotency-Key` header: 1 to 255 printable ASCII characters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdempotencyKey(String);

@@ -1,7 +1,13 @@
-//! Liveness and readiness.
+//! Liveness, readiness, and the metrics endpoint.
 
 use super::ApiContext;
-use axum::{Json, Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
+use axum::{
+    Json, Router,
+    extract::State,
+    http::{StatusCode, header},
+    response::IntoResponse,
+    routing::get,
+};
 use serde_json::json;
 use std::time::Duration;
 
@@ -9,7 +15,29 @@ use std::time::Duration;
 const PROBE_LIMIT: Duration = Duration::from_millis(800);
 
 pub fn router() -> Router<ApiContext> {
-    Router::new().route("/healthz", get(healthz)).route("/readyz", get(readyz))
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+}
+
+/// Prometheus text format. Pool and process gauges are sampled now; counters and histograms are
+/// kept as they happen. Scraped from each replica directly: nginx does not forward /metrics.
+async fn metrics(State(ctx): State<ApiContext>) -> impl IntoResponse {
+    let db = ctx.wallets.db();
+    let idle = db.num_idle() as f64;
+    metrics::gauge!("walletlock_pg_pool_connections", "state" => "idle").set(idle);
+    metrics::gauge!("walletlock_pg_pool_connections", "state" => "in_use").set(f64::from(db.size()) - idle);
+    metrics::gauge!("walletlock_pg_pool_max_connections").set(f64::from(db.options().get_max_connections()));
+    let redis = ctx.wallets.leases().pool().status();
+    metrics::gauge!("walletlock_redis_pool_connections", "state" => "idle").set(redis.available as f64);
+    metrics::gauge!("walletlock_redis_pool_connections", "state" => "in_use")
+        .set(redis.size.saturating_sub(redis.available) as f64);
+    metrics::gauge!("walletlock_redis_pool_max_connections").set(redis.max_size as f64);
+    metrics::gauge!("walletlock_redis_pool_waiting").set(redis.waiting as f64);
+    crate::telemetry::metrics::sample_process();
+    ctx.metrics.run_upkeep();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], ctx.metrics.render())
 }
 
 /// The process is alive and serving HTTP. Says nothing about Redis or Postgres, so an orchestrator

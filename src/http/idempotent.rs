@@ -28,13 +28,20 @@ pub async fn begin(
     match idempotency::begin(ctx.wallets.db(), ctx.keys, scope, key, fingerprint).await {
         Ok(Begin::Proceed(claim)) => Ok(Some(claim)),
         Ok(Begin::Replay(stored)) => {
+            metrics::counter!("walletlock_idempotent_replays_total").increment(1);
             tracing::Span::current().record("outcome", "replayed");
             let mut response = into_response(stored);
             response.headers_mut().insert(IDEMPOTENT_REPLAYED.clone(), HeaderValue::from_static("true"));
             Err(response)
         }
-        Ok(Begin::Reused) => Err(ApiError::IdempotencyKeyReused.into_response()),
-        Ok(Begin::InFlight) => Err(ApiError::IdempotencyKeyInFlight.into_response()),
+        Ok(Begin::Reused) => {
+            metrics::counter!("walletlock_idempotency_conflicts_total", "reason" => "reused").increment(1);
+            Err(ApiError::IdempotencyKeyReused.into_response())
+        }
+        Ok(Begin::InFlight) => {
+            metrics::counter!("walletlock_idempotency_conflicts_total", "reason" => "in_flight").increment(1);
+            Err(ApiError::IdempotencyKeyInFlight.into_response())
+        }
         Err(err) => Err(ApiError::Wallet(WalletError::from(err)).into_response()),
     }
 }

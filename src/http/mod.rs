@@ -22,6 +22,7 @@ use axum::{
     middleware::{self, Next},
     response::{IntoResponse, Response},
 };
+use metrics_exporter_prometheus::PrometheusHandle;
 use std::{sync::Arc, time::Duration};
 use tower::ServiceBuilder;
 use tower_http::{
@@ -49,17 +50,21 @@ pub struct ApiContext {
     pub request_timeout: Duration,
     /// How long idempotency keys live, and when an in-flight one counts as abandoned.
     pub keys: KeySettings,
+    /// Renders the process's metrics for `GET /metrics`.
+    pub metrics: PrometheusHandle,
 }
 
 /// The whole API with its middleware.
 pub fn router(ctx: ApiContext) -> Router {
     let served_by = HeaderValue::from_str(&ctx.replica).unwrap_or(HeaderValue::from_static("walletlock"));
+    let replica = ctx.replica.clone();
     Router::new()
         .merge(health::router())
         .merge(wallets::router())
         .fallback(|| async { ApiError::RouteNotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(middleware::from_fn_with_state(ctx.clone(), bounded_and_draining))
+        .layer(middleware::from_fn(record_request_metrics))
         .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
         .layer(
             ServiceBuilder::new()
@@ -73,11 +78,14 @@ pub fn router(ctx: ApiContext) -> Router {
                             tracing::info_span!(
                                 "request",
                                 request_id,
+                                replica = &*replica,
                                 method = %request.method(),
                                 route = route.unwrap_or(request.uri().path()),
                                 wallet_id = tracing::field::Empty,
                                 fence = tracing::field::Empty,
                                 outcome = tracing::field::Empty,
+                                lease_wait_ms = tracing::field::Empty,
+                                db_ms = tracing::field::Empty,
                             )
                         })
                         .on_request(DefaultOnRequest::new().level(Level::DEBUG))
@@ -95,6 +103,21 @@ pub fn router(ctx: ApiContext) -> Router {
                 .layer(CatchPanicLayer::custom(|_panic| ApiError::Panic.into_response())),
         )
         .with_state(ctx)
+}
+
+/// Counts each request and times it, by route (the matched pattern, so ids do not explode the
+/// label set) and status.
+async fn record_request_metrics(request: Request, next: Next) -> Response {
+    let started = std::time::Instant::now();
+    let method = request.method().to_string();
+    let route = request.extensions().get::<MatchedPath>().map_or("unmatched", MatchedPath::as_str).to_owned();
+    let response = next.run(request).await;
+    let status = response.status().as_u16().to_string();
+    metrics::histogram!("walletlock_http_request_duration_seconds", "method" => method.clone(), "route" => route.clone())
+        .record(started.elapsed());
+    metrics::counter!("walletlock_http_requests_total", "method" => method, "route" => route, "status" => status)
+        .increment(1);
+    response
 }
 
 /// Bounds each request in time, and during shutdown asks the client (nginx) to close the

@@ -42,6 +42,33 @@ use std::{
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+/// Describes the metrics this module records (see `crate::telemetry::metrics`), and registers
+/// them at zero.
+pub fn describe_metrics() {
+    use metrics::{Unit, describe_counter, describe_histogram};
+    for (name, help) in [
+        ("walletlock_lease_acquisitions_total", "Leases taken."),
+        ("walletlock_lease_timeouts_total", "Leases not obtained within the wait."),
+        ("walletlock_lease_refreshes_total", "Watchdog refreshes that kept a lease."),
+        (
+            "walletlock_lease_refresh_failures_total",
+            "Watchdog refreshes that found the lease gone or failed.",
+        ),
+        ("walletlock_lease_releases_total", "Leases released."),
+        ("walletlock_lease_release_not_held_total", "Releases that found the lease already gone."),
+        ("walletlock_fence_resyncs_total", "Fence counters lifted above what the store had seen."),
+    ] {
+        describe_counter!(name, help);
+        metrics::counter!(name).absolute(0);
+    }
+    describe_histogram!("walletlock_lease_acquire_wait_seconds", Unit::Seconds, "Wait for each lease taken.");
+    describe_histogram!(
+        "walletlock_redis_pool_acquire_wait_seconds",
+        Unit::Seconds,
+        "Wait for a Redis connection from the pool."
+    );
+}
+
 /// How long a fence counter outlives the last acquisition of its name.
 const FENCE_RETENTION_MS: u64 = 7 * 24 * 3600 * 1000;
 
@@ -126,6 +153,8 @@ impl LeaseClient {
                         waited_ms = started.elapsed().as_millis() as u64,
                         "lease acquired"
                     );
+                    metrics::counter!("walletlock_lease_acquisitions_total").increment(1);
+                    metrics::histogram!("walletlock_lease_acquire_wait_seconds").record(started.elapsed());
                     return Ok(Lease {
                         client: self.clone(),
                         name: name.to_owned(),
@@ -144,6 +173,9 @@ impl LeaseClient {
             };
             let now = Instant::now();
             if now >= deadline {
+                if last_error.is_none() {
+                    metrics::counter!("walletlock_lease_timeouts_total").increment(1);
+                }
                 return Err(match last_error {
                     Some(failure) => LeaseError::Unavailable(failure),
                     None => LeaseError::NotObtained { name: name.to_owned(), waited: started.elapsed() },
@@ -151,6 +183,11 @@ impl LeaseClient {
             }
             tokio::time::sleep(self.settings.backoff.pause().min(deadline - now)).await;
         }
+    }
+
+    /// The connection pool, for its gauges.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
     }
 
     /// Answers whether Redis responds within the operation timeout.
@@ -170,7 +207,9 @@ impl LeaseClient {
         args: impl deadpool_redis::redis::ToRedisArgs,
     ) -> Result<T, RedisFailure> {
         self.bounded(async {
+            let waiting = Instant::now();
             let mut conn = self.pool.get().await?;
+            metrics::histogram!("walletlock_redis_pool_acquire_wait_seconds").record(waiting.elapsed());
             Ok(script.run(&mut conn, keys, args).await?)
         })
         .await
@@ -188,8 +227,14 @@ impl LeaseClient {
 
     async fn release_token(&self, name: &str, keys: &Keys, token: &Token) -> Result<(), LeaseError> {
         match self.run::<i64>(&scripts::RELEASE, &[&keys.lease], &token.0).await? {
-            1 => Ok(()),
-            _ => Err(LeaseError::NotHeld { name: name.to_owned() }),
+            1 => {
+                metrics::counter!("walletlock_lease_releases_total").increment(1);
+                Ok(())
+            }
+            _ => {
+                metrics::counter!("walletlock_lease_release_not_held_total").increment(1);
+                Err(LeaseError::NotHeld { name: name.to_owned() })
+            }
         }
     }
 
@@ -300,13 +345,18 @@ impl Lease {
                 ticks.tick().await;
                 let refresh = tokio::time::timeout(period, client.refresh_token(&name, &keys, &token));
                 match refresh.await {
-                    Ok(Ok(())) => tracing::trace!(lease = %name, "lease refreshed"),
+                    Ok(Ok(())) => {
+                        metrics::counter!("walletlock_lease_refreshes_total").increment(1);
+                        tracing::trace!(lease = %name, "lease refreshed");
+                    }
                     Ok(Err(err)) => {
+                        metrics::counter!("walletlock_lease_refresh_failures_total").increment(1);
                         tracing::warn!(lease = %name, error = %err, "lease refresh failed; cancelling the holder's work");
                         lost.cancel();
                         return;
                     }
                     Err(_) => {
+                        metrics::counter!("walletlock_lease_refresh_failures_total").increment(1);
                         tracing::warn!(lease = %name, "lease refresh timed out; cancelling the holder's work");
                         lost.cancel();
                         return;
@@ -344,6 +394,7 @@ impl Lease {
         match self.client.run::<i64>(&scripts::ADVANCE_FENCE, &keys, (&self.token.0, seen)).await? {
             -1 => Err(LeaseError::NotHeld { name: self.name.clone() }),
             fence => {
+                metrics::counter!("walletlock_fence_resyncs_total").increment(1);
                 tracing::info!(lease = %self.name, old = self.fence, new = fence, seen, "fence counter resynchronized from the store");
                 self.fence = fence;
                 Ok(fence)

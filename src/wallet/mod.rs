@@ -15,9 +15,33 @@ use crate::idempotency::{self, Receipt};
 use crate::lease::{Lease, LeaseClient, LeaseError};
 use crate::ledger::{self, Entry, EntryKind, NewEntry, StoreError, Wallet};
 use sqlx::PgPool;
-use std::time::Duration;
+use sqlx::pool::PoolConnection;
+use std::time::{Duration, Instant};
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 use uuid::Uuid;
+
+/// Describes the metrics this module records (see `crate::telemetry::metrics`), and registers the
+/// common ones at zero.
+pub fn describe_metrics() {
+    use metrics::{Unit, describe_counter, describe_histogram};
+    describe_counter!("walletlock_movements_total", "Deposits and payments, by kind and outcome.");
+    for kind in ["pay", "deposit"] {
+        for outcome in ["accepted", "insufficient_funds", "lock_timeout", "lease_lost", "unavailable"] {
+            metrics::counter!("walletlock_movements_total", "kind" => kind, "outcome" => outcome).absolute(0);
+        }
+    }
+    describe_counter!(
+        "walletlock_fence_refusals_total",
+        "Claims or commits the fence refused: the lease was lost."
+    );
+    metrics::counter!("walletlock_fence_refusals_total").absolute(0);
+    describe_histogram!(
+        "walletlock_pg_pool_acquire_wait_seconds",
+        Unit::Seconds,
+        "Wait for a Postgres connection from the pool."
+    );
+}
 
 /// Why a wallet operation did not happen. Every variant means nothing was applied.
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +70,21 @@ pub enum WalletError {
 }
 
 impl WalletError {
+    /// The `outcome` label of `walletlock_movements_total`.
+    fn outcome(&self) -> &'static str {
+        match self {
+            WalletError::NotFound => "not_found",
+            WalletError::Exists => "exists",
+            WalletError::Refused(Refusal::InsufficientFunds { .. }) => "insufficient_funds",
+            WalletError::Refused(Refusal::BalanceOverflow { .. }) => "balance_overflow",
+            WalletError::LockTimeout { .. } => "lock_timeout",
+            WalletError::LeaseLost => "lease_lost",
+            WalletError::Unavailable { .. } => "unavailable",
+            WalletError::KeyTakenOver => "key_taken_over",
+            WalletError::Internal(_) => "error",
+        }
+    }
+
     /// Whether the outcome is stored for an idempotency key: deterministic refusals are (a retry
     /// would be refused the same way); failures that a retry might not meet are not.
     fn is_stored(&self) -> bool {
@@ -159,7 +198,7 @@ impl Wallets {
     }
 
     pub async fn get(&self, id: &WalletId) -> Result<Wallet, WalletError> {
-        let mut conn = self.db.acquire().await?;
+        let mut conn = self.connection().await?;
         ledger::find_wallet(&mut conn, id.as_str()).await?.ok_or(WalletError::NotFound)
     }
 
@@ -170,7 +209,7 @@ impl Wallets {
         before: Option<i64>,
         limit: i64,
     ) -> Result<Vec<Entry>, WalletError> {
-        let mut conn = self.db.acquire().await?;
+        let mut conn = self.connection().await?;
         let page = ledger::entries_page(&mut conn, id.as_str(), before, limit).await?;
         // Every wallet has its `open` entry, so an empty page means no wallet or past its start.
         if page.is_empty() && ledger::find_wallet(&mut conn, id.as_str()).await?.is_none() {
@@ -188,10 +227,29 @@ impl Wallets {
         receipt: Option<Receipt<MovementOutcome>>,
     ) -> Result<Entry, WalletError> {
         let (this, id) = (self.clone(), id.clone());
-        self.run_to_end(receipt.as_ref().map(|r| r.claim.clone()), async move {
-            this.apply_under_lease(&id, &movement, receipt.as_ref()).await
-        })
-        .await
+        let kind = match movement {
+            Movement::Deposit { .. } => "deposit",
+            Movement::Pay { .. } => "pay",
+        };
+        let result = self
+            .run_to_end(receipt.as_ref().map(|r| r.claim.clone()), async move {
+                this.apply_under_lease(&id, &movement, receipt.as_ref()).await
+            })
+            .await;
+        let outcome = result.as_ref().map_or_else(WalletError::outcome, |_| "accepted");
+        metrics::counter!("walletlock_movements_total", "kind" => kind, "outcome" => outcome).increment(1);
+        if matches!(result, Err(WalletError::LeaseLost)) {
+            metrics::counter!("walletlock_fence_refusals_total").increment(1);
+        }
+        result
+    }
+
+    /// A pooled Postgres connection, its wait measured.
+    async fn connection(&self) -> Result<PoolConnection<sqlx::Postgres>, WalletError> {
+        let waiting = Instant::now();
+        let conn = self.db.acquire().await?;
+        metrics::histogram!("walletlock_pg_pool_acquire_wait_seconds").record(waiting.elapsed());
+        Ok(conn)
     }
 
     /// Runs `work` as its own task, so that it finishes (commit or roll back, release its lease,
@@ -203,15 +261,19 @@ impl Wallets {
         work: impl Future<Output = Result<T, WalletError>> + Send + 'static,
     ) -> Result<T, WalletError> {
         let db = self.db.clone();
-        let task = self.in_flight.spawn(async move {
-            let outcome = work.await;
-            if let (Some(claim), Err(err)) = (&claim, &outcome)
-                && !err.is_stored()
-            {
-                idempotency::abandon(&db, claim).await;
+        // The task logs and records timings into the request's span, even after the request ended.
+        let task = self.in_flight.spawn(
+            async move {
+                let outcome = work.await;
+                if let (Some(claim), Err(err)) = (&claim, &outcome)
+                    && !err.is_stored()
+                {
+                    idempotency::abandon(&db, claim).await;
+                }
+                outcome
             }
-            outcome
-        });
+            .instrument(tracing::Span::current()),
+        );
         task.await.map_err(|join| WalletError::Internal(anyhow::anyhow!("wallet task failed: {join}")))?
     }
 
@@ -229,8 +291,11 @@ impl Wallets {
         receipt: Option<&Receipt<MovementOutcome>>,
     ) -> Result<Entry, WalletError> {
         let mut lease = self.leases.acquire(&lease_name(id)).await?;
+        tracing::Span::current().record("lease_wait_ms", lease.waited().as_secs_f64() * 1e3);
         lease.keep_alive();
+        let started = Instant::now();
         let outcome = self.apply_fenced(&mut lease, id, movement, receipt).await;
+        tracing::Span::current().record("db_ms", started.elapsed().as_secs_f64() * 1e3);
         // Release on every outcome, so the next holder does not wait out our TTL. A lease found
         // already gone changes nothing: the fence has decided by now.
         if let Err(err) = lease.release().await {
@@ -246,7 +311,7 @@ impl Wallets {
         movement: &Movement,
         receipt: Option<&Receipt<MovementOutcome>>,
     ) -> Result<Entry, WalletError> {
-        let mut conn = self.db.acquire().await?;
+        let mut conn = self.connection().await?;
         let lost = lease.lost();
         let claimed = tokio::select! {
             biased;

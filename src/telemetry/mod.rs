@@ -4,6 +4,8 @@
 //! acquisition and release), else `info`. Secrets never reach a log line: the URLs that may carry
 //! passwords are `SecretString`s, which print as `[REDACTED]`.
 
+pub mod metrics;
+
 use crate::config::LogFormat;
 use tracing_subscriber::{EnvFilter, fmt};
 

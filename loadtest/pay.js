@@ -1,0 +1,467 @@
+// loadtest/pay.js: payments against walletlock, through nginx, with k6.
+//
+//   SCENARIO=spread k6 run loadtest/pay.js          (loadtest/run wraps this and checks the books)
+//
+// Scenarios (SCENARIO):
+//   hot        every VU pays 1 from one wallet
+//   spread     payments of 1 to 100 from 10,000 wallets, picked at random
+//   doubletap  every payment is sent twice at the same instant with one Idempotency-Key; the two
+//              answers must agree on one charge (same ledger entry)
+//   mixed      deposits (40%) and payments (60%) on 100 small wallets, so that some payments meet
+//              insufficient funds
+//
+// Load model (MODEL):
+//   closed     (default) VUS virtual users, each sending its next payment when the last answered
+//   open       RATE payments per second (constant-arrival-rate) whatever the latency, with up to
+//              MAX_VUS users; iterations k6 could not start in time are `dropped_iterations`, and
+//              more than MAX_DROPPED_PCT percent of the planned ones fails the run
+//
+// Other settings, all optional: BASE_URL (http://127.0.0.1:8080), DURATION (60s), VUS, RATE,
+// WALLETS and INITIAL (per scenario below), RUN_ID (prefix of the run's wallet ids and keys; made up
+// in setup() when unset), P95_MS and P99_MS (latency thresholds on deposits and payments),
+// MAX_ERROR_RATE (0.001, unexpected answers per request), SUMMARY_JSON (where handleSummary writes
+// the JSON summary; none when unset), ACK_LOG=1 (one `WL {...}` console line per finished
+// operation: what the client saw acknowledged, read by loadtest/books.py).
+//
+// Every deposit and payment carries a unique Idempotency-Key (also its `reference`). An answer that
+// leaves the outcome unknown (no answer, a 502/504 from nginx, 500, 503 request_timeout, 409
+// idempotency_key_in_flight) is retried with the same key until it is decided; what is still
+// undecided at the end is logged as such, and loadtest/books.py settles it after the run by
+// replaying the key. So every operation ends as charged exactly once, or not at all, and the client
+// knows which: the books can be checked exactly.
+//
+// Expected outcomes, not failures: 200, 422 insufficient_funds, 503 lock_timeout, 409 lease_lost,
+// 503 dependency_unavailable, 409 idempotency_key_in_flight. Anything else (a status 0, a 5xx that
+// is not one of those, a 400, a 200 whose entry does not match the request) counts in
+// `unexpected_errors`.
+
+import http from 'k6/http';
+import { check, fail, sleep } from 'k6';
+import { Counter, Rate } from 'k6/metrics';
+
+const PROFILES = {
+  hot: { wallets: 1, initial: 1000000000000, vus: 64 },
+  spread: { wallets: 10000, initial: 1000000000, vus: 64 },
+  doubletap: { wallets: 1000, initial: 1000000000, vus: 32 },
+  mixed: { wallets: 100, initial: 100, vus: 32 },
+};
+
+const SCENARIO = __ENV.SCENARIO || 'spread';
+const PROFILE = PROFILES[SCENARIO];
+if (!PROFILE) {
+  throw new Error(`SCENARIO must be one of ${Object.keys(PROFILES).join(', ')}, not ${SCENARIO}`);
+}
+
+function positiveInt(name, fallback) {
+  const raw = __ENV[name];
+  if (raw === undefined || raw === '') return fallback;
+  const value = Number(raw);
+  if (!Number.isInteger(value) || value < 1) throw new Error(`${name} must be a positive integer, not ${raw}`);
+  return value;
+}
+
+function positiveNumber(name, fallback) {
+  const raw = __ENV[name];
+  if (raw === undefined || raw === '') return fallback;
+  const value = Number(raw);
+  if (!(value >= 0)) throw new Error(`${name} must be a non-negative number, not ${raw}`);
+  return value;
+}
+
+// "90s", "2m", "1m30s", "1h" -> seconds.
+function seconds(text) {
+  const re = /(\d+(?:\.\d+)?)(ms|s|m|h)/g;
+  const unit = { ms: 0.001, s: 1, m: 60, h: 3600 };
+  let total = 0;
+  let matched = '';
+  let m;
+  while ((m = re.exec(text)) !== null) {
+    total += Number(m[1]) * unit[m[2]];
+    matched += m[0];
+  }
+  if (matched !== text || total <= 0) throw new Error(`DURATION must look like 60s, 2m or 1m30s, not ${text}`);
+  return total;
+}
+
+const BASE_URL = (__ENV.BASE_URL || 'http://127.0.0.1:8080').replace(/\/+$/, '');
+const MODEL = __ENV.MODEL || 'closed';
+const DURATION = __ENV.DURATION || '60s';
+const DURATION_S = seconds(DURATION);
+const VUS = positiveInt('VUS', PROFILE.vus);
+const RATE = positiveInt('RATE', 200);
+const MAX_VUS = positiveInt('MAX_VUS', Math.max(VUS, 4 * VUS));
+const WALLETS = positiveInt('WALLETS', PROFILE.wallets);
+const INITIAL = positiveInt('INITIAL', PROFILE.initial);
+const P95_MS = positiveNumber('P95_MS', 1000);
+const P99_MS = positiveNumber('P99_MS', 2500);
+const MAX_ERROR_RATE = positiveNumber('MAX_ERROR_RATE', 0.001);
+const MAX_DROPPED_PCT = positiveNumber('MAX_DROPPED_PCT', 1);
+const ACK_LOG = __ENV.ACK_LOG === '1';
+// Tries per operation before it is logged as undecided (and settled after the run).
+const TRIES = 5;
+
+if (MODEL !== 'closed' && MODEL !== 'open') throw new Error(`MODEL must be closed or open, not ${MODEL}`);
+
+function scenarioConfig() {
+  if (MODEL === 'closed') {
+    return { executor: 'constant-vus', vus: VUS, duration: DURATION, gracefulStop: '10s' };
+  }
+  return {
+    executor: 'constant-arrival-rate',
+    rate: RATE,
+    timeUnit: '1s',
+    duration: DURATION,
+    preAllocatedVUs: VUS,
+    maxVUs: MAX_VUS,
+    gracefulStop: '10s',
+  };
+}
+
+const thresholds = {
+  // Answers outside the API's contract, per request.
+  unexpected_errors: [`rate<${MAX_ERROR_RATE}`],
+  // Deposits and payments only: setup's wallet creations and the runner's reads are not timed here.
+  'http_req_duration{op:move}': [`p(95)<${P95_MS}`, `p(99)<${P99_MS}`],
+  // Two answers to one key that report different ledger entries: a double charge.
+  double_charges: ['count==0'],
+  // Listed so that the summary carries the request count of deposits and payments alone.
+  'http_reqs{op:move}': ['count>0'],
+};
+if (MODEL === 'open') {
+  const planned = RATE * DURATION_S;
+  thresholds.dropped_iterations = [`count<=${Math.floor((planned * MAX_DROPPED_PCT) / 100)}`];
+}
+
+export const options = {
+  scenarios: { [SCENARIO]: scenarioConfig() },
+  thresholds,
+  setupTimeout: '10m',
+  // setup() opens wallets 100 at a time; doubletap sends its two requests together.
+  batch: 100,
+  batchPerHost: 100,
+  // Without `url` (one per wallet: 10,000 time series); `name` carries the route instead.
+  systemTags: ['status', 'method', 'name', 'group', 'check', 'error', 'error_code', 'scenario', 'expected_response'],
+  summaryTrendStats: ['avg', 'min', 'med', 'max', 'p(90)', 'p(95)', 'p(99)'],
+  discardResponseBodies: false,
+};
+
+// Statuses the API answers by contract; everything else marks http_req_failed.
+http.setResponseCallback(http.expectedStatuses(200, 201, 409, 422, 503));
+
+// Final outcome of each operation (one payment or deposit, however many requests it took).
+const accepted = new Counter('accepted'); // payments charged (200)
+const deposited = new Counter('deposited'); // deposits credited (200)
+const insufficientFunds = new Counter('insufficient_funds');
+const lockTimeout = new Counter('lock_timeout');
+const leaseLost = new Counter('lease_lost');
+const dependencyUnavailable = new Counter('dependency_unavailable');
+const undecided = new Counter('undecided'); // still unknown after TRIES; settled by the runner
+const operations = new Counter('operations');
+// Per response.
+const replayed = new Counter('replayed'); // answers with Idempotent-Replayed: true
+const inFlight = new Counter('in_flight'); // 409 idempotency_key_in_flight
+const unexpected = new Counter('unexpected'); // the count behind unexpected_errors
+const unexpectedErrors = new Rate('unexpected_errors');
+const doubleCharges = new Counter('double_charges');
+
+const JSON_HEADERS = { 'Content-Type': 'application/json' };
+
+function walletId(runId, index) {
+  return `${runId}-${index}`;
+}
+
+function code(res) {
+  try {
+    const body = res.json();
+    return body && typeof body.code === 'string' ? body.code : '';
+  } catch (_) {
+    return '';
+  }
+}
+
+function ack(record) {
+  if (ACK_LOG) console.log(`WL ${JSON.stringify(record)}`);
+}
+
+function randomInt(min, max) {
+  return min + Math.floor(Math.random() * (max - min + 1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// setup: open the run's wallets through the API, 100 at a time.
+
+export function setup() {
+  const runId = __ENV.RUN_ID || `lt-${SCENARIO}-${Date.now().toString(36)}`;
+  if (!/^[A-Za-z0-9_-]{1,50}$/.test(runId)) fail(`RUN_ID must be 1 to 50 of A-Z a-z 0-9 _ -, not ${runId}`);
+  const started = Date.now();
+  let pending = [];
+  for (let i = 0; i < WALLETS; i++) pending.push(i);
+  for (let round = 0; round < TRIES && pending.length > 0; round++) {
+    if (round > 0) sleep(0.2 * round);
+    const retry = [];
+    for (let start = 0; start < pending.length; start += 100) {
+      const chunk = pending.slice(start, start + 100);
+      const requests = chunk.map((i) => {
+        const id = walletId(runId, i);
+        return {
+          method: 'POST',
+          url: `${BASE_URL}/wallets`,
+          body: JSON.stringify({ id, balance: INITIAL }),
+          params: {
+            headers: { ...JSON_HEADERS, 'Idempotency-Key': `${id}-open` },
+            tags: { op: 'open', name: 'POST /wallets' },
+          },
+        };
+      });
+      const responses = http.batch(requests);
+      responses.forEach((res, n) => {
+        const i = chunk[n];
+        if (res.status === 201) {
+          const wallet = res.json();
+          ack({ op: 'open', w: walletId(runId, i), amount: wallet.balance, s: 201 });
+        } else if (res.status === 0 || res.status >= 500 || (res.status === 409 && code(res) === 'idempotency_key_in_flight')) {
+          retry.push(i);
+        } else {
+          fail(`opening wallet ${walletId(runId, i)}: HTTP ${res.status} ${res.body}`);
+        }
+      });
+    }
+    pending = retry;
+  }
+  if (pending.length > 0) fail(`could not open ${pending.length} wallets (first: ${walletId(runId, pending[0])})`);
+  console.info(`opened ${WALLETS} wallets ${walletId(runId, 0)}..${WALLETS - 1} in ${Date.now() - started} ms`);
+  return { runId };
+}
+
+// ---------------------------------------------------------------------------------------------
+// One deposit or payment: send, classify, retry while undecided.
+
+// What one answer says about the operation.
+//   decided: 'charged' (200), 'refused' (nothing applied, the API says so), or null (unknown yet)
+function classify(res, kind, wallet, amount) {
+  const replay = res.headers['Idempotent-Replayed'] === 'true';
+  if (replay) replayed.add(1);
+  const errorCode = res.status === 200 ? '' : code(res);
+  let decided = null;
+  let expected = true;
+  let entry = null;
+  if (res.status === 200) {
+    try {
+      entry = res.json();
+    } catch (_) {
+      entry = null;
+    }
+    const sound =
+      entry !== null &&
+      entry.wallet_id === wallet &&
+      entry.kind === kind &&
+      entry.amount === amount &&
+      Number.isInteger(entry.balance) &&
+      entry.balance >= 0 &&
+      typeof entry.id === 'string';
+    if (sound) {
+      decided = 'charged';
+    } else {
+      expected = false; // a 200 that does not describe this request: settle it by replaying the key
+    }
+  } else if (res.status === 422 && errorCode === 'insufficient_funds') {
+    decided = 'refused';
+  } else if (res.status === 503 && (errorCode === 'lock_timeout' || errorCode === 'dependency_unavailable')) {
+    decided = 'refused';
+  } else if (res.status === 409 && errorCode === 'lease_lost') {
+    decided = 'refused';
+  } else if (res.status === 409 && errorCode === 'idempotency_key_in_flight') {
+    inFlight.add(1);
+  } else if (res.status >= 400 && res.status < 500 && res.status !== 408 && res.status !== 429) {
+    // A request the API rejected (400, 404, 422 idempotency_key_reused): nothing was applied, but
+    // this script should never send one.
+    decided = 'refused';
+    expected = false;
+  } else {
+    // Status 0 (no answer), 500, 502/504 from nginx, 503 request_timeout: may or may not have run.
+    expected = false;
+  }
+  unexpectedErrors.add(!expected);
+  if (!expected) unexpected.add(1);
+  check(res, { [`${kind}: an answer the API promises`]: () => expected });
+  return { decided, code: errorCode, entry, replay, status: res.status };
+}
+
+function moveRequest(kind, wallet, amount, key) {
+  const body = kind === 'pay' ? JSON.stringify({ amount, reference: key }) : JSON.stringify({ amount });
+  return {
+    method: 'POST',
+    url: `${BASE_URL}/wallets/${wallet}/${kind}`,
+    body,
+    params: {
+      headers: { ...JSON_HEADERS, 'Idempotency-Key': key },
+      tags: { op: 'move', kind, name: `POST /wallets/{id}/${kind}` },
+    },
+  };
+}
+
+function send(request) {
+  return http.request(request.method, request.url, request.body, request.params);
+}
+
+// Records the final outcome of one operation.
+function finish(kind, wallet, amount, key, request, outcome) {
+  operations.add(1, { kind });
+  const base = { op: kind, w: wallet, amount, key };
+  if (outcome === null) {
+    undecided.add(1);
+    ack({ ...base, s: 'undecided', url: request.url, body: request.body });
+    return;
+  }
+  if (outcome.decided === 'charged') {
+    if (kind === 'pay') accepted.add(1);
+    else deposited.add(1);
+    ack({ ...base, s: 200, entry: outcome.entry.id });
+    return;
+  }
+  if (outcome.code === 'insufficient_funds') insufficientFunds.add(1);
+  else if (outcome.code === 'lock_timeout') lockTimeout.add(1);
+  else if (outcome.code === 'lease_lost') leaseLost.add(1);
+  else if (outcome.code === 'dependency_unavailable') dependencyUnavailable.add(1);
+  ack({ ...base, s: outcome.status, code: outcome.code });
+}
+
+// Sends the request until an answer decides it, at most TRIES times in all (`first` may hold the
+// answers already received). Returns the deciding outcome, or null.
+function settle(request, kind, wallet, amount, first) {
+  let tries = first ? first.length : 0;
+  const decided = (first || []).filter((o) => o.decided !== null);
+  if (decided.length > 0) return decided[0];
+  while (tries < TRIES) {
+    if (tries > 0) sleep(0.05 * 2 ** (tries - 1));
+    tries++;
+    const outcome = classify(send(request), kind, wallet, amount);
+    if (outcome.decided !== null) return outcome;
+  }
+  return null;
+}
+
+function move(runId, kind, wallet, amount) {
+  const key = `${runId}-${kind}-${__VU}-${__ITER}`;
+  const request = moveRequest(kind, wallet, amount, key);
+  finish(kind, wallet, amount, key, request, settle(request, kind, wallet, amount, null));
+}
+
+// The same payment twice at once, one key: one charge, and both answers say so.
+function doubletap(runId, wallet, amount) {
+  const key = `${runId}-pay-${__VU}-${__ITER}`;
+  const request = moveRequest('pay', wallet, amount, key);
+  const [a, b] = http.batch([request, request]).map((res) => classify(res, 'pay', wallet, amount));
+  const charged = [a, b].filter((o) => o.decided === 'charged');
+  const refused = [a, b].filter((o) => o.decided === 'refused');
+  let agree = true;
+  if (charged.length === 2) {
+    // Both 200: one ran, the other is its replay, and both name the same ledger entry.
+    agree = charged[0].entry.id === charged[1].entry.id && (charged[0].replay || charged[1].replay);
+  } else if (charged.length === 1 && refused.length === 1) {
+    // Charged by one, refused by the other: fine only when the refusal was transient (lock or
+    // dependency) and the other request then ran; a stored refusal and a charge cannot both be.
+    agree = refused[0].code !== 'insufficient_funds';
+  }
+  if (!agree) doubleCharges.add(1);
+  check(null, { 'doubletap: both answers agree on one charge': () => agree });
+  // A charge decides it even if the other one was refused; else the first decided answer.
+  const outcome = charged.length > 0 ? charged[0] : settle(request, 'pay', wallet, amount, [a, b]);
+  finish('pay', wallet, amount, key, request, outcome);
+}
+
+export default function (data) {
+  const runId = data.runId;
+  switch (SCENARIO) {
+    case 'hot':
+      move(runId, 'pay', walletId(runId, 0), 1);
+      break;
+    case 'spread':
+      move(runId, 'pay', walletId(runId, randomInt(0, WALLETS - 1)), randomInt(1, 100));
+      break;
+    case 'doubletap':
+      doubletap(runId, walletId(runId, randomInt(0, WALLETS - 1)), randomInt(1, 100));
+      break;
+    case 'mixed': {
+      const wallet = walletId(runId, randomInt(0, WALLETS - 1));
+      if (Math.random() < 0.4) move(runId, 'deposit', wallet, randomInt(1, 50));
+      else move(runId, 'pay', wallet, randomInt(1, 40));
+      break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The summary: JSON for the runner (SUMMARY_JSON), a few lines for people.
+
+function metric(data, name, field) {
+  const m = data.metrics[name];
+  return m && m.values && m.values[field] !== undefined ? m.values[field] : 0;
+}
+
+function failedThresholds(data) {
+  const failed = [];
+  for (const [name, m] of Object.entries(data.metrics)) {
+    for (const [expr, t] of Object.entries(m.thresholds || {})) {
+      if (!t.ok) failed.push(`${name}: ${expr}`);
+    }
+  }
+  return failed;
+}
+
+export function handleSummary(data) {
+  const moves = metric(data, 'http_reqs{op:move}', 'count');
+  const figures = {
+    scenario: SCENARIO,
+    model: MODEL,
+    duration_s: DURATION_S,
+    vus: MODEL === 'closed' ? VUS : null,
+    rate: MODEL === 'open' ? RATE : null,
+    wallets: WALLETS,
+    initial: INITIAL,
+    base_url: BASE_URL,
+    run_id: (data.setup_data && data.setup_data.runId) || __ENV.RUN_ID || null,
+    // Deposits and payments, over the scenario's own duration (setup's wallet openings excluded).
+    operations: metric(data, 'operations', 'count'),
+    ops_per_s: metric(data, 'operations', 'count') / DURATION_S,
+    requests: moves,
+    rps: moves / DURATION_S,
+    p50_ms: metric(data, 'http_req_duration{op:move}', 'med'),
+    p95_ms: metric(data, 'http_req_duration{op:move}', 'p(95)'),
+    p99_ms: metric(data, 'http_req_duration{op:move}', 'p(99)'),
+    max_ms: metric(data, 'http_req_duration{op:move}', 'max'),
+    accepted: metric(data, 'accepted', 'count'),
+    deposited: metric(data, 'deposited', 'count'),
+    insufficient_funds: metric(data, 'insufficient_funds', 'count'),
+    lock_timeout: metric(data, 'lock_timeout', 'count'),
+    lease_lost: metric(data, 'lease_lost', 'count'),
+    dependency_unavailable: metric(data, 'dependency_unavailable', 'count'),
+    replayed: metric(data, 'replayed', 'count'),
+    in_flight: metric(data, 'in_flight', 'count'),
+    undecided: metric(data, 'undecided', 'count'),
+    unexpected: metric(data, 'unexpected', 'count'),
+    unexpected_rate: metric(data, 'unexpected_errors', 'rate'),
+    double_charges: metric(data, 'double_charges', 'count'),
+    dropped_iterations: metric(data, 'dropped_iterations', 'count'),
+    failed_thresholds: failedThresholds(data),
+  };
+  const f = (x) => (Math.round(x * 10) / 10).toFixed(1);
+  const text =
+    [
+      `k6 ${SCENARIO} (${MODEL}${MODEL === 'closed' ? `, ${VUS} VUs` : `, ${RATE}/s`}, ${DURATION}, ${WALLETS} wallets):`,
+      `  ${figures.operations} operations, ${f(figures.ops_per_s)}/s; ${moves} requests, ${f(figures.rps)}/s`,
+      `  latency p50 ${f(figures.p50_ms)} ms, p95 ${f(figures.p95_ms)} ms, p99 ${f(figures.p99_ms)} ms, max ${f(figures.max_ms)} ms`,
+      `  accepted=${figures.accepted} deposited=${figures.deposited} insufficient_funds=${figures.insufficient_funds}` +
+        ` lock_timeout=${figures.lock_timeout} lease_lost=${figures.lease_lost}` +
+        ` dependency_unavailable=${figures.dependency_unavailable} replayed=${figures.replayed}` +
+        ` in_flight=${figures.in_flight} undecided=${figures.undecided}`,
+      `  unexpected errors: ${figures.unexpected} (${(figures.unexpected_rate * 100).toFixed(3)}% of requests)` +
+        (MODEL === 'open' ? `, dropped iterations: ${figures.dropped_iterations}` : ''),
+      figures.failed_thresholds.length === 0
+        ? '  thresholds: all passed'
+        : `  thresholds FAILED: ${figures.failed_thresholds.join('; ')}`,
+    ].join('\n') + '\n';
+  const out = { stdout: text };
+  if (__ENV.SUMMARY_JSON) out[__ENV.SUMMARY_JSON] = JSON.stringify({ figures, k6: data }, null, 1);
+  return out;
+}

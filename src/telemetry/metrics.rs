@@ -1,0 +1,107 @@
+//! Prometheus metrics, served by every replica at `GET /metrics`.
+//!
+//! Each module describes the metrics it records ([`crate::lease::describe_metrics`],
+//! [`crate::wallet::describe_metrics`], ...); this module installs the recorder once per process,
+//! registers every metric at zero so a dashboard sees all of them from the first scrape, and
+//! samples the gauges (pools, process) at scrape time.
+//!
+//! | metric | type | what |
+//! |---|---|---|
+//! | `walletlock_http_requests_total{method,route,status}` | counter | requests answered |
+//! | `walletlock_http_request_duration_seconds{method,route}` | histogram | time to answer |
+//! | `walletlock_movements_total{kind,outcome}` | counter | deposits and payments by outcome (`accepted`, `insufficient_funds`, `lock_timeout`, `lease_lost`, ...) |
+//! | `walletlock_lease_acquisitions_total` | counter | leases taken |
+//! | `walletlock_lease_acquire_wait_seconds` | histogram | wait for each lease taken |
+//! | `walletlock_lease_timeouts_total` | counter | leases not obtained within the wait |
+//! | `walletlock_lease_refreshes_total`, `walletlock_lease_refresh_failures_total` | counter | watchdog refreshes, and the ones that found the lease gone or failed |
+//! | `walletlock_lease_releases_total`, `walletlock_lease_release_not_held_total` | counter | releases, and the ones that found the lease already gone |
+//! | `walletlock_fence_refusals_total` | counter | writes or claims the fence refused (`lease_lost`) |
+//! | `walletlock_fence_resyncs_total` | counter | fence counters lifted after Redis lost them |
+//! | `walletlock_idempotent_replays_total` | counter | stored responses replayed |
+//! | `walletlock_idempotency_conflicts_total{reason}` | counter | `in_flight` and `reused` refusals |
+//! | `walletlock_pg_pool_connections{state}`, `walletlock_pg_pool_max_connections` | gauge | Postgres pool: `idle`, `in_use`, and its size |
+//! | `walletlock_pg_pool_acquire_wait_seconds` | histogram | wait for a Postgres connection |
+//! | `walletlock_redis_pool_connections{state}`, `walletlock_redis_pool_max_connections`, `walletlock_redis_pool_waiting` | gauge | Redis pool |
+//! | `walletlock_redis_pool_acquire_wait_seconds` | histogram | wait for a Redis connection |
+//! | `process_resident_memory_bytes`, `walletlock_process_peak_resident_memory_bytes` | gauge | the process's memory, now and at its peak |
+//! | `walletlock_replica_info{replica,version}` | gauge | 1, labelled with the replica's name |
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::sync::OnceLock;
+
+/// Latency buckets, in seconds: from half a millisecond to ten seconds.
+const BUCKETS: &[f64] =
+    &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+
+/// Installs the process-wide recorder (once; later calls return the same handle) and registers
+/// every metric at zero.
+pub fn install() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
+                .expect("buckets are not empty");
+            let recorder = builder.build_recorder();
+            let handle = recorder.handle();
+            if metrics::set_global_recorder(recorder).is_err() {
+                tracing::warn!("a metrics recorder was already installed; /metrics will be empty");
+            }
+            describe();
+            handle
+        })
+        .clone()
+}
+
+fn describe() {
+    metrics::describe_counter!(
+        "walletlock_http_requests_total",
+        "HTTP requests answered, by route and status."
+    );
+    metrics::describe_histogram!(
+        "walletlock_http_request_duration_seconds",
+        metrics::Unit::Seconds,
+        "Time to answer an HTTP request."
+    );
+    metrics::describe_gauge!("walletlock_replica_info", "Always 1; labels name the replica and its version.");
+    metrics::describe_gauge!("process_resident_memory_bytes", metrics::Unit::Bytes, "Resident memory.");
+    metrics::describe_gauge!(
+        "walletlock_process_peak_resident_memory_bytes",
+        metrics::Unit::Bytes,
+        "Highest resident memory since the process started."
+    );
+    crate::lease::describe_metrics();
+    crate::wallet::describe_metrics();
+    crate::idempotency::describe_metrics();
+}
+
+/// Labels this process's metrics with the replica's name.
+pub fn set_replica(replica: &str) {
+    metrics::gauge!("walletlock_replica_info", "replica" => replica.to_owned(), "version" => env!("CARGO_PKG_VERSION"))
+        .set(1.0);
+}
+
+/// Samples the process gauges; the caller samples its pools, then renders.
+pub fn sample_process() {
+    let resident = resident_bytes().unwrap_or(0);
+    metrics::gauge!("process_resident_memory_bytes").set(resident as f64);
+    // SAFETY: getrusage fills the struct we pass; RUSAGE_SELF is always valid.
+    let usage = unsafe {
+        let mut usage = std::mem::zeroed::<libc::rusage>();
+        (libc::getrusage(libc::RUSAGE_SELF, &mut usage) == 0).then_some(usage)
+    };
+    if let Some(usage) = usage {
+        // ru_maxrss is in kilobytes on Linux, and the kernel updates it lazily.
+        let peak = (usage.ru_maxrss as u64 * 1024).max(resident);
+        metrics::gauge!("walletlock_process_peak_resident_memory_bytes").set(peak as f64);
+    }
+}
+
+/// Current resident memory, from /proc (Linux).
+fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf with a valid name has no preconditions.
+    let page_size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    Some(pages * u64::try_from(page_size).ok()?)
+}
