@@ -70,6 +70,15 @@ fn describe() {
         metrics::Unit::Bytes,
         "Highest resident memory since the process started."
     );
+    for (name, help) in [
+        ("walletlock_pg_pool_connections", "Postgres pool connections, idle and in use."),
+        ("walletlock_pg_pool_max_connections", "Postgres pool size limit (PG_POOL_SIZE)."),
+        ("walletlock_redis_pool_connections", "Redis pool connections, idle and in use."),
+        ("walletlock_redis_pool_max_connections", "Redis pool size limit (REDIS_POOL_SIZE)."),
+        ("walletlock_redis_pool_waiting", "Requests waiting for a Redis connection."),
+    ] {
+        metrics::describe_gauge!(name, help);
+    }
     crate::lease::describe_metrics();
     crate::wallet::describe_metrics();
     crate::idempotency::describe_metrics();

@@ -11,4 +11,5 @@ mod fence;
 mod fleet;
 mod idempotency;
 mod lease;
+mod metrics;
 mod redis_loss;

@@ -1,0 +1,119 @@
+//! Metrics: after a contention burst through the fleet, every replica's /metrics is valid
+//! Prometheus text (promtool, and the reference parser) and its figures match what the clients saw.
+
+use crate::support::TestEnv;
+use crate::support::fleet::Fleet;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+/// The reference parser's reading of a scrape: (name, labels, value) samples.
+fn parse(scrape: &str) -> Vec<(String, BTreeMap<String, String>, f64)> {
+    let python = std::env::var("WALLETLOCK_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = crate::support::fleet::repo().join("tests/tools/parse_metrics.py");
+    let mut child =
+        Command::new(python).arg(script).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(scrape.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "prometheus_client could not parse the scrape (deploy/test installs it)");
+    let samples: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+    samples
+        .into_iter()
+        .map(|s| {
+            let labels = s["labels"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
+                .collect();
+            (s["name"].as_str().unwrap().to_owned(), labels, s["value"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+/// promtool's verdict on a scrape: format and naming lint.
+fn promtool_check(scrape: &str) {
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool on PATH (deploy/test installs Debian's prometheus)");
+    child.stdin.take().unwrap().write_all(scrape.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn sum(samples: &[(String, BTreeMap<String, String>, f64)], name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples
+        .iter()
+        .filter(|(n, l, _)| {
+            n == name && labels.iter().all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|(_, _, v)| v)
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_after_a_burst_match_what_the_clients_saw() {
+    let env = TestEnv::new();
+    // A short wait, so some payments on the hot wallet time out: those must be counted too.
+    let fleet = Fleet::start(&env, 3, &[("LEASE_WAIT", "150ms")]).await;
+    for id in ["m1", "m2"] {
+        let created = fleet
+            .client
+            .post(fleet.url("/wallets"))
+            .json(&json!({ "id": id, "balance": 1_000_000 }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(created.status(), 201);
+    }
+    let requests: Vec<_> = (0..120)
+        .map(|n| {
+            let wallet = if n % 4 == 0 { "m2" } else { "m1" };
+            let request =
+                fleet.client.post(fleet.url(&format!("/wallets/{wallet}/pay"))).json(&json!({ "amount": 1 }));
+            tokio::spawn(async move {
+                let response = request.send().await.unwrap();
+                let status = response.status().as_u16();
+                let body: Value = response.json().await.unwrap_or(Value::Null);
+                (status, body["code"].as_str().unwrap_or("").to_owned())
+            })
+        })
+        .collect();
+    let mut seen: BTreeMap<(u16, String), usize> = BTreeMap::new();
+    for request in requests {
+        *seen.entry(request.await.unwrap()).or_default() += 1;
+    }
+    let ok = seen.iter().filter(|((status, _), _)| *status == 200).map(|(_, n)| n).sum::<usize>();
+    let lock_timeouts = seen.get(&(503, "lock_timeout".into())).copied().unwrap_or(0);
+    assert!(ok > 0, "{seen:?}");
+
+    let (mut accepted, mut timeouts) = (0.0, 0.0);
+    for replica in &fleet.replicas {
+        let scrape = fleet.client.get(replica.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        promtool_check(&scrape);
+        let samples = parse(&scrape);
+        accepted += sum(&samples, "walletlock_movements_total", &[("kind", "pay"), ("outcome", "accepted")]);
+        timeouts +=
+            sum(&samples, "walletlock_movements_total", &[("kind", "pay"), ("outcome", "lock_timeout")]);
+        let acquisitions = sum(&samples, "walletlock_lease_acquisitions_total", &[]);
+        let waits = sum(&samples, "walletlock_lease_acquire_wait_seconds_count", &[]);
+        assert_eq!(waits, acquisitions, "{}: one lease-wait observation per acquisition", replica.name);
+        assert!(acquisitions > 0.0, "{} took leases", replica.name);
+        let info = sum(&samples, "walletlock_replica_info", &[("replica", &replica.name)]);
+        assert_eq!(info, 1.0, "{} names itself", replica.name);
+        let answered = sum(&samples, "walletlock_http_requests_total", &[("route", "/wallets/{id}/pay")]);
+        assert!(answered > 0.0, "{} counted its requests", replica.name);
+    }
+    assert_eq!(accepted as usize, ok, "accepted payments counted = 200s seen: {seen:?}");
+    assert_eq!(timeouts as usize, lock_timeouts, "lock timeouts counted = 503 lock_timeout seen: {seen:?}");
+}
