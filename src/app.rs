@@ -2,7 +2,6 @@
 
 use crate::config::ServeArgs;
 use crate::http::{self, ApiContext, Draining};
-use crate::lease::LeaseClient;
 use crate::wallet::Wallets;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -36,12 +35,8 @@ impl Application {
     /// Binds the listener and sets up the pools. Connects to nothing yet: a replica starts (and
     /// reports not ready) while Redis or Postgres is still down.
     pub async fn build(args: &ServeArgs) -> anyhow::Result<Self> {
-        let leases = LeaseClient::new(
-            args.redis.pool()?,
-            args.redis.redis_key_prefix.clone(),
-            args.lease.settings(&args.redis),
-        );
-        let wallets = Wallets::new(args.database.pool()?, leases);
+        let leases = args.lease.client(&args.redis)?;
+        let wallets = Wallets::new(args.database.pool()?, leases).with_strategy(args.lease.strategy());
         let listener = TcpListener::bind(args.listen)
             .await
             .map_err(|err| anyhow::anyhow!("cannot listen on {}: {err}", args.listen))?;

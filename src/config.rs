@@ -14,14 +14,15 @@
 //! | `REDIS_TIMEOUT` | `500ms` | bound on any single Redis call |
 //! | `LEASE_TTL` | `2s` | a lease's life without a refresh; at least 1ms |
 //! | `LEASE_WAIT` | `3s` | how long a payment waits for its wallet's lease before 503 `lock_timeout` |
-//! | `LEASE_STRATEGY` | `standard` | `tutorial`: the tutorial's 5-15 ms polling lock, the benchmark's baseline |
+//! | `LEASE_STRATEGY` | `queue` | `queue`: per-wallet queues, wake-ups, group commit; `tutorial`: every request polls the lease every 5-15 ms (the benchmark's baseline) |
 //! | `SHUTDOWN_GRACE` | `10s` | how long shutdown waits for open connections and payments in flight |
 //! | `REQUEST_TIMEOUT` | `8s` | bound on one request (503 past it); above `LEASE_WAIT`, below nginx's read timeout |
 //! | `IDEMPOTENCY_RETENTION` | `24h` | how long a stored response is replayed for its key |
 //! | `IDEMPOTENCY_STALE_AFTER` | `10s` | when an in-flight key counts as abandoned by a dead replica |
 //! | `LOG_FORMAT` | `pretty` | `pretty` or `json` |
 
-use crate::lease::{LeaseSettings, Ttl};
+use crate::lease::{Backoff, LeaseClient, LeaseSettings, Ttl};
+use crate::wallet::Strategy;
 use clap::{Args, ValueEnum};
 use secrecy::{ExposeSecret, SecretString};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -80,6 +81,12 @@ pub struct RedisArgs {
 }
 
 impl RedisArgs {
+    /// A client for connections outside the pool (the lease wake-ups' Pub/Sub connection).
+    pub fn client(&self) -> anyhow::Result<deadpool_redis::redis::Client> {
+        deadpool_redis::redis::Client::open(self.redis_url.expose_secret())
+            .map_err(|err| anyhow::anyhow!("REDIS_URL is not usable: {err}"))
+    }
+
     pub fn pool(&self) -> anyhow::Result<deadpool_redis::Pool> {
         let mut config = deadpool_redis::Config::from_url(self.redis_url.expose_secret());
         let mut pool = deadpool_redis::PoolConfig::new(self.redis_pool_size);
@@ -104,28 +111,40 @@ pub struct LeaseArgs {
     /// How long a payment waits for its wallet's lease before 503 lock_timeout.
     #[arg(long, env = "LEASE_WAIT", default_value = "3s", value_parser = duration)]
     pub lease_wait: Duration,
-    /// How payments wait for a busy wallet. `tutorial` is the tutorial's lock (every request polls
-    /// the lease every 5 to 15 ms), kept as the benchmark's baseline.
-    #[arg(long, env = "LEASE_STRATEGY", value_enum, default_value = "standard")]
+    /// How payments wait for a busy wallet: `queue` (requests for one wallet queue on each
+    /// replica behind one worker that applies them in batches under one lease, woken when the
+    /// lease is released) or `tutorial` (every request polls the lease every 5 to 15 ms and commits
+    /// alone: the tutorial's lock, kept as the benchmark's baseline).
+    #[arg(long, env = "LEASE_STRATEGY", value_enum, default_value = "queue")]
     pub lease_strategy: LeaseStrategy,
 }
 
 /// How payments wait for a busy wallet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LeaseStrategy {
-    /// Each request retries the lease after a short random pause (1 to 8 ms).
-    Standard,
-    /// The tutorial's lock: each request retries after 5 to 15 ms. The benchmark's baseline.
+    Queue,
     Tutorial,
 }
 
 impl LeaseArgs {
-    pub fn settings(&self, redis: &RedisArgs) -> LeaseSettings {
+    /// The lease client for this strategy: with wake-ups on release, or the tutorial's polling.
+    pub fn client(&self, redis: &RedisArgs) -> anyhow::Result<LeaseClient> {
         let settings =
             LeaseSettings::new(self.lease_ttl, self.lease_wait).with_op_timeout(redis.redis_timeout);
+        let pool = redis.pool()?;
+        let prefix = redis.redis_key_prefix.clone();
+        Ok(match self.lease_strategy {
+            LeaseStrategy::Queue => LeaseClient::new(pool, prefix, settings).with_wakeups(redis.client()?),
+            LeaseStrategy::Tutorial => {
+                LeaseClient::new(pool, prefix, settings.with_backoff(Backoff::TUTORIAL))
+            }
+        })
+    }
+
+    pub fn strategy(&self) -> Strategy {
         match self.lease_strategy {
-            LeaseStrategy::Standard => settings,
-            LeaseStrategy::Tutorial => settings.with_backoff(crate::lease::Backoff::TUTORIAL),
+            LeaseStrategy::Queue => Strategy::Queue,
+            LeaseStrategy::Tutorial => Strategy::Direct,
         }
     }
 }

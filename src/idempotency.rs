@@ -185,6 +185,17 @@ pub async fn complete<T>(
     store::complete(tx, claim.scope.as_str(), claim.key.as_str(), claim.token, &response, entry_id).await
 }
 
+/// Of `claims`, those still holding their key, locked in `tx` until it ends.
+pub async fn lock_claims(
+    tx: &mut sqlx::PgConnection,
+    claims: &[&Claim],
+) -> Result<std::collections::HashSet<Uuid>, StoreError> {
+    let scopes: Vec<String> = claims.iter().map(|c| c.scope.as_str().to_owned()).collect();
+    let keys: Vec<String> = claims.iter().map(|c| c.key.as_str().to_owned()).collect();
+    let tokens: Vec<Uuid> = claims.iter().map(|c| c.token).collect();
+    Ok(store::lock_claims(tx, &scopes, &keys, &tokens).await?.into_iter().collect())
+}
+
 /// Gives the claim up after a transient failure, so a retry runs. A failure to do so is only
 /// logged: the claim then counts as abandoned after `stale_after`.
 pub async fn abandon(db: &PgPool, claim: &Claim) {

@@ -23,15 +23,26 @@
 //! the counter; when a store sees a fence at least as high as the one it was handed, the counter
 //! went backwards and [`Lease::advance_fence`] lifts it above what the store has seen.
 //!
+//! # Waiting
+//! A waiter that finds the lease busy marks it contended (`{P:N}:contended`, for one TTL) and,
+//! when the client has [`Wakeups`], subscribes to `{P:N}:released`; releasing a contended lease
+//! publishes there, so the waiter retries at once rather than after a blind pause. Without
+//! wake-ups (or when one is lost) waiters poll with randomized backoff, never in lockstep.
+//! [`Lease::release`] reports whether anyone was waiting, and [`LeaseClient::acquire_after_others`]
+//! lets a holder that just released step back for them: leases pass around instead of staying with
+//! whoever is fastest to ask again.
+//!
 //! # Keys
-//! For prefix `P` and name `N`, `{P:N}:lease` holds the holder's token and `{P:N}:fence` the fence
-//! counter. The braces are a Redis Cluster hash tag: both keys live in one slot, so every script
-//! that touches both runs on one node.
+//! For prefix `P` and name `N`, `{P:N}:lease` holds the holder's token, `{P:N}:fence` the fence
+//! counter and `{P:N}:contended` the waiters' mark. The braces are a Redis Cluster hash tag: all
+//! live in one slot, so every script that touches several runs on one node.
 
 mod scripts;
 mod settings;
+mod wake;
 
 pub use settings::{Backoff, InvalidTtl, LeaseSettings, Ttl};
+pub use wake::Wakeups;
 
 use deadpool_redis::{Pool, PoolError, redis::RedisError};
 use std::{
@@ -104,6 +115,15 @@ pub struct LeaseClient {
     /// Namespaces every key, so several deployments (or tests) can share one Redis.
     prefix: Arc<str>,
     settings: LeaseSettings,
+    /// Release notifications for waiters; `None`: waiters only poll.
+    wakeups: Option<Arc<Wakeups>>,
+}
+
+/// What a release found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    /// Someone was waiting for the lease (and was woken).
+    pub contended: bool,
 }
 
 impl fmt::Debug for LeaseClient {
@@ -117,7 +137,13 @@ impl fmt::Debug for LeaseClient {
 
 impl LeaseClient {
     pub fn new(pool: Pool, prefix: impl Into<Arc<str>>, settings: LeaseSettings) -> Self {
-        Self { pool, prefix: prefix.into(), settings }
+        Self { pool, prefix: prefix.into(), settings, wakeups: None }
+    }
+
+    /// Wakes waiters when a contended lease is released, over a Pub/Sub connection of `client`.
+    pub fn with_wakeups(mut self, client: deadpool_redis::redis::Client) -> Self {
+        self.wakeups = Some(Wakeups::new(client));
+        self
     }
 
     pub fn settings(&self) -> &LeaseSettings {
@@ -134,14 +160,38 @@ impl LeaseClient {
     /// Redis errors are retried like a busy lease until the deadline, so a Redis restart shorter
     /// than the wait is invisible to the caller; past the deadline the last error is returned.
     pub async fn acquire_until(&self, name: &str, deadline: Instant) -> Result<Lease, LeaseError> {
+        self.acquire_inner(name, deadline, false).await
+    }
+
+    /// Like [`LeaseClient::acquire_until`], but first lets those already waiting go: marks the lease
+    /// contended and waits for its next release (or one poll) before asking. A holder that just
+    /// released a contended lease and has more work calls this, so it does not win the lease back
+    /// ahead of the waiters it woke.
+    pub async fn acquire_after_others(&self, name: &str, deadline: Instant) -> Result<Lease, LeaseError> {
+        self.acquire_inner(name, deadline, true).await
+    }
+
+    async fn acquire_inner(
+        &self,
+        name: &str,
+        deadline: Instant,
+        yield_first: bool,
+    ) -> Result<Lease, LeaseError> {
         let started = Instant::now();
         let keys = Keys::new(&self.prefix, name);
         let token = Token::random();
+        // Subscribed once this call first has to wait; then each busy answer waits for a release.
+        let mut watch = None;
+        if yield_first {
+            watch = self.watch(&keys).await;
+            let _ = self.mark_contended(&keys).await;
+            self.pause(watch.as_ref(), deadline).await;
+        }
         loop {
             let outcome = self
                 .run::<(i64, i64)>(
                     &scripts::ACQUIRE,
-                    &[&keys.lease, &keys.fence],
+                    &[&keys.lease, &keys.fence, &keys.contended],
                     (&token.0, self.settings.ttl.as_millis(), FENCE_RETENTION_MS),
                 )
                 .await;
@@ -181,8 +231,44 @@ impl LeaseClient {
                     None => LeaseError::NotObtained { name: name.to_owned(), waited: started.elapsed() },
                 });
             }
-            tokio::time::sleep(self.settings.backoff.pause().min(deadline - now)).await;
+            if watch.is_none() && self.wakeups.is_some() && last_error.is_none() {
+                // First time busy: subscribe, then ask again at once, in case the release came
+                // before the subscription did.
+                watch = self.watch(&keys).await;
+                continue;
+            }
+            self.pause(watch.as_ref(), deadline).await;
         }
+    }
+
+    /// Subscribes to the lease's release channel, if this client has wake-ups.
+    async fn watch(&self, keys: &Keys) -> Option<wake::Watch> {
+        match &self.wakeups {
+            Some(wakeups) => Some(wakeups.watch(&keys.channel).await),
+            None => None,
+        }
+    }
+
+    /// Waits before the next attempt: until a release is published (bounded by the poll
+    /// fallback) with wake-ups, else a randomized backoff; never past `deadline`.
+    async fn pause(&self, watch: Option<&wake::Watch>, deadline: Instant) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match watch {
+            Some(watch) => watch.released_or(self.settings.poll_fallback.min(left)).await,
+            None => tokio::time::sleep(self.settings.backoff.pause().min(left)).await,
+        }
+    }
+
+    async fn mark_contended(&self, keys: &Keys) -> Result<(), RedisFailure> {
+        let ttl = self.settings.ttl.as_millis();
+        self.bounded(async {
+            let mut conn = self.pool.get().await?;
+            let mut set = deadpool_redis::redis::cmd("SET");
+            set.arg(&keys.contended).arg("1").arg("PX").arg(ttl);
+            set.query_async::<()>(&mut conn).await?;
+            Ok(())
+        })
+        .await
     }
 
     /// The connection pool, for its gauges.
@@ -225,11 +311,12 @@ impl LeaseClient {
         tokio::time::timeout(limit, call).await.unwrap_or(Err(RedisFailure::Timeout(limit)))
     }
 
-    async fn release_token(&self, name: &str, keys: &Keys, token: &Token) -> Result<(), LeaseError> {
-        match self.run::<i64>(&scripts::RELEASE, &[&keys.lease], &token.0).await? {
-            1 => {
+    async fn release_token(&self, name: &str, keys: &Keys, token: &Token) -> Result<Released, LeaseError> {
+        let keys_touched = [keys.lease.as_str(), keys.contended.as_str()];
+        match self.run::<(i64, i64)>(&scripts::RELEASE, &keys_touched, (&token.0, &keys.channel)).await? {
+            (1, contended) => {
                 metrics::counter!("walletlock_lease_releases_total").increment(1);
-                Ok(())
+                Ok(Released { contended: contended == 1 })
             }
             _ => {
                 metrics::counter!("walletlock_lease_release_not_held_total").increment(1);
@@ -247,17 +334,24 @@ impl LeaseClient {
     }
 }
 
-/// The two keys of one name; see the module doc for their layout.
+/// The keys and the channel of one name; see the module doc for their layout.
 #[derive(Debug, Clone)]
 struct Keys {
     lease: String,
     fence: String,
+    contended: String,
+    channel: String,
 }
 
 impl Keys {
     fn new(prefix: &str, name: &str) -> Self {
         let tag = format!("{{{prefix}:{name}}}");
-        Self { lease: format!("{tag}:lease"), fence: format!("{tag}:fence") }
+        Self {
+            lease: format!("{tag}:lease"),
+            fence: format!("{tag}:fence"),
+            contended: format!("{tag}:contended"),
+            channel: format!("{tag}:released"),
+        }
     }
 }
 
@@ -402,9 +496,22 @@ impl Lease {
         }
     }
 
-    /// Releases the lease if it is still ours; [`LeaseError::NotHeld`] (with nothing deleted) if
-    /// it expired or passed to another holder.
-    pub async fn release(mut self) -> Result<(), LeaseError> {
+    /// Whether someone is waiting for this lease right now.
+    pub async fn contended(&self) -> Result<bool, LeaseError> {
+        let key = &self.keys.contended;
+        let waiting = self
+            .client
+            .bounded(async {
+                let mut conn = self.client.pool.get().await?;
+                Ok(deadpool_redis::redis::cmd("EXISTS").arg(key).query_async::<i64>(&mut conn).await?)
+            })
+            .await?;
+        Ok(waiting == 1)
+    }
+
+    /// Releases the lease if it is still ours, waking whoever waits for it; [`LeaseError::NotHeld`]
+    /// (with nothing deleted) if it expired or passed to another holder.
+    pub async fn release(mut self) -> Result<Released, LeaseError> {
         self.released = true;
         self.stop_watchdog();
         let result = self.client.release_token(&self.name, &self.keys, &self.token).await;

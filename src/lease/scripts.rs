@@ -47,9 +47,10 @@ fn command(verb: &str, script: &str, keys: &[&str], args: &impl ToRedisArgs) -> 
 
 /// Takes the lease if it is free and issues the next fencing token, in one round trip.
 ///
-/// KEYS: lease, fence counter. ARGV: token, ttl in ms (at least 1: `Ttl` guarantees it, so the key
-/// always expires), fence retention in ms. Returns `{1, fence}` when taken, `{0, pttl}` when
-/// another holder has it.
+/// KEYS: lease, fence counter, contended flag. ARGV: token, ttl in ms (at least 1: `Ttl`
+/// guarantees it, so the key always expires), fence retention in ms. Returns `{1, fence}` when
+/// taken, `{0, pttl}` when another holder has it; then the lease is marked contended for one TTL,
+/// so its holder publishes a wake-up when it releases.
 ///
 /// The counter expires after the retention without an acquisition, so names that went idle do not
 /// hold Redis memory forever; a counter that restarts from zero is the same case as a counter lost
@@ -71,20 +72,28 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
 end
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
 return {0, redis.call('PTTL', KEYS[1])}
 "#,
     )
 });
 
-/// Deletes the lease only if it still holds our token. KEYS: lease. ARGV: token. Returns 1 if
-/// deleted, 0 if the lease had expired or belongs to someone else (then nothing is deleted).
+/// Deletes the lease only if it still holds our token, and wakes the waiters if there are any.
+/// KEYS: lease, contended flag. ARGV: token, release channel. Returns `{1, contended}` if deleted
+/// (`contended` is 1 when someone was waiting, and then a wake-up was published), `{0, 0}` if the
+/// lease had expired or belongs to someone else (then nothing is deleted).
 pub(super) static RELEASE: LazyLock<LeaseScript> = LazyLock::new(|| {
     LeaseScript::new(
         r#"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[1])
+  local contended = redis.call('DEL', KEYS[2])
+  if contended == 1 then
+    redis.call('PUBLISH', ARGV[2], '1')
+  end
+  return {1, contended}
 end
-return 0
+return {0, 0}
 "#,
     )
 });

@@ -85,6 +85,9 @@ pub struct LeaseSettings {
     pub backoff: Backoff,
     /// Bound on any single Redis call, pool checkout included.
     pub op_timeout: Duration,
+    /// With wake-ups, the longest a waiter waits for a release notification before asking again
+    /// anyway (a lost notification costs at most this).
+    pub poll_fallback: Duration,
 }
 
 impl LeaseSettings {
@@ -94,6 +97,7 @@ impl LeaseSettings {
             wait,
             backoff: Backoff::Jittered { min: Duration::from_millis(1), max: Duration::from_millis(8) },
             op_timeout: Duration::from_millis(500),
+            poll_fallback: Duration::from_millis(20),
         }
     }
 

@@ -158,6 +158,30 @@ pub async fn complete(
     Ok(done.is_some())
 }
 
+/// Of `claims` (scope, key, claim token), the tokens still holding their key, locked in `tx` until
+/// it ends so no retry can take them over meanwhile.
+pub async fn lock_claims(
+    tx: &mut PgConnection,
+    scopes: &[String],
+    keys: &[String],
+    claims: &[Uuid],
+) -> Result<Vec<Uuid>, StoreError> {
+    let owned = sqlx::query_scalar!(
+        // language=PostgreSQL
+        r#"select k.claim as "claim!" from idempotency_key k
+           join unnest($1::text[], $2::text[], $3::uuid[]) as c(scope, key, claim)
+             on k.scope = c.scope and k.key = c.key and k.claim = c.claim
+           order by k.scope, k.key
+           for update of k"#,
+        scopes,
+        keys,
+        claims,
+    )
+    .fetch_all(tx)
+    .await?;
+    Ok(owned)
+}
+
 /// Gives up a claim whose request failed in a way worth retrying, so the retry runs.
 pub async fn abandon(conn: &mut PgConnection, scope: &str, key: &str, claim: Uuid) -> Result<(), StoreError> {
     // language=PostgreSQL

@@ -252,7 +252,8 @@ pub async fn claim(conn: &mut PgConnection, id: &str, fence: i64) -> Result<Clai
 /// entry's `balance_after`; its new version is `read_version` plus the number of entries.
 ///
 /// If the row's fence or version moved since the claim, nothing is written and the result is
-/// [`StoreError::LeaseLost`]; the caller must roll back.
+/// [`StoreError::LeaseLost`]; the caller must roll back. With no entries, only the check is made
+/// (and the row locked), so refusals are answered from a state this holder still owns.
 pub async fn commit(
     tx: &mut PgConnection,
     id: &str,
@@ -260,7 +261,21 @@ pub async fn commit(
     read_version: i64,
     entries: &[NewEntry],
 ) -> Result<Vec<Entry>, StoreError> {
-    let Some(last) = entries.last() else { return Ok(Vec::new()) };
+    let Some(last) = entries.last() else {
+        let still_ours = sqlx::query_scalar!(
+            // language=PostgreSQL
+            "select id from wallet where id = $1 and fence = $2 and version = $3 for update",
+            id,
+            fence,
+            read_version,
+        )
+        .fetch_optional(&mut *tx)
+        .await?;
+        return match still_ours {
+            Some(_) => Ok(Vec::new()),
+            None => Err(StoreError::LeaseLost),
+        };
+    };
     let new_version = read_version + entries.len() as i64;
     let updated = sqlx::query_scalar!(
         // language=PostgreSQL

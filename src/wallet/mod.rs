@@ -1,25 +1,32 @@
 //! Wallets: opening them, reading them, and moving money under the wallet's lease with a fenced
 //! commit.
 //!
-//! This is where the lease and the ledger meet, and the only place that does. A movement of money
-//! runs as: take the wallet's lease (waiting up to the configured wait), start its watchdog, claim
+//! This is where the lease and the ledger meet, and the only place that does. Movements of money
+//! run as: take the wallet's lease (waiting up to the configured wait), start its watchdog, claim
 //! the wallet row with the lease's fence (reading the balance), decide, commit conditionally on the
 //! fence and the version read, release. It never touches Redis commands or SQL itself: those live
 //! in [`crate::lease`] and [`crate::ledger`].
+//!
+//! Two ways to wait for a busy wallet ([`Strategy`]): the default queues the requests for one
+//! wallet on this replica behind a single worker that applies them in batches under one lease
+//! (`queue`); the tutorial's way has every request take the lease on its own (`direct`), kept as
+//! the benchmark's baseline.
 
+mod batch;
 pub mod domain;
+mod queue;
 
 pub use domain::{Amount, InvalidInput, Movement, Refusal, WalletId};
+pub use queue::{MAX_BATCH, MAX_HOLD};
 
 use crate::idempotency::{self, Receipt};
 use crate::lease::{Lease, LeaseClient, LeaseError};
-use crate::ledger::{self, Entry, EntryKind, NewEntry, StoreError, Wallet};
+use crate::ledger::{self, Entry, StoreError, Wallet};
 use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
 use std::time::{Duration, Instant};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
-use uuid::Uuid;
 
 /// Describes the metrics this module records (see `crate::telemetry::metrics`), and registers the
 /// common ones at zero.
@@ -134,20 +141,44 @@ impl From<LeaseError> for WalletError {
     }
 }
 
-/// The wallet service. Cheap to clone; clones share pools and the task tracker.
+/// How requests wait for a busy wallet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// Requests for one wallet queue on this replica; one worker takes the lease for all of them
+    /// and applies them in batches (group commit).
+    Queue,
+    /// Every request takes the lease itself and applies its movement alone: the tutorial's lock.
+    Direct,
+}
+
+/// The wallet service. Cheap to clone; clones share pools, queues and the task tracker.
 #[derive(Debug, Clone)]
 pub struct Wallets {
     db: PgPool,
     leases: LeaseClient,
-    /// Every movement in progress runs as a task on this tracker, so it finishes (commit or roll
-    /// back, then release) even if the request that started it is dropped, and so shutdown can
-    /// wait for all of them.
+    strategy: Strategy,
+    /// The per-wallet queues of this replica (used by [`Strategy::Queue`]).
+    queues: queue::Queues,
+    /// Every movement in progress, and every wallet worker, runs as a task on this tracker, so it
+    /// finishes (commit or roll back, then release) even if the request that started it is
+    /// dropped, and so shutdown can wait for all of them.
     in_flight: TaskTracker,
 }
 
 impl Wallets {
     pub fn new(db: PgPool, leases: LeaseClient) -> Self {
-        Self { db, leases, in_flight: TaskTracker::new() }
+        Self {
+            db,
+            leases,
+            strategy: Strategy::Queue,
+            queues: queue::Queues::default(),
+            in_flight: TaskTracker::new(),
+        }
+    }
+
+    pub fn with_strategy(mut self, strategy: Strategy) -> Self {
+        self.strategy = strategy;
+        self
     }
 
     pub fn db(&self) -> &PgPool {
@@ -226,16 +257,25 @@ impl Wallets {
         movement: Movement,
         receipt: Option<Receipt<MovementOutcome>>,
     ) -> Result<Entry, WalletError> {
-        let (this, id) = (self.clone(), id.clone());
         let kind = match movement {
             Movement::Deposit { .. } => "deposit",
             Movement::Pay { .. } => "pay",
         };
-        let result = self
-            .run_to_end(receipt.as_ref().map(|r| r.claim.clone()), async move {
-                this.apply_under_lease(&id, &movement, receipt.as_ref()).await
-            })
-            .await;
+        let op = batch::Op { movement, receipt };
+        let result = match self.strategy {
+            Strategy::Queue => {
+                let reply = self.apply_queued(id, op).await;
+                let span = tracing::Span::current();
+                span.record("lease_wait_ms", reply.waited.as_secs_f64() * 1e3);
+                span.record("db_ms", reply.db.as_secs_f64() * 1e3);
+                reply.result
+            }
+            Strategy::Direct => {
+                let (this, id) = (self.clone(), id.clone());
+                let claim = op.receipt.as_ref().map(|r| r.claim.clone());
+                self.run_to_end(claim, async move { this.apply_alone(&id, op).await }).await
+            }
+        };
         let outcome = result.as_ref().map_or_else(WalletError::outcome, |_| "accepted");
         metrics::counter!("walletlock_movements_total", "kind" => kind, "outcome" => outcome).increment(1);
         if matches!(result, Err(WalletError::LeaseLost)) {
@@ -284,17 +324,31 @@ impl Wallets {
         tokio::time::timeout(limit, self.in_flight.wait()).await.is_ok()
     }
 
-    async fn apply_under_lease(
-        &self,
-        id: &WalletId,
-        movement: &Movement,
-        receipt: Option<&Receipt<MovementOutcome>>,
-    ) -> Result<Entry, WalletError> {
+    /// The tutorial's way: this request takes the lease itself, claims, applies its movement
+    /// alone, and releases.
+    async fn apply_alone(&self, id: &WalletId, op: batch::Op) -> Result<Entry, WalletError> {
         let mut lease = self.leases.acquire(&lease_name(id)).await?;
         tracing::Span::current().record("lease_wait_ms", lease.waited().as_secs_f64() * 1e3);
         lease.keep_alive();
         let started = Instant::now();
-        let outcome = self.apply_fenced(&mut lease, id, movement, receipt).await;
+        let outcome = async {
+            let mut conn = self.connection().await?;
+            let lost = lease.lost();
+            let claimed = tokio::select! {
+                biased;
+                () = lost => return Err(WalletError::LeaseLost),
+                claimed = claim(&mut conn, &mut lease, id) => claimed?,
+            };
+            let mut held = batch::Held { balance: claimed.balance, version: claimed.version };
+            if lease.is_lost() {
+                return Err(WalletError::LeaseLost);
+            }
+            // From here the commit runs to its end even if the watchdog loses the lease meanwhile:
+            // the fence in its WHERE decides, and cancelling a commit in flight would leave its
+            // outcome unknown.
+            batch::apply(&mut conn, id, lease.fence(), &mut held, std::slice::from_ref(&op)).await?.remove(0)
+        }
+        .await;
         tracing::Span::current().record("db_ms", started.elapsed().as_secs_f64() * 1e3);
         // Release on every outcome, so the next holder does not wait out our TTL. A lease found
         // already gone changes nothing: the fence has decided by now.
@@ -302,59 +356,6 @@ impl Wallets {
             tracing::debug!(wallet = %id, error = %err, "release found the lease gone");
         }
         outcome
-    }
-
-    async fn apply_fenced(
-        &self,
-        lease: &mut Lease,
-        id: &WalletId,
-        movement: &Movement,
-        receipt: Option<&Receipt<MovementOutcome>>,
-    ) -> Result<Entry, WalletError> {
-        let mut conn = self.connection().await?;
-        let lost = lease.lost();
-        let claimed = tokio::select! {
-            biased;
-            () = lost => return Err(WalletError::LeaseLost),
-            claimed = claim(&mut conn, lease, id) => claimed?,
-        };
-        let balance_after = match movement.apply_to(claimed.balance) {
-            Ok(balance_after) => balance_after,
-            Err(refusal) => {
-                if let Some(receipt) = receipt {
-                    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-                    if !idempotency::complete(&mut tx, receipt, &Err(refusal), None).await? {
-                        return Err(WalletError::KeyTakenOver);
-                    }
-                    tx.commit().await?;
-                }
-                return Err(refusal.into());
-            }
-        };
-        if lease.is_lost() {
-            return Err(WalletError::LeaseLost);
-        }
-        let (kind, reference) = match movement {
-            Movement::Deposit { .. } => (EntryKind::Deposit, None),
-            Movement::Pay { reference, .. } => (EntryKind::Pay, reference.clone()),
-        };
-        let entry =
-            NewEntry { id: Uuid::new_v4(), kind, amount: movement.amount().get(), balance_after, reference };
-        // From here the commit runs to its end even if the watchdog loses the lease meanwhile: the
-        // fence in its WHERE decides, and cancelling a commit in flight would leave its outcome
-        // unknown. The idempotency record goes in the same transaction as the money.
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        let entry =
-            ledger::commit(&mut tx, id.as_str(), lease.fence(), claimed.version, &[entry]).await?.remove(0);
-        if let Some(receipt) = receipt
-            && !idempotency::complete(&mut tx, receipt, &Ok(entry.clone()), Some(entry.id)).await?
-        {
-            return Err(WalletError::KeyTakenOver);
-        }
-        crate::failpoint::hit("before_commit");
-        tx.commit().await?;
-        crate::failpoint::hit("after_commit");
-        Ok(entry)
     }
 }
 

@@ -5,6 +5,7 @@
 mod support;
 
 mod api;
+mod batch;
 mod burst;
 mod demos;
 mod fence;

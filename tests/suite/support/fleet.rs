@@ -149,7 +149,8 @@ impl Fleet {
         let nginx_dir = dir.path().join("nginx");
         let ports: Vec<String> = replicas.iter().map(|r| r.port.to_string()).collect();
         lib_sh(&format!(
-            "wl_nginx_prepare {} 127.0.0.1:{nginx_port} {}",
+            "WALLETLOCK_NGINX_STATUS_PORT={} wl_nginx_prepare {} 127.0.0.1:{nginx_port} {}",
+            free_port(),
             nginx_dir.display(),
             ports.join(" ")
         ));

@@ -90,7 +90,8 @@ impl TestEnv {
     /// A lease client of its own (its own Redis pool), under this test's key prefix.
     pub fn leases(&self, ttl: Duration, wait: Duration) -> LeaseClient {
         let settings = LeaseSettings::new(Ttl::new(ttl).expect("ttl"), wait);
-        LeaseClient::new(self.redis_pool(), self.prefix.clone(), settings)
+        let client = deadpool_redis::redis::Client::open(self.redis_url.as_str()).expect("redis url");
+        LeaseClient::new(self.redis_pool(), self.prefix.clone(), settings).with_wakeups(client)
     }
 
     /// The wallet service as one replica runs it: its own Postgres pool into `schema`, its own
