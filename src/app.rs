@@ -35,6 +35,7 @@ impl Application {
     /// Binds the listener and sets up the pools. Connects to nothing yet: a replica starts (and
     /// reports not ready) while Redis or Postgres is still down.
     pub async fn build(args: &ServeArgs) -> anyhow::Result<Self> {
+        let callers = args.callers()?;
         let leases = args.lease.client(&args.redis)?;
         let wallets = Wallets::new(args.database.pool()?, leases).with_strategy(args.lease.strategy());
         let listener = TcpListener::bind(args.listen)
@@ -51,6 +52,7 @@ impl Application {
             draining: Draining::default(),
             request_timeout: args.request_timeout,
             keys: args.key_settings(),
+            callers,
         };
         Ok(Self { listener, ctx, grace: args.shutdown_grace })
     }

@@ -39,6 +39,8 @@ pub enum Command {
         #[command(flatten)]
         database: DatabaseArgs,
     },
+    /// Print a fresh random API token (256 bits, hex), for API_TOKENS as `caller:<token>`.
+    Token,
     /// GET a URL and exit 0 on a 2xx answer, 1 otherwise: the container health check.
     Probe(ProbeArgs),
     /// Run one of the tutorial's experiments against real Redis and Postgres, in a throwaway
@@ -108,6 +110,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("audit FAILED: {} problems in {summary}", report.problems.len());
                 Ok(ExitCode::FAILURE)
             }
+        }
+        Command::Token => {
+            println!("{:032x}{:032x}", rand::random::<u128>(), rand::random::<u128>());
+            Ok(ExitCode::SUCCESS)
         }
         Command::Probe(probe) => Ok(match crate::http::probe(&probe.url, probe.timeout).await {
             Ok(status) if (200..300).contains(&status) => ExitCode::SUCCESS,

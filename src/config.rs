@@ -19,6 +19,8 @@
 //! | `REQUEST_TIMEOUT` | `8s` | bound on one request (503 past it); above `LEASE_WAIT`, below nginx's read timeout |
 //! | `IDEMPOTENCY_RETENTION` | `24h` | how long a stored response is replayed for its key |
 //! | `IDEMPOTENCY_STALE_AFTER` | `10s` | when an in-flight key counts as abandoned by a dead replica |
+//! | `API_TOKENS` | (one of the two required) | `caller:token` entries, comma-separated; secret, never logged |
+//! | `API_TOKENS_FILE` | | a file of `caller:token` lines |
 //! | `LOG_FORMAT` | `pretty` | `pretty` or `json` |
 
 use crate::lease::{Backoff, LeaseClient, LeaseSettings, Ttl};
@@ -178,6 +180,13 @@ pub struct ServeArgs {
     /// died), so a retry may take the key over. Keep it above REQUEST_TIMEOUT.
     #[arg(long, env = "IDEMPOTENCY_STALE_AFTER", default_value = "10s", value_parser = duration)]
     pub idempotency_stale_after: Duration,
+    /// API tokens: `caller:token` entries separated by commas (several per caller, to rotate).
+    #[arg(long, env = "API_TOKENS", hide_env_values = true, value_parser = secret)]
+    pub api_tokens: Option<SecretString>,
+    /// A file of API tokens, one `caller:token` per line (`#` comments). Used with or instead of
+    /// API_TOKENS.
+    #[arg(long, env = "API_TOKENS_FILE")]
+    pub api_tokens_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub database: DatabaseArgs,
     #[command(flatten)]
@@ -187,6 +196,20 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// Every configured caller and token; a replica without any refuses to start.
+    pub fn callers(&self) -> anyhow::Result<crate::http::auth::Callers> {
+        let mut spec = self.api_tokens.as_ref().map(|t| t.expose_secret().to_owned()).unwrap_or_default();
+        if let Some(path) = &self.api_tokens_file {
+            let file = std::fs::read_to_string(path)
+                .map_err(|err| anyhow::anyhow!("API_TOKENS_FILE {}: {err}", path.display()))?;
+            spec.push('\n');
+            spec.push_str(&file);
+        }
+        crate::http::auth::Callers::parse(&spec).map_err(|err| {
+            anyhow::anyhow!("API_TOKENS / API_TOKENS_FILE: {err} (`walletlock token` makes a token)")
+        })
+    }
+
     pub fn key_settings(&self) -> crate::idempotency::KeySettings {
         crate::idempotency::KeySettings {
             retention: self.idempotency_retention,

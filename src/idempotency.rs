@@ -19,13 +19,14 @@
 //! wallet that already exists). A transient failure (the lease not obtained or lost, a dependency
 //! down) gives the claim up, so a retry can still succeed.
 //!
-//! Keys are unique within a scope: the wallet for its movements, wallet creation for new wallets.
+//! Keys are unique per caller (the authenticated API client) and within a scope: the wallet for its
+//! movements, wallet creation for new wallets.
 //! Stored responses are kept for the retention (24 h by default), then purged; an expired key
 //! behaves as new.
 
 use crate::ledger::StoreError;
 pub use crate::ledger::idempotency::KeySettings;
-use crate::ledger::idempotency::{self as store, StoredResponse};
+use crate::ledger::idempotency::{self as store, KeyRef, StoredResponse};
 use crate::wallet::{InvalidInput, WalletId};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
@@ -67,23 +68,27 @@ impl IdempotencyKey {
     }
 }
 
-/// What a key is unique within.
+/// What a key is unique within: the caller who sent it, and the wallet it moves money on (or
+/// wallet creation).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Scope(String);
+pub struct Scope {
+    caller: String,
+    within: String,
+}
 
 impl Scope {
-    /// The movements of one wallet.
-    pub fn wallet(id: &WalletId) -> Self {
-        Self(format!("wallet:{id}"))
+    /// One caller's movements on one wallet.
+    pub fn wallet(caller: &str, id: &WalletId) -> Self {
+        Self { caller: caller.to_owned(), within: format!("wallet:{id}") }
     }
 
-    /// The creation of wallets.
-    pub fn wallet_creation() -> Self {
-        Self("wallets".to_owned())
+    /// One caller's wallet creations.
+    pub fn wallet_creation(caller: &str) -> Self {
+        Self { caller: caller.to_owned(), within: "wallets".to_owned() }
     }
 
-    pub fn as_str(&self) -> &str {
-        &self.0
+    fn at<'a>(&'a self, key: &'a IdempotencyKey) -> KeyRef<'a> {
+        KeyRef { caller: &self.caller, scope: &self.within, key: key.as_str() }
     }
 }
 
@@ -102,6 +107,12 @@ pub struct Claim {
     pub scope: Scope,
     pub key: IdempotencyKey,
     pub token: Uuid,
+}
+
+impl Claim {
+    fn at(&self) -> KeyRef<'_> {
+        self.scope.at(&self.key)
+    }
 }
 
 /// What a request with a key should do.
@@ -126,27 +137,21 @@ pub async fn begin(
     fingerprint: [u8; 32],
 ) -> Result<Begin, StoreError> {
     let mut conn = db.acquire().await?;
-    let token = Uuid::new_v4();
-    let (scope_str, key_str) = (scope.as_str().to_owned(), key.as_str().to_owned());
-    let claim = Claim { scope, key, token };
+    let claim = Claim { scope, key, token: Uuid::new_v4() };
+    let at = claim.at();
     // A row can vanish (purged) or change (taken over) between our reads; a few rounds settle it.
     for _ in 0..3 {
-        if store::insert_claim(&mut conn, &scope_str, &key_str, &fingerprint, token, settings.retention)
-            .await?
-        {
+        if store::insert_claim(&mut conn, at, &fingerprint, claim.token, settings.retention).await? {
             return Ok(Begin::Proceed(claim));
         }
-        let Some(row) = store::find(&mut conn, &scope_str, &key_str, settings.stale_after).await? else {
+        let Some(row) = store::find(&mut conn, at, settings.stale_after).await? else {
             continue;
         };
         let replaceable = row.expired || (row.claim.is_some() && row.stale && row.fingerprint == fingerprint);
         if replaceable {
-            let taken =
-                store::take_over(&mut conn, &scope_str, &key_str, &fingerprint, token, row.claim, settings)
-                    .await?;
-            if taken {
+            if store::take_over(&mut conn, at, &fingerprint, claim.token, row.claim, settings).await? {
                 if !row.expired {
-                    tracing::warn!(scope = %scope_str, "took over an idempotency key abandoned in flight");
+                    tracing::warn!(scope = at.scope, "took over an idempotency key abandoned in flight");
                 }
                 return Ok(Begin::Proceed(claim));
             }
@@ -182,7 +187,7 @@ pub async fn complete<T>(
 ) -> Result<bool, StoreError> {
     let claim = &receipt.claim;
     let response = (receipt.render)(outcome);
-    store::complete(tx, claim.scope.as_str(), claim.key.as_str(), claim.token, &response, entry_id).await
+    store::complete(tx, claim.at(), claim.token, &response, entry_id).await
 }
 
 /// Of `claims`, those still holding their key, locked in `tx` until it ends.
@@ -190,10 +195,11 @@ pub async fn lock_claims(
     tx: &mut sqlx::PgConnection,
     claims: &[&Claim],
 ) -> Result<std::collections::HashSet<Uuid>, StoreError> {
-    let scopes: Vec<String> = claims.iter().map(|c| c.scope.as_str().to_owned()).collect();
+    let callers: Vec<String> = claims.iter().map(|c| c.scope.caller.clone()).collect();
+    let scopes: Vec<String> = claims.iter().map(|c| c.scope.within.clone()).collect();
     let keys: Vec<String> = claims.iter().map(|c| c.key.as_str().to_owned()).collect();
     let tokens: Vec<Uuid> = claims.iter().map(|c| c.token).collect();
-    Ok(store::lock_claims(tx, &scopes, &keys, &tokens).await?.into_iter().collect())
+    Ok(store::lock_claims(tx, &callers, &scopes, &keys, &tokens).await?.into_iter().collect())
 }
 
 /// Gives the claim up after a transient failure, so a retry runs. A failure to do so is only
@@ -201,10 +207,10 @@ pub async fn lock_claims(
 pub async fn abandon(db: &PgPool, claim: &Claim) {
     let outcome = async {
         let mut conn = db.acquire().await?;
-        store::abandon(&mut conn, claim.scope.as_str(), claim.key.as_str(), claim.token).await
+        store::abandon(&mut conn, claim.at(), claim.token).await
     };
     if let Err(err) = outcome.await {
-        tracing::warn!(error = %err, scope = claim.scope.as_str(), "could not release an idempotency key; it frees itself when stale");
+        tracing::warn!(error = %err, scope = claim.at().scope, "could not release an idempotency key; it frees itself when stale");
     }
 }
 

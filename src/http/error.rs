@@ -29,6 +29,8 @@ pub enum ApiError {
     UnsupportedMediaType(String),
     #[error("the request body is larger than {limit} bytes")]
     PayloadTooLarge { limit: usize },
+    #[error("a valid bearer token is required")]
+    Unauthorized,
     #[error("no route for this path")]
     RouteNotFound,
     #[error("this method is not allowed on this path")]
@@ -133,6 +135,12 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => {
                 Problem::new(S::PAYLOAD_TOO_LARGE, "payload_too_large", "Payload too large", self.to_string())
             }
+            ApiError::Unauthorized => Problem::new(
+                S::UNAUTHORIZED,
+                "unauthorized",
+                "Unauthorized",
+                "send Authorization: Bearer <token> with a token this service knows",
+            ),
             ApiError::RouteNotFound => Problem::new(S::NOT_FOUND, "not_found", "Not found", self.to_string()),
             ApiError::MethodNotAllowed => Problem::new(
                 S::METHOD_NOT_ALLOWED,
@@ -277,6 +285,11 @@ impl IntoResponse for ApiError {
         let mut response = super::idempotent::into_response(rendered);
         if problem.retry_after {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
+        }
+        if problem.status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(r#"Bearer realm="walletlock""#));
         }
         response
     }

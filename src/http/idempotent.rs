@@ -13,18 +13,20 @@ use serde::Serialize;
 
 static IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
-/// For a request with a key: claims it (`Ok(Some(claim))`), or answers at once with the stored
+/// What identifies a request for its idempotency key: the key itself (if sent), and what "the
+/// same request" compares.
+#[derive(Debug)]
+pub struct Keyed<'a> {
+    pub key: Option<IdempotencyKey>,
+    pub path: &'a str,
+    pub body: &'a [u8],
+}
+
+/// For a POST with a key: claims it (`Ok(Some(claim))`), or answers at once with the stored
 /// response or a conflict (`Err(response)`). Without a key: `Ok(None)`.
-pub async fn begin(
-    ctx: &ApiContext,
-    key: Option<IdempotencyKey>,
-    scope: Scope,
-    method: &str,
-    path: &str,
-    body: &[u8],
-) -> Result<Option<Claim>, Response> {
-    let Some(key) = key else { return Ok(None) };
-    let fingerprint = idempotency::fingerprint(method, path, body);
+pub async fn begin(ctx: &ApiContext, scope: Scope, request: Keyed<'_>) -> Result<Option<Claim>, Response> {
+    let Some(key) = request.key else { return Ok(None) };
+    let fingerprint = idempotency::fingerprint("POST", request.path, request.body);
     match idempotency::begin(ctx.wallets.db(), ctx.keys, scope, key, fingerprint).await {
         Ok(Begin::Proceed(claim)) => Ok(Some(claim)),
         Ok(Begin::Replay(stored)) => {

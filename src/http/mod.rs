@@ -1,6 +1,7 @@
 //! The HTTP API: routes, the problem format for errors, and the middleware every request goes
 //! through (request id, replica name, tracing, body limit, timeout, panic handling, drain).
 
+pub mod auth;
 mod error;
 mod extract;
 mod health;
@@ -52,6 +53,8 @@ pub struct ApiContext {
     pub keys: KeySettings,
     /// Renders the process's metrics for `GET /metrics`.
     pub metrics: PrometheusHandle,
+    /// The API's callers and their tokens.
+    pub callers: auth::Callers,
 }
 
 /// The whole API with its middleware.
@@ -60,7 +63,9 @@ pub fn router(ctx: ApiContext) -> Router {
     let replica = ctx.replica.clone();
     Router::new()
         .merge(health::router())
-        .merge(wallets::router())
+        .merge(
+            wallets::router().route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token)),
+        )
         .fallback(|| async { ApiError::RouteNotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(middleware::from_fn_with_state(ctx.clone(), bounded_and_draining))
@@ -81,6 +86,7 @@ pub fn router(ctx: ApiContext) -> Router {
                                 replica = &*replica,
                                 method = %request.method(),
                                 route = route.unwrap_or(request.uri().path()),
+                                caller = tracing::field::Empty,
                                 wallet_id = tracing::field::Empty,
                                 fence = tracing::field::Empty,
                                 outcome = tracing::field::Empty,

@@ -1,15 +1,16 @@
 //! `/wallets`: open, read, deposit, pay, and page through the ledger.
 
 use super::ApiContext;
+use super::auth::Caller;
 use super::error::ApiError;
 use super::extract::{IdempotencyHeader, JsonBody, QueryParams, WalletPath};
-use super::idempotent::{self, render_movement, render_open};
+use super::idempotent::{self, Keyed, render_movement, render_open};
 use crate::idempotency::{Receipt, Scope};
 use crate::ledger::{Entry, Wallet};
 use crate::wallet::{AlreadyExists, Amount, InvalidInput, Movement, WalletError, WalletId, domain};
 use axum::{
     Json, Router,
-    extract::State,
+    extract::{Extension, State},
     http::Uri,
     response::Response,
     routing::{get, post},
@@ -34,6 +35,7 @@ struct OpenWallet {
 
 async fn open_wallet(
     State(ctx): State<ApiContext>,
+    Extension(caller): Extension<Caller>,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
     body: JsonBody<OpenWallet>,
@@ -44,8 +46,8 @@ async fn open_wallet(
     };
     tracing::Span::current().record("wallet_id", id.as_str());
     let balance = domain::opening_balance(body.value.balance.unwrap_or(0))?;
-    let scope = Scope::wallet_creation();
-    let claim = match idempotent::begin(&ctx, key, scope, "POST", uri.path(), &body.raw).await {
+    let scope = Scope::wallet_creation(&caller.0);
+    let claim = match idempotent::begin(&ctx, scope, Keyed { key, path: uri.path(), body: &body.raw }).await {
         Ok(claim) => claim,
         Err(answered) => return Ok(answered),
     };
@@ -73,13 +75,15 @@ struct Deposit {
 
 async fn deposit(
     State(ctx): State<ApiContext>,
+    Extension(caller): Extension<Caller>,
     WalletPath(id): WalletPath,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
     body: JsonBody<Deposit>,
 ) -> Result<Response, ApiError> {
     let movement = Movement::Deposit { amount: Amount::new(body.value.amount)? };
-    Ok(move_money(&ctx, &id, key, &uri, &body.raw, movement).await)
+    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    Ok(move_money(&ctx, &caller, &id, movement, keyed).await)
 }
 
 #[derive(Debug, Deserialize)]
@@ -91,6 +95,7 @@ struct Pay {
 
 async fn pay(
     State(ctx): State<ApiContext>,
+    Extension(caller): Extension<Caller>,
     WalletPath(id): WalletPath,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
@@ -98,19 +103,19 @@ async fn pay(
 ) -> Result<Response, ApiError> {
     let Pay { amount, reference } = body.value;
     let movement = Movement::Pay { amount: Amount::new(amount)?, reference: domain::reference(reference)? };
-    Ok(move_money(&ctx, &id, key, &uri, &body.raw, movement).await)
+    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    Ok(move_money(&ctx, &caller, &id, movement, keyed).await)
 }
 
 /// Runs a validated movement, honouring its idempotency key.
 async fn move_money(
     ctx: &ApiContext,
+    caller: &Caller,
     id: &WalletId,
-    key: Option<crate::idempotency::IdempotencyKey>,
-    uri: &Uri,
-    raw: &[u8],
     movement: Movement,
+    keyed: Keyed<'_>,
 ) -> Response {
-    let claim = match idempotent::begin(ctx, key, Scope::wallet(id), "POST", uri.path(), raw).await {
+    let claim = match idempotent::begin(ctx, Scope::wallet(&caller.0, id), keyed).await {
         Ok(claim) => claim,
         Err(answered) => return answered,
     };

@@ -14,6 +14,15 @@ pub struct KeySettings {
     pub stale_after: Duration,
 }
 
+/// Where a key lives: the caller who sent it, what it is unique within (a wallet, or wallet
+/// creation), and the key itself.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyRef<'a> {
+    pub caller: &'a str,
+    pub scope: &'a str,
+    pub key: &'a str,
+}
+
 /// A response as it was sent, to be sent again on a retry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
@@ -38,23 +47,23 @@ pub struct KeyRow {
 /// Claims a new key for the request holding `claim`. False if the key already exists.
 pub async fn insert_claim(
     conn: &mut PgConnection,
-    scope: &str,
-    key: &str,
+    at: KeyRef<'_>,
     fingerprint: &[u8],
     claim: Uuid,
     retention: Duration,
 ) -> Result<bool, StoreError> {
     let inserted = sqlx::query_scalar!(
         // language=PostgreSQL
-        r#"insert into idempotency_key (scope, key, fingerprint, claim, expires_at)
-           values ($1, $2, $3, $4, now() + make_interval(secs => $5))
-           on conflict (scope, key) do nothing
+        r#"insert into idempotency_key (caller, scope, key, fingerprint, claim, expires_at)
+           values ($6, $1, $2, $3, $4, now() + make_interval(secs => $5))
+           on conflict (caller, scope, key) do nothing
            returning true as "inserted!""#,
-        scope,
-        key,
+        at.scope,
+        at.key,
         fingerprint,
         claim,
         retention.as_secs_f64(),
+        at.caller,
     )
     .fetch_optional(conn)
     .await?;
@@ -63,8 +72,7 @@ pub async fn insert_claim(
 
 pub async fn find(
     conn: &mut PgConnection,
-    scope: &str,
-    key: &str,
+    at: KeyRef<'_>,
     stale_after: Duration,
 ) -> Result<Option<KeyRow>, StoreError> {
     let row = sqlx::query!(
@@ -72,10 +80,11 @@ pub async fn find(
         r#"select fingerprint, claim, status, content_type, body,
                   expires_at < now() as "expired!",
                   claimed_at < now() - make_interval(secs => $3) as "stale!"
-           from idempotency_key where scope = $1 and key = $2"#,
-        scope,
-        key,
+           from idempotency_key where scope = $1 and key = $2 and caller = $4"#,
+        at.scope,
+        at.key,
         stale_after.as_secs_f64(),
+        at.caller,
     )
     .fetch_optional(conn)
     .await?;
@@ -98,8 +107,7 @@ pub async fn find(
 /// it over. True if taken.
 pub async fn take_over(
     conn: &mut PgConnection,
-    scope: &str,
-    key: &str,
+    at: KeyRef<'_>,
     fingerprint: &[u8],
     claim: Uuid,
     seen_claim: Option<Uuid>,
@@ -111,17 +119,18 @@ pub async fn take_over(
            set fingerprint = $3, claim = $4, claimed_at = now(), status = null, content_type = null,
                body = null, entry_id = null, created_at = now(),
                expires_at = now() + make_interval(secs => $6)
-           where scope = $1 and key = $2
+           where scope = $1 and key = $2 and caller = $8
              and (expires_at < now()
                   or (claim = $5 and claimed_at < now() - make_interval(secs => $7)))
            returning true as "taken!""#,
-        scope,
-        key,
+        at.scope,
+        at.key,
         fingerprint,
         claim,
         seen_claim,
         settings.retention.as_secs_f64(),
         settings.stale_after.as_secs_f64(),
+        at.caller,
     )
     .fetch_optional(conn)
     .await?;
@@ -133,8 +142,7 @@ pub async fn take_over(
 /// over, and the caller must roll back.
 pub async fn complete(
     tx: &mut PgConnection,
-    scope: &str,
-    key: &str,
+    at: KeyRef<'_>,
     claim: Uuid,
     response: &StoredResponse,
     entry_id: Option<Uuid>,
@@ -143,25 +151,27 @@ pub async fn complete(
         // language=PostgreSQL
         r#"update idempotency_key
            set claim = null, status = $4, content_type = $5, body = $6, entry_id = $7
-           where scope = $1 and key = $2 and claim = $3
+           where scope = $1 and key = $2 and claim = $3 and caller = $8
            returning true as "done!""#,
-        scope,
-        key,
+        at.scope,
+        at.key,
         claim,
         response.status as i16,
         response.content_type,
         response.body,
         entry_id,
+        at.caller,
     )
     .fetch_optional(tx)
     .await?;
     Ok(done.is_some())
 }
 
-/// Of `claims` (scope, key, claim token), the tokens still holding their key, locked in `tx` until
-/// it ends so no retry can take them over meanwhile.
+/// Of the claims given as parallel lists (caller, scope, key, claim token), the tokens still
+/// holding their key, locked in `tx` until it ends so no retry can take them over meanwhile.
 pub async fn lock_claims(
     tx: &mut PgConnection,
+    callers: &[String],
     scopes: &[String],
     keys: &[String],
     claims: &[Uuid],
@@ -169,13 +179,14 @@ pub async fn lock_claims(
     let owned = sqlx::query_scalar!(
         // language=PostgreSQL
         r#"select k.claim as "claim!" from idempotency_key k
-           join unnest($1::text[], $2::text[], $3::uuid[]) as c(scope, key, claim)
-             on k.scope = c.scope and k.key = c.key and k.claim = c.claim
-           order by k.scope, k.key
+           join unnest($4::text[], $1::text[], $2::text[], $3::uuid[]) as c(caller, scope, key, claim)
+             on k.caller = c.caller and k.scope = c.scope and k.key = c.key and k.claim = c.claim
+           order by k.caller, k.scope, k.key
            for update of k"#,
         scopes,
         keys,
         claims,
+        callers,
     )
     .fetch_all(tx)
     .await?;
@@ -183,13 +194,14 @@ pub async fn lock_claims(
 }
 
 /// Gives up a claim whose request failed in a way worth retrying, so the retry runs.
-pub async fn abandon(conn: &mut PgConnection, scope: &str, key: &str, claim: Uuid) -> Result<(), StoreError> {
-    // language=PostgreSQL
+pub async fn abandon(conn: &mut PgConnection, at: KeyRef<'_>, claim: Uuid) -> Result<(), StoreError> {
     sqlx::query!(
-        "delete from idempotency_key where scope = $1 and key = $2 and claim = $3",
-        scope,
-        key,
-        claim
+        // language=PostgreSQL
+        "delete from idempotency_key where caller = $1 and scope = $2 and key = $3 and claim = $4",
+        at.caller,
+        at.scope,
+        at.key,
+        claim,
     )
     .execute(conn)
     .await?;

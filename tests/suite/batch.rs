@@ -85,7 +85,7 @@ async fn two_requests_with_one_key_in_one_batch_charge_once() {
     let keys = KeySettings { retention: Duration::from_secs(3600), stale_after: Duration::from_millis(1) };
     let key = IdempotencyKey::parse(b"twice").unwrap();
     let fingerprint = idempotency::fingerprint("POST", "/pay", b"10");
-    let begin = || idempotency::begin(&db, keys, Scope::wallet(&id), key.clone(), fingerprint);
+    let begin = || idempotency::begin(&db, keys, Scope::wallet("tester", &id), key.clone(), fingerprint);
     let Begin::Proceed(first) = begin().await.unwrap() else { panic!("the key is new") };
     tokio::time::sleep(Duration::from_millis(5)).await;
     let Begin::Proceed(retry) = begin().await.unwrap() else { panic!("a stale claim is taken over") };
@@ -119,7 +119,7 @@ async fn a_lease_lost_mid_batch_applies_none_of_it_and_every_request_hears_lease
     let Begin::Proceed(claim) = idempotency::begin(
         &db,
         keys,
-        Scope::wallet(&id),
+        Scope::wallet("tester", &id),
         key,
         idempotency::fingerprint("POST", "/pay", b"10"),
     )

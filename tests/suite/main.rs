@@ -4,6 +4,7 @@
 
 mod support;
 
+mod access;
 mod api;
 mod batch;
 mod burst;

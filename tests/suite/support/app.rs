@@ -39,6 +39,7 @@ pub async fn spawn_app_on(env: &TestEnv, schema: ScratchSchema, db: PgPool, extr
         ("--lease-wait", "2s"),
         // The test client keeps idle connections open; a drain need not wait long for them.
         ("--shutdown-grace", "1s"),
+        ("--api-tokens", super::API_TOKENS),
     ];
     // `extra` is flag-value pairs; each replaces the default of the same flag.
     for pair in extra.chunks(2) {
@@ -61,7 +62,7 @@ pub async fn spawn_app_on(env: &TestEnv, schema: ScratchSchema, db: PgPool, extr
     }));
     TestApp {
         address,
-        client: reqwest::Client::builder().build().unwrap(),
+        client: super::api_client(),
         db,
         _schema: schema,
         stop: Some(stop),

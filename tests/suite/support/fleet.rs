@@ -84,6 +84,10 @@ impl Replica {
         self.process = Some(OwnedChild(child));
     }
 
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     /// Waits until the replica answers /readyz.
     pub fn wait_ready(&self) {
         let url = format!("http://127.0.0.1:{}/readyz", self.port);
@@ -133,6 +137,7 @@ impl Fleet {
                 ("LISTEN_ADDR".into(), format!("127.0.0.1:{port}")),
                 ("REPLICA_NAME".into(), format!("replica-{n}")),
                 ("LOG_FORMAT".into(), "json".into()),
+                ("API_TOKENS".into(), super::API_TOKENS.into()),
                 ("RUST_LOG".into(), "info".into()),
             ];
             vars.extend(settings.iter().map(|(k, v)| (k.to_string(), v.to_string())));
@@ -166,7 +171,7 @@ impl Fleet {
             .expect("nginx");
         wait_until("nginx", Duration::from_secs(10), || listening(nginx_port));
 
-        let client = reqwest::Client::builder().pool_max_idle_per_host(64).build().expect("client");
+        let client = super::api_client();
         let database_url = schema.url.clone();
         Fleet {
             replicas,

@@ -17,6 +17,18 @@ use walletlock::lease::{LeaseClient, LeaseSettings, Ttl};
 use walletlock::ledger::schema::ScratchSchema;
 use walletlock::wallet::Wallets;
 
+/// The API tokens every test replica accepts: the `tester` caller, and a second caller.
+pub const API_TOKENS: &str = "tester:test-token-0123456789,other:other-token-0123456789";
+/// The `tester` caller's token.
+pub const TOKEN: &str = "test-token-0123456789";
+
+/// An HTTP client that authenticates as `tester`.
+pub fn api_client() -> reqwest::Client {
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert("authorization", format!("Bearer {TOKEN}").parse().expect("header"));
+    reqwest::Client::builder().default_headers(headers).pool_max_idle_per_host(64).build().expect("client")
+}
+
 /// Where a test's Redis and Postgres are, and the servers it owns (if any), which stop when the
 /// environment is dropped.
 pub struct TestEnv {
