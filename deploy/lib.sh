@@ -78,6 +78,33 @@ wl_pip_module() {
   fi
 }
 
+# wl_secret FILE: the secret kept in FILE, made (256 random bits, hex) on first use; readable by
+# its owner only.
+wl_secret() {
+  local file=$1
+  if [ ! -s "$file" ]; then
+    mkdir -p "$(dirname "$file")"
+    (umask 077 && python3 -c 'import secrets; print(secrets.token_hex(32))' >"$file")
+  fi
+  cat "$file"
+}
+
+# wl_redis_acl FILE PREFIX APP_PASSWORD ADMIN_PASSWORD: a Redis ACL file with no default user,
+# an `admin` for operators, and the replicas' user `walletlock`, which may only touch the lease
+# keys and release channels under PREFIX and run the commands the lease layer sends (its Lua
+# scripts' commands included: ACLs apply inside scripts too).
+wl_redis_acl() {
+  local file=$1 prefix=$2 app=$3 admin=$4
+  (
+    umask 077
+    {
+      echo "user default off"
+      echo "user admin on >$admin ~* &* +@all"
+      echo "user walletlock on >$app ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +eval +evalsha +script|load +get +set +del +exists +incr +incrby +pexpire +pttl +publish +subscribe +unsubscribe"
+    } >"$file"
+  )
+}
+
 # wl_free_port: a TCP port nothing listens on right now.
 wl_free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
@@ -123,15 +150,18 @@ wl_as_postgres() {
 }
 
 # wl_start_postgres DIR PORT [SETTING=VALUE...]: a Postgres cluster in DIR/data listening on
-# 127.0.0.1:PORT (socket in DIR), created on first use with a `postgres` superuser trusted on
-# loopback. Its pid is DIR/postgres.pid.
+# 127.0.0.1:PORT (socket in DIR), created on first use with a `postgres` superuser. Connections
+# over the socket in DIR are trusted (only root and the postgres user can reach it); TCP
+# connections authenticate with WALLETLOCK_PG_HOST_AUTH (trust by default, for throwaway test
+# clusters; deploy/local uses scram-sha-256). Its pid is DIR/postgres.pid.
 wl_start_postgres() {
   local dir=$1 port=$2; shift 2
   local bin; bin=$(wl_pg_bindir) || wl_die "postgresql is not installed"
   mkdir -p "$dir"
   if [ "$(id -u)" -eq 0 ]; then chown postgres: "$dir"; fi
   if [ ! -s "$dir/data/PG_VERSION" ]; then
-    wl_as_postgres "$bin/initdb" -D "$dir/data" -U postgres --auth=trust -E UTF8 --no-sync >"$dir/initdb.log" 2>&1 \
+    wl_as_postgres "$bin/initdb" -D "$dir/data" -U postgres --auth-local=trust \
+      --auth-host="${WALLETLOCK_PG_HOST_AUTH:-trust}" -E UTF8 --no-sync >"$dir/initdb.log" 2>&1 \
       || { cat "$dir/initdb.log" >&2; wl_die "initdb failed"; }
   fi
   local settings=(-c listen_addresses=127.0.0.1 -c "port=$port" -c "unix_socket_directories=$dir")
@@ -149,6 +179,11 @@ wl_start_postgres() {
     || { tail -n 20 "$dir/postgres.log" >&2; return 1; }
 }
 
+# wl_redis_answers PORT: a redis-server answers on PORT (a refusal for want of a password counts).
+wl_redis_answers() {
+  redis-cli -p "$1" ping 2>&1 | grep -qE 'PONG|NOAUTH'
+}
+
 # wl_start_redis DIR PORT [ARG...]: a redis-server on 127.0.0.1:PORT with its files in DIR.
 # Its pid is DIR/redis.pid.
 wl_start_redis() {
@@ -156,7 +191,7 @@ wl_start_redis() {
   mkdir -p "$dir"
   redis-server --bind 127.0.0.1 --port "$port" --dir "$dir" --daemonize no "$@" >>"$dir/redis.log" 2>&1 &
   echo $! >"$dir/redis.pid"
-  wl_wait_for "redis on :$port" 15 redis-cli -p "$port" ping
+  wl_wait_for "redis on :$port" 15 wl_redis_answers "$port"
 }
 
 # wl_nginx_prepare DIR LISTEN PORT...: DIR gets a verbatim copy of the top-level nginx.conf and

@@ -27,10 +27,14 @@ pub struct Cli {
 pub enum Command {
     /// Serve the HTTP API (one replica). Stops on SIGTERM or SIGINT after draining.
     Serve(ServeArgs),
-    /// Apply the database migrations (safe to run from several replicas at once).
+    /// Apply the database migrations (safe to run from several replicas at once). Run it as the
+    /// tables' owner; with --app-role, also grant that role what the replicas need, and no more.
     Migrate {
         #[command(flatten)]
         database: DatabaseArgs,
+        /// The role the replicas connect as (e.g. walletlock_app); it must exist.
+        #[arg(long, env = "APP_ROLE")]
+        app_role: Option<String>,
     },
     /// Check the books: every balance equals its ledger, nothing negative, versions and fences
     /// only grow, every stored idempotent success has exactly one ledger entry. Prints one line
@@ -88,9 +92,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Application::build(&args).await?.run_until_stopped(shutdown_signal()).await?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Migrate { database } => {
-            schema::migrate(&database.pool()?).await?;
+        Command::Migrate { database, app_role } => {
+            let pool = database.pool()?;
+            schema::migrate(&pool).await?;
             tracing::info!("migrations applied");
+            if let Some(role) = app_role {
+                schema::grant_app_role(&pool, &role).await?;
+                tracing::info!(role, "privileges granted");
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Audit { database } => {

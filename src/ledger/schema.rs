@@ -18,6 +18,30 @@ pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
     MIGRATOR.run(pool).await
 }
 
+/// Grants `role` exactly what the service needs on the tables of the current schema, and nothing
+/// else: it reads and writes wallets, appends to the ledger (never updates or deletes it), and
+/// manages idempotency keys. Replicas connect as that role; migrations run as the owner. Granting
+/// again is harmless, so every `walletlock migrate --app-role` re-applies it.
+pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
+    let valid = !role.is_empty()
+        && role.len() <= 63
+        && role.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !role.as_bytes()[0].is_ascii_digit();
+    anyhow::ensure!(valid, "--app-role must be a lowercase Postgres identifier, not {role:?}");
+    let schema: String = sqlx::query_scalar("select current_schema()").fetch_one(pool).await?;
+    let mut tx = pool.begin().await?;
+    for statement in [
+        format!(r#"grant usage on schema "{schema}" to {role}"#),
+        format!(r#"grant select, insert, update on "{schema}".wallet to {role}"#),
+        format!(r#"grant select, insert on "{schema}".ledger_entry to {role}"#),
+        format!(r#"grant select, insert, update, delete on "{schema}".idempotency_key to {role}"#),
+    ] {
+        tx.execute(sqlx::AssertSqlSafe(statement)).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
 /// A schema of its own, migrated and empty, dropped by [`ScratchSchema::drop`]: isolates a demo
 /// run or a test from every other user of the same database.
 #[derive(Debug)]

@@ -133,3 +133,131 @@ async fn no_secret_reaches_a_log_line() {
         "the database URL reached the log"
     );
 }
+
+#[tokio::test]
+async fn the_app_role_reads_and_writes_its_tables_and_nothing_more() {
+    let env = TestEnv::new();
+    let (schema, db) = env.database(2).await;
+    let role = format!("app_{}", uuid::Uuid::new_v4().simple());
+    sqlx::query(sqlx::AssertSqlSafe(format!("create role {role} login"))).execute(&db).await.unwrap();
+    // Migrations run as the owner; `--app-role` grants the replicas' role what they need.
+    let out = Command::new(env!("CARGO_BIN_EXE_walletlock"))
+        .args(["migrate", "--app-role", &role])
+        .env("DATABASE_URL", &schema.url)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let host = env.database_url.split_once('@').unwrap().1; // 127.0.0.1:port/database
+    let app_url = format!("postgres://{role}@{host}?options[search_path]={}", schema.name());
+    let app =
+        crate::support::app::spawn_app_on(&env, schema, db.clone(), &["--database-url", &app_url]).await;
+    app.open_wallet("least", 100).await;
+    let paid = app
+        .client
+        .post(app.url("/wallets/least/pay"))
+        .header("idempotency-key", "k")
+        .json(&json!({ "amount": 10 }));
+    assert_eq!(paid.send().await.unwrap().status(), 200, "the replica works as the app role");
+
+    let as_app = sqlx::PgPool::connect(&app_url).await.unwrap();
+    for forbidden in [
+        "drop table wallet",
+        "truncate ledger_entry",
+        "delete from wallet",
+        "update ledger_entry set amount = 1",
+        "create table intruder (id int)",
+        "alter table wallet drop constraint wallet_balance_check",
+    ] {
+        let err = sqlx::query(forbidden).execute(&as_app).await.expect_err(forbidden);
+        let code = err.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned());
+        assert!(matches!(code.as_deref(), Some("42501")), "{forbidden}: {err}");
+    }
+    assert_eq!(books(&db, "least").await.balance, 90);
+}
+
+#[tokio::test]
+async fn the_replicas_redis_user_can_only_work_leases() {
+    let env = TestEnv::new();
+    let acl = tempfile::NamedTempFile::new().unwrap();
+    crate::support::fleet::lib_sh(&format!(
+        "wl_redis_acl {} {} app-password-0123 admin-password-0123",
+        acl.path().display(),
+        env.prefix
+    ));
+    let redis = crate::support::servers::RedisServer::start_with(vec![
+        "--aclfile".into(),
+        acl.path().display().to_string(),
+    ]);
+    let app_redis = format!("redis://walletlock:app-password-0123@127.0.0.1:{}", redis.port);
+    let app = crate::support::app::spawn_app_with(&env, &["--redis-url", &app_redis]).await;
+    app.open_wallet("acl", 1_000).await;
+
+    // A contended burst: acquire, release, the contended mark and the wake-up channel all run.
+    let burst: Vec<_> = (0..20)
+        .map(|_| app.client.post(app.url("/wallets/acl/pay")).json(&json!({ "amount": 1 })).send())
+        .collect();
+    for paid in futures::future::join_all(burst).await {
+        assert_eq!(paid.unwrap().status(), 200);
+    }
+    assert_eq!(books(&app.db, "acl").await.pays, 20);
+
+    let client = deadpool_redis::redis::Client::open(app_redis.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    for forbidden in [
+        vec!["FLUSHALL"],
+        vec!["KEYS", "*"],
+        vec!["CONFIG", "GET", "*"],
+        vec!["SET", "not-a-lease", "1"],
+        vec!["DEL", "{other:wallet:x}:lease"],
+    ] {
+        let err = deadpool_redis::redis::cmd(forbidden[0])
+            .arg(&forbidden[1..])
+            .query_async::<()>(&mut conn)
+            .await
+            .expect_err("refused");
+        assert!(err.to_string().to_lowercase().contains("noperm"), "{forbidden:?}: {err}");
+    }
+    let anonymous = deadpool_redis::redis::Client::open(format!("redis://127.0.0.1:{}", redis.port)).unwrap();
+    let refused = anonymous.get_multiplexed_async_connection().await;
+    let denied = match refused {
+        Err(_) => true,
+        Ok(mut conn) => deadpool_redis::redis::cmd("PING").query_async::<String>(&mut conn).await.is_err(),
+    };
+    assert!(denied, "Redis without a password refuses");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nginx_limits_a_client_with_429_and_retry_after() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 1, &[]).await;
+    // Another loopback address than 127.0.0.1, which nginx.conf exempts (local load tests).
+    let client = reqwest::Client::builder()
+        .local_address("127.0.0.2".parse::<std::net::IpAddr>().unwrap())
+        .build()
+        .unwrap();
+    let mut responses = Vec::new();
+    for _wave in 0..10 {
+        let wave: Vec<_> = (0..100).map(|_| client.get(fleet.url("/healthz")).send()).collect();
+        responses.extend(futures::future::join_all(wave).await);
+    }
+    let (mut ok, mut limited) = (0, 0);
+    for response in responses {
+        let response = response.unwrap();
+        match response.status().as_u16() {
+            200 => ok += 1,
+            429 => {
+                assert_eq!(response.headers()["retry-after"], "1");
+                assert_eq!(response.headers()["content-type"], "application/problem+json");
+                let problem: Value = response.json().await.unwrap();
+                assert_eq!(problem["code"], "rate_limited");
+                limited += 1;
+            }
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert!(ok >= 400, "the burst allowance was served: {ok}");
+    assert!(limited > 0, "the excess was limited ({ok} served)");
+    let from_host = fleet.client.get(fleet.url("/healthz")).send().await.unwrap();
+    assert_eq!(from_host.status(), 200, "127.0.0.1 is not limited");
+}

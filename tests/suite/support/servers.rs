@@ -76,11 +76,19 @@ pub struct RedisServer {
     pub port: u16,
     dir: TempDir,
     child: Option<OwnedChild>,
+    /// More `redis-server` arguments, kept for restarts.
+    extra: Vec<String>,
 }
 
 impl RedisServer {
     pub fn start() -> Self {
-        let mut server = Self { port: free_port(), dir: TempDir::new().expect("temp dir"), child: None };
+        Self::start_with(Vec::new())
+    }
+
+    /// A server with more arguments (an ACL file, say).
+    pub fn start_with(extra: Vec<String>) -> Self {
+        let mut server =
+            Self { port: free_port(), dir: TempDir::new().expect("temp dir"), child: None, extra };
         server.spawn();
         server
     }
@@ -103,6 +111,7 @@ impl RedisServer {
             ])
             .arg("--dir")
             .arg(self.dir.path())
+            .args(&self.extra)
             .stdout(Stdio::null())
             .spawn()
             .expect("redis-server on PATH (deploy/test installs it)");
