@@ -210,8 +210,8 @@ wl_nginx_prepare() {
     echo "upstream walletlock {"
     local port
     for port in "$@"; do
-      # One failed connection takes a replica out of rotation for 2 s (passive health check).
-      echo "    server 127.0.0.1:$port max_fails=1 fail_timeout=2s;"
+      # One failed connection takes a replica out of rotation for 1 s (passive health check).
+      echo "    server 127.0.0.1:$port max_fails=1 fail_timeout=1s;"
     done
     echo "    keepalive 64;"
     echo "    # Below the replicas' 30 s idle timeout: nginx, not the replica, closes idle connections,"

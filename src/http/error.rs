@@ -247,6 +247,14 @@ fn wallet_problem(err: &WalletError) -> Problem {
         )
         .retry_later(),
         WalletError::KeyTakenOver => in_flight(),
+        WalletError::OutcomeUnknown(_) => Problem::new(
+            S::SERVICE_UNAVAILABLE,
+            "outcome_unknown",
+            "Outcome unknown",
+            "the database connection failed while committing; the payment may have been applied: \
+             retry with the same Idempotency-Key to learn its outcome",
+        )
+        .retry_later(),
         WalletError::Internal(_) => internal(),
     }
 }

@@ -108,6 +108,18 @@ pub enum RedisFailure {
     Timeout(Duration),
 }
 
+impl RedisFailure {
+    /// Redis did not answer in time (as opposed to refusing the connection or erring).
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            RedisFailure::Timeout(_) => true,
+            RedisFailure::Pool(PoolError::Timeout(_)) => true,
+            RedisFailure::Pool(PoolError::Backend(err)) | RedisFailure::Command(err) => err.is_timeout(),
+            RedisFailure::Pool(_) => false,
+        }
+    }
+}
+
 /// Takes and manages leases. Cheap to clone: clones share one connection pool.
 #[derive(Clone)]
 pub struct LeaseClient {
@@ -223,12 +235,14 @@ impl LeaseClient {
             };
             let now = Instant::now();
             if now >= deadline {
-                if last_error.is_none() {
-                    metrics::counter!("walletlock_lease_timeouts_total").increment(1);
-                }
+                // A Redis that answers too slowly (paused, overloaded) is a lease not obtained in
+                // time; a Redis that cannot be reached at all is unavailable.
                 return Err(match last_error {
-                    Some(failure) => LeaseError::Unavailable(failure),
-                    None => LeaseError::NotObtained { name: name.to_owned(), waited: started.elapsed() },
+                    Some(failure) if !failure.is_timeout() => LeaseError::Unavailable(failure),
+                    _ => {
+                        metrics::counter!("walletlock_lease_timeouts_total").increment(1);
+                        LeaseError::NotObtained { name: name.to_owned(), waited: started.elapsed() }
+                    }
                 });
             }
             if watch.is_none() && self.wakeups.is_some() && last_error.is_none() {

@@ -52,7 +52,7 @@ pub async fn apply(
     match decide_and_write(&mut tx, id, fence, held, ops).await {
         Ok((results, after)) => {
             crate::failpoint::hit("before_commit");
-            tx.commit().await?;
+            super::commit(tx).await?;
             crate::failpoint::hit("after_commit");
             *held = after;
             Ok(results)

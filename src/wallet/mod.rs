@@ -50,7 +50,8 @@ pub fn describe_metrics() {
     );
 }
 
-/// Why a wallet operation did not happen. Every variant means nothing was applied.
+/// Why a wallet operation did not happen. Every variant but [`WalletError::OutcomeUnknown`] means
+/// nothing was applied.
 #[derive(Debug, thiserror::Error)]
 pub enum WalletError {
     #[error("wallet not found")]
@@ -68,6 +69,11 @@ pub enum WalletError {
     /// Redis or Postgres could not be reached in time.
     #[error("{dependency} unavailable")]
     Unavailable { dependency: &'static str, source: anyhow::Error },
+    /// The connection to Postgres failed while a commit was in flight: it may or may not have
+    /// happened. The only variant that does not mean "nothing was applied"; a retry with the same
+    /// idempotency key learns which.
+    #[error("the commit's outcome is unknown")]
+    OutcomeUnknown(#[source] sqlx::Error),
     /// The request's idempotency key was taken over by a retry while this request ran (it was
     /// presumed dead); the retry runs it, this one applied nothing.
     #[error("the idempotency key was taken over by another request; nothing was applied")]
@@ -87,6 +93,7 @@ impl WalletError {
             WalletError::LockTimeout { .. } => "lock_timeout",
             WalletError::LeaseLost => "lease_lost",
             WalletError::Unavailable { .. } => "unavailable",
+            WalletError::OutcomeUnknown(_) => "unknown",
             WalletError::KeyTakenOver => "key_taken_over",
             WalletError::Internal(_) => "error",
         }
@@ -208,7 +215,7 @@ impl Wallets {
                     {
                         return Err(WalletError::KeyTakenOver);
                     }
-                    tx.commit().await?;
+                    commit(tx).await?;
                     Ok(wallet)
                 }
                 Err(StoreError::WalletExists) => {
@@ -357,6 +364,25 @@ impl Wallets {
         }
         outcome
     }
+}
+
+/// Commits `tx`. A commit whose connection failed may have happened or not: that is
+/// [`WalletError::OutcomeUnknown`], never "unavailable, nothing applied".
+pub(crate) async fn commit(tx: sqlx::Transaction<'_, sqlx::Postgres>) -> Result<(), WalletError> {
+    tx.commit().await.map_err(|err| {
+        if is_connection_failure(&err) { WalletError::OutcomeUnknown(err) } else { err.into() }
+    })
+}
+
+/// The connection broke (as opposed to Postgres answering with an error).
+fn is_connection_failure(err: &sqlx::Error) -> bool {
+    matches!(
+        err,
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed
+    ) || err
+        .as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|code| code.starts_with("08") || code.starts_with("57P0"))
 }
 
 /// The lease that guards a wallet's balance.

@@ -258,6 +258,9 @@ fn copy(err: &WalletError) -> WalletError {
         WalletError::Unavailable { dependency, source } => {
             WalletError::Unavailable { dependency, source: anyhow::anyhow!("{source:#}") }
         }
+        WalletError::OutcomeUnknown(source) => {
+            WalletError::OutcomeUnknown(sqlx::Error::Protocol(source.to_string()))
+        }
         WalletError::Internal(source) => WalletError::Internal(anyhow::anyhow!("{source:#}")),
     }
 }

@@ -47,6 +47,22 @@ pub struct Replica {
 }
 
 impl Replica {
+    pub fn pid(&self) -> u32 {
+        self.process.as_ref().expect("running").pid()
+    }
+
+    /// Sends `signal` (SIGSTOP, SIGCONT...) to the replica.
+    pub fn signal(&self, signal: Signal) {
+        super::servers::signal(self.pid(), signal);
+    }
+
+    /// Stops the replica with `signal` and returns its exit status.
+    pub fn stop_with(&mut self, signal: Signal) -> Option<std::process::ExitStatus> {
+        let mut process = self.process.take()?;
+        super::servers::signal(process.pid(), signal);
+        process.0.wait().ok()
+    }
+
     /// A URL on this replica directly, bypassing nginx.
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
@@ -183,6 +199,21 @@ impl Fleet {
             _dir: dir,
             _schema: schema,
         }
+    }
+
+    /// nginx's error lines.
+    pub fn nginx_errors(&self) -> String {
+        let log = std::fs::read_to_string(self._dir.path().join("nginx.log")).unwrap_or_default();
+        log.lines().filter(|line| !line.starts_with('{')).collect::<Vec<_>>().join("\n")
+    }
+
+    /// nginx's JSON access log, one object per line.
+    pub fn access_log(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self._dir.path().join("nginx.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|line| serde_json::from_str(line).ok())
+            .collect()
     }
 
     /// A URL through nginx.

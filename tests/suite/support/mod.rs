@@ -8,6 +8,7 @@
 
 pub mod app;
 pub mod fleet;
+pub mod load;
 pub mod servers;
 
 use servers::{PostgresServer, RedisServer};
@@ -35,8 +36,7 @@ pub struct TestEnv {
     pub redis_url: String,
     pub database_url: String,
     pub redis: Option<RedisServer>,
-    /// Held so a private Postgres lives exactly as long as the test.
-    #[allow(dead_code)]
+    /// A private Postgres, living exactly as long as the test.
     pub postgres: Option<PostgresServer>,
     /// Namespaces this test's Redis keys.
     pub prefix: String,
@@ -66,6 +66,16 @@ impl TestEnv {
             }
             Err(_) => Self::private_postgres(redis, prefix),
         }
+    }
+
+    /// Both servers of this test's own (to restart Postgres, say).
+    pub fn with_own_servers() -> Self {
+        init_tracing();
+        Self::private_postgres(RedisServer::start(), format!("t{}", uuid::Uuid::new_v4().simple()))
+    }
+
+    pub fn own_postgres(&mut self) -> &mut PostgresServer {
+        self.postgres.as_mut().expect("this test owns its Postgres")
     }
 
     fn private_postgres(redis: RedisServer, prefix: String) -> Self {

@@ -187,6 +187,12 @@ impl PostgresServer {
         });
     }
 
+    /// Starts the server again after [`PostgresServer::stop`], on the same port and data.
+    pub fn start_again(&mut self) {
+        self.spawn();
+    }
+
+    /// Stops the server (fast shutdown: open connections are cut).
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             child.stop(Signal::SIGINT, Duration::from_secs(10));

@@ -1,0 +1,356 @@
+//! Faults, under concurrent payments through nginx to three replicas. Each ends with the bank
+//! check (`support::load::check_books`) and a bound on how fast service resumes.
+
+use crate::support::TestEnv;
+use crate::support::fleet::Fleet;
+use crate::support::load::{
+    Attempt, Load, Outcome, check_books, open_wallets, pay, settle, tally, time_to_recover,
+};
+use nix::sys::signal::Signal;
+use std::time::{Duration, Instant};
+
+const WALLETS: [&str; 6] = ["f1", "f2", "f3", "f4", "f5", "f6"];
+const OPENING: i64 = 1_000_000;
+
+fn opening(extra: &[&'static str]) -> Vec<(&'static str, i64)> {
+    WALLETS.iter().chain(extra).map(|w| (*w, OPENING)).collect()
+}
+
+/// Settings for fault fleets: a one-second lease, and keys of dead replicas freed after two.
+const FAULT_SETTINGS: [(&str, &str); 2] = [("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s")];
+
+/// Holds a wallet's row in a transaction of the test's own: a lease holder's claim of that wallet
+/// waits behind it, in the middle of its critical section.
+async fn hold_row(fleet: &Fleet, wallet: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut row = fleet.db.begin().await.unwrap();
+    sqlx::query("select 1 from wallet where id = $1 for update")
+        .bind(wallet)
+        .execute(&mut *row)
+        .await
+        .unwrap();
+    row
+}
+
+/// Sends one keyed payment straight to a replica (bypassing nginx), in the background.
+fn pay_on(
+    fleet: &Fleet,
+    replica: usize,
+    wallet: &'static str,
+    key: &'static str,
+) -> tokio::task::JoinHandle<Outcome> {
+    let (client, url) = (fleet.client.clone(), fleet.replicas[replica].url(""));
+    tokio::spawn(async move { pay(&client, &url, wallet, 1, key).await })
+}
+
+async fn wait_for_lease(env: &TestEnv, wallet: &str) {
+    let key = env.lease_key(&format!("wallet:{wallet}"));
+    crate::support::eventually("the replica holds the wallet's lease", Duration::from_secs(3), || async {
+        env.redis_cmd::<i64>(&["EXISTS", &key]).await == 1
+    })
+    .await;
+}
+
+/// Waits until a lease holder's claim of a wallet waits behind the row the test holds: the holder
+/// is then inside its critical section, its lease taken and its claim sent.
+async fn wait_for_blocked_claim(fleet: &Fleet) {
+    crate::support::eventually("a claim waits for the held row", Duration::from_secs(3), || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "select count(*) from pg_stat_activity
+             where wait_event_type = 'Lock' and query like 'update wallet set fence%'",
+        )
+        .fetch_one(&fleet.db)
+        .await
+        .unwrap();
+        waiting > 0
+    })
+    .await;
+}
+
+fn attempt(wallet: &str, key: &str, outcome: Outcome) -> Attempt {
+    Attempt {
+        wallet: wallet.into(),
+        amount: 1,
+        key: key.into(),
+        outcome,
+        sent: Instant::now(),
+        took: Duration::ZERO,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_holder_killed_mid_critical_section_holds_others_up_at_most_one_ttl() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 3, &FAULT_SETTINGS).await;
+    open_wallets(&fleet, &[&WALLETS[..], &["held"]].concat(), OPENING).await;
+    let load = Load::start(&fleet, &WALLETS, 6);
+
+    // replica-1 takes the lease of `held` and is stuck in its critical section, behind the row.
+    let row = hold_row(&fleet, "held").await;
+    let doomed = pay_on(&fleet, 0, "held", "doomed");
+    wait_for_lease(&env, "held").await;
+    wait_for_blocked_claim(&fleet).await;
+    let mut fleet = fleet;
+    fleet.replicas[0].stop(Signal::SIGKILL);
+    row.rollback().await.unwrap();
+
+    let mut attempts = vec![attempt("held", "doomed", doomed.await.unwrap())];
+    let recovered = time_to_recover(&fleet, "held", Duration::from_secs(5), &mut attempts).await;
+    assert!(
+        recovered <= Duration::from_millis(1_500),
+        "the others waited {recovered:?}, more than one TTL (1s)"
+    );
+
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    attempts.extend(load.finish().await);
+    settle(&fleet, &mut attempts).await;
+    check_books(&fleet, &opening(&["held"]), &attempts).await;
+    eprintln!("killed holder: recovered in {recovered:?}; {:?}", tally(&attempts));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_lease_holder_is_refused_when_it_wakes() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 3, &FAULT_SETTINGS).await;
+    open_wallets(&fleet, &[&WALLETS[..], &["paused"]].concat(), OPENING).await;
+    let load = Load::start(&fleet, &WALLETS, 6);
+
+    // replica-1 holds the lease of `paused` and is frozen (a GC pause, a stalled VM) past the TTL.
+    let row = hold_row(&fleet, "paused").await;
+    let stale = pay_on(&fleet, 0, "paused", "stale");
+    wait_for_lease(&env, "paused").await;
+    wait_for_blocked_claim(&fleet).await;
+    fleet.replicas[0].signal(Signal::SIGSTOP);
+    row.rollback().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+
+    // Meanwhile replica-2 takes the lease over and commits.
+    let current = pay(&fleet.client, &fleet.replicas[1].url(""), "paused", 1, "current").await;
+    assert!(matches!(current, Outcome::Applied(_)), "the next holder committed: {current:?}");
+
+    fleet.replicas[0].signal(Signal::SIGCONT);
+    let stale = stale.await.unwrap();
+    assert_eq!(stale, Outcome::NotApplied("lease_lost".into()), "the woken holder's write is refused");
+
+    let mut attempts = vec![attempt("paused", "stale", stale), attempt("paused", "current", current)];
+    attempts.extend(load.finish().await);
+    settle(&fleet, &mut attempts).await;
+    check_books(&fleet, &opening(&["paused"]), &attempts).await;
+    assert_eq!(crate::support::books(&fleet.db, "paused").await.pays, 1, "nothing double-applied");
+}
+
+enum RedisFault {
+    Restart,
+    FlushAll,
+}
+
+async fn redis_loses_everything(fault: RedisFault) {
+    let mut env = TestEnv::with_own_redis();
+    let fleet = Fleet::start(&env, 3, &FAULT_SETTINGS).await;
+    open_wallets(&fleet, &WALLETS, OPENING).await;
+    let load = Load::start(&fleet, &WALLETS, 8);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    match fault {
+        RedisFault::Restart => env.own_redis().restart(),
+        RedisFault::FlushAll => env.redis_cmd::<()>(&["FLUSHALL"]).await,
+    }
+    let mut attempts = Vec::new();
+    let recovered = time_to_recover(&fleet, "f1", Duration::from_secs(5), &mut attempts).await;
+    assert!(recovered <= Duration::from_secs(2), "payments resumed after {recovered:?}");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    attempts.extend(load.finish().await);
+    let after: usize = attempts.iter().filter(|a| matches!(a.outcome, Outcome::Applied(_))).count();
+    assert!(after > 0);
+    settle(&fleet, &mut attempts).await;
+    check_books(&fleet, &opening(&[]), &attempts).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payments_continue_through_a_redis_restart_that_loses_every_key() {
+    redis_loses_everything(RedisFault::Restart).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payments_continue_through_a_flushall() {
+    redis_loses_everything(RedisFault::FlushAll).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_redis_is_a_prompt_lock_timeout_never_a_hung_request() {
+    let env = TestEnv::with_own_redis();
+    let wait = Duration::from_secs(1);
+    let fleet = Fleet::start(&env, 3, &[FAULT_SETTINGS[0], FAULT_SETTINGS[1], ("LEASE_WAIT", "1s")]).await;
+    open_wallets(&fleet, &WALLETS, OPENING).await;
+    let load = Load::start(&fleet, &WALLETS, 8);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let paused_at = Instant::now();
+    env.redis_cmd::<()>(&["CLIENT", "PAUSE", "3000", "ALL"]).await;
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    let mut attempts = Vec::new();
+    let recovered = time_to_recover(&fleet, "f1", Duration::from_secs(5), &mut attempts).await;
+    attempts.extend(load.finish().await);
+
+    // A holder whose lease was still valid when Redis paused may commit until its lease lapses
+    // (it cannot be refreshed): look at what was sent after that and answered before the pause
+    // ended.
+    let during: Vec<&Attempt> = attempts
+        .iter()
+        .filter(|a| {
+            a.sent > paused_at + Duration::from_millis(1_200)
+                && a.sent + a.took < paused_at + Duration::from_millis(2_900)
+        })
+        .collect();
+    assert!(!during.is_empty());
+    for attempt in &during {
+        assert!(attempt.took <= wait + Duration::from_millis(1_500), "a request hung for {:?}", attempt.took);
+        assert!(
+            matches!(&attempt.outcome, Outcome::NotApplied(code) if code == "lock_timeout" || code == "lease_lost"),
+            "while Redis was paused: {:?} sent {:?} after the pause, took {:?}",
+            attempt.outcome,
+            attempt.sent - paused_at,
+            attempt.took
+        );
+    }
+    assert!(during.iter().any(|a| a.outcome == Outcome::NotApplied("lock_timeout".into())));
+    assert!(recovered <= Duration::from_secs(2), "recovered {recovered:?} after the pause");
+    settle(&fleet, &mut attempts).await;
+    check_books(&fleet, &opening(&[]), &attempts).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_restart_is_a_503_while_it_is_down_and_nothing_partial() {
+    let mut env = TestEnv::with_own_servers();
+    let fleet = Fleet::start(&env, 3, &FAULT_SETTINGS).await;
+    open_wallets(&fleet, &WALLETS, OPENING).await;
+    let load = Load::start(&fleet, &WALLETS, 8);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    env.own_postgres().stop();
+    let down_at = Instant::now(); // exited: nothing can commit from here
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    env.own_postgres().start_again();
+    let up_at = Instant::now();
+    let mut attempts = Vec::new();
+    let recovered = time_to_recover(&fleet, "f1", Duration::from_secs(10), &mut attempts).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    attempts.extend(load.finish().await);
+
+    let during: Vec<&Attempt> =
+        attempts.iter().filter(|a| a.sent > down_at && a.sent + a.took < up_at).collect();
+    assert!(!during.is_empty());
+    for attempt in &during {
+        assert!(
+            matches!(&attempt.outcome, Outcome::NotApplied(code) if code == "dependency_unavailable"),
+            "while Postgres was down: {:?}",
+            attempt.outcome
+        );
+        assert!(attempt.took <= Duration::from_secs(3), "a request hung for {:?}", attempt.took);
+    }
+    assert!(recovered <= Duration::from_secs(5), "recovered {recovered:?} after Postgres came back");
+    settle(&fleet, &mut attempts).await;
+    check_books(&fleet, &opening(&[]), &attempts).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_connection_pool_is_a_prompt_503() {
+    let env = TestEnv::new();
+    let settings = [("PG_POOL_SIZE", "2"), ("PG_ACQUIRE_TIMEOUT", "300ms"), ("LEASE_WAIT", "5s")];
+    let fleet = Fleet::start(&env, 1, &settings).await;
+    open_wallets(&fleet, &["busy1", "busy2", "free"], OPENING).await;
+
+    // Two workers each hold a pooled connection, stuck behind rows the test holds.
+    let rows = [hold_row(&fleet, "busy1").await, hold_row(&fleet, "busy2").await];
+    let stuck = [pay_on(&fleet, 0, "busy1", "s1"), pay_on(&fleet, 0, "busy2", "s2")];
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let started = Instant::now();
+    let outcome = pay(&fleet.client, &fleet.url(""), "free", 1, "starved").await;
+    assert_eq!(outcome, Outcome::NotApplied("dependency_unavailable".into()));
+    assert!(started.elapsed() < Duration::from_secs(2), "answered after {:?}", started.elapsed());
+
+    for row in rows {
+        row.rollback().await.unwrap();
+    }
+    let mut attempts = vec![attempt("free", "starved", outcome)];
+    for (wallet, (key, stuck)) in ["busy1", "busy2"].into_iter().zip(["s1", "s2"].into_iter().zip(stuck)) {
+        attempts.push(attempt(wallet, key, stuck.await.unwrap()));
+    }
+    let opening: Vec<(&str, i64)> = ["busy1", "busy2", "free"].iter().map(|w| (*w, OPENING)).collect();
+    settle(&fleet, &mut attempts).await;
+    check_books(&fleet, &opening, &attempts).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_replica_restarted_in_turn_loses_no_client_request() {
+    let env = TestEnv::new();
+    let mut fleet = Fleet::start(&env, 3, &[("IDEMPOTENCY_STALE_AFTER", "2s")]).await;
+    open_wallets(&fleet, &WALLETS, OPENING).await;
+    let load = Load::start(&fleet, &WALLETS, 8);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // A rolling restart: each replica drains and exits, starts again, and is back in nginx's
+    // rotation (a refused connection keeps it out for fail_timeout, 1 s) before the next goes.
+    for replica in 0..3 {
+        let status = fleet.replicas[replica].stop_with(Signal::SIGTERM).expect("it was running");
+        assert!(status.success(), "replica-{} drained and exited 0: {status}", replica + 1);
+        fleet.replicas[replica].start();
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut attempts = load.finish().await;
+
+    let failed: Vec<&Attempt> =
+        attempts.iter().filter(|a| !matches!(a.outcome, Outcome::Applied(_))).collect();
+    if !failed.is_empty() {
+        eprintln!("{}", fleet.nginx_errors());
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests failed: {:?}",
+        failed.len(),
+        attempts.len(),
+        tally(&attempts)
+    );
+    settle(&fleet, &mut attempts).await;
+    check_books(&fleet, &opening(&[]), &attempts).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_replica_gets_a_504_nginx_never_resends_and_the_retry_returns_the_one_payment() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 3, &[("IDEMPOTENCY_STALE_AFTER", "2s")]).await;
+    open_wallets(&fleet, &["slow"], OPENING).await;
+
+    // replica-2 stops answering for longer than nginx's 10 s read timeout.
+    fleet.replicas[1].signal(Signal::SIGSTOP);
+    let keys: Vec<String> = (0..6).map(|n| format!("slow-{n}")).collect();
+    let sent: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let (client, url, key) = (fleet.client.clone(), fleet.url(""), key.clone());
+            tokio::spawn(async move { pay(&client, &url, "slow", 1, &key).await })
+        })
+        .collect();
+    let mut attempts = Vec::new();
+    for (key, outcome) in keys.iter().zip(futures::future::join_all(sent).await) {
+        attempts.push(attempt("slow", key, outcome.unwrap()));
+    }
+    fleet.replicas[1].signal(Signal::SIGCONT);
+
+    let timed_out: Vec<&Attempt> =
+        attempts.iter().filter(|a| a.outcome == Outcome::Unknown("504 ".into())).collect();
+    assert!(!timed_out.is_empty(), "some request went to the stalled replica: {:?}", tally(&attempts));
+    for line in fleet.access_log().iter().filter(|l| l["status"] == 504) {
+        let upstreams = line["upstream_addr"].as_str().unwrap_or("");
+        assert!(!upstreams.contains(','), "nginx resent a POST to another replica: {upstreams}");
+    }
+    settle(&fleet, &mut attempts).await;
+    check_books(&fleet, &[("slow", OPENING)], &attempts).await;
+    assert_eq!(
+        crate::support::books(&fleet.db, "slow").await.pays as usize,
+        keys.len(),
+        "one payment per key"
+    );
+}

@@ -1,0 +1,224 @@
+//! Concurrent payments through the fleet, remembering what each client was told, and the bank
+//! check at the end (Jepsen's bank workload): after every unknown outcome has been settled by
+//! retrying with its idempotency key, the payments acknowledged are exactly the ledger's, each
+//! once; every balance equals its opening balance minus them, equals its ledger, is not negative;
+//! and `walletlock audit` agrees.
+
+use super::fleet::{Fleet, audit};
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// What a client learned from one payment.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// 200: this ledger entry.
+    Applied(uuid::Uuid),
+    /// A definite "nothing was applied" (insufficient funds, lock timeout, lease lost, ...).
+    NotApplied(String),
+    /// No answer, or one that leaves it open (502, 504, request_timeout, outcome_unknown, in flight).
+    Unknown(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    pub wallet: String,
+    pub amount: i64,
+    pub key: String,
+    pub outcome: Outcome,
+    pub sent: Instant,
+    pub took: Duration,
+}
+
+/// Sends one payment and classifies the answer.
+pub async fn pay(client: &reqwest::Client, url: &str, wallet: &str, amount: i64, key: &str) -> Outcome {
+    let request = client
+        .post(format!("{url}/wallets/{wallet}/pay"))
+        .header("idempotency-key", key)
+        .json(&json!({ "amount": amount }))
+        .timeout(Duration::from_secs(15));
+    let response = match request.send().await {
+        Ok(response) => response,
+        Err(err) => return Outcome::Unknown(format!("no answer: {err}")),
+    };
+    let status = response.status().as_u16();
+    let body: Value = response.json().await.unwrap_or(Value::Null);
+    let code = body["code"].as_str().unwrap_or("").to_owned();
+    match (status, code.as_str()) {
+        (200, _) => {
+            Outcome::Applied(body["id"].as_str().and_then(|id| id.parse().ok()).expect("an entry id"))
+        }
+        (422, "insufficient_funds")
+        | (409, "lease_lost")
+        | (503, "lock_timeout" | "dependency_unavailable")
+        | (429, _) => Outcome::NotApplied(code),
+        (409, "idempotency_key_in_flight")
+        | (503, "request_timeout" | "outcome_unknown")
+        | (502 | 504, _) => Outcome::Unknown(format!("{status} {code}")),
+        _ => panic!("an answer the API does not give: {status} {body}"),
+    }
+}
+
+/// Clients paying 1 at a time from the given wallets, round robin, each payment with its own key.
+pub struct Load {
+    stop: Arc<AtomicBool>,
+    clients: Vec<tokio::task::JoinHandle<Vec<Attempt>>>,
+}
+
+impl Load {
+    pub fn start(fleet: &Fleet, wallets: &[&str], clients: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let clients = (0..clients)
+            .map(|n| {
+                let (client, url, stop) = (fleet.client.clone(), fleet.url(""), stop.clone());
+                let wallets: Vec<String> = wallets.iter().map(|w| w.to_string()).collect();
+                tokio::spawn(async move {
+                    let mut attempts = Vec::new();
+                    let mut i = n;
+                    while !stop.load(Ordering::Relaxed) {
+                        let wallet = wallets[i % wallets.len()].clone();
+                        i += 1;
+                        let key = uuid::Uuid::new_v4().to_string();
+                        let sent = Instant::now();
+                        let outcome = pay(&client, &url, &wallet, 1, &key).await;
+                        attempts.push(Attempt {
+                            wallet,
+                            amount: 1,
+                            key,
+                            outcome,
+                            sent,
+                            took: sent.elapsed(),
+                        });
+                    }
+                    attempts
+                })
+            })
+            .collect();
+        Self { stop, clients }
+    }
+
+    pub async fn finish(self) -> Vec<Attempt> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut attempts = Vec::new();
+        for client in self.clients {
+            attempts.extend(client.await.expect("a load client"));
+        }
+        attempts
+    }
+}
+
+/// Retries every unknown outcome with its key until the answer is definite.
+pub async fn settle(fleet: &Fleet, attempts: &mut [Attempt]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for attempt in attempts.iter_mut() {
+        while let Outcome::Unknown(_) = attempt.outcome {
+            assert!(Instant::now() < deadline, "could not settle {attempt:?}");
+            attempt.outcome =
+                pay(&fleet.client, &fleet.url(""), &attempt.wallet, attempt.amount, &attempt.key).await;
+            if matches!(attempt.outcome, Outcome::Unknown(_)) {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+/// How many attempts ended each way, by code.
+pub fn tally(attempts: &[Attempt]) -> BTreeMap<String, usize> {
+    let mut tally = BTreeMap::new();
+    for attempt in attempts {
+        let label = match &attempt.outcome {
+            Outcome::Applied(_) => "applied".to_owned(),
+            Outcome::NotApplied(code) => code.clone(),
+            Outcome::Unknown(what) => format!("unknown {what}"),
+        };
+        *tally.entry(label).or_default() += 1;
+    }
+    tally
+}
+
+/// The bank check, after [`settle`]: `opening` is each wallet's opening balance.
+pub async fn check_books(fleet: &Fleet, opening: &[(&str, i64)], attempts: &[Attempt]) {
+    let wallets: Vec<String> = opening.iter().map(|(w, _)| w.to_string()).collect();
+    let acknowledged: Vec<uuid::Uuid> = attempts
+        .iter()
+        .filter_map(|a| match a.outcome {
+            Outcome::Applied(id) => Some(id),
+            Outcome::NotApplied(_) => None,
+            Outcome::Unknown(_) => panic!("settle the attempts first: {a:?}"),
+        })
+        .collect();
+    let unique: HashSet<uuid::Uuid> = acknowledged.iter().copied().collect();
+    assert_eq!(unique.len(), acknowledged.len(), "two keys were answered with one payment");
+
+    let ledger: Vec<uuid::Uuid> =
+        sqlx::query_scalar("select id from ledger_entry where kind = 'pay' and wallet_id = any($1)")
+            .bind(&wallets)
+            .fetch_all(&fleet.db)
+            .await
+            .unwrap();
+    let in_ledger: HashSet<uuid::Uuid> = ledger.iter().copied().collect();
+    let lost: Vec<_> = unique.difference(&in_ledger).collect();
+    let unacknowledged: Vec<_> = in_ledger.difference(&unique).collect();
+    assert!(lost.is_empty(), "acknowledged payments missing from the ledger: {lost:?}");
+    assert!(unacknowledged.is_empty(), "payments in the ledger no client was told of: {unacknowledged:?}");
+
+    for (wallet, opening) in opening {
+        let paid: i64 = attempts
+            .iter()
+            .filter(|a| a.wallet == *wallet && matches!(a.outcome, Outcome::Applied(_)))
+            .map(|a| a.amount)
+            .sum();
+        let books = super::books(&fleet.db, wallet).await;
+        assert_eq!(books.balance, opening - paid, "{wallet}: balance = opening - acknowledged payments");
+        assert_eq!(books.balance, books.ledger_sum, "{wallet}: balance = ledger");
+        assert!(books.balance >= 0, "{wallet}: negative");
+    }
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "walletlock audit: {report}");
+}
+
+/// Opens `wallets` through the fleet, each with `balance`.
+pub async fn open_wallets(fleet: &Fleet, wallets: &[&str], balance: i64) {
+    for wallet in wallets {
+        let created = fleet
+            .client
+            .post(fleet.url("/wallets"))
+            .json(&json!({ "id": wallet, "balance": balance }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(created.status(), 201, "open {wallet}");
+    }
+}
+
+/// How long until a payment on `wallet` through nginx is applied again, trying every 50 ms; the
+/// probes are added to `attempts`, so the bank check counts them.
+pub async fn time_to_recover(
+    fleet: &Fleet,
+    wallet: &str,
+    limit: Duration,
+    attempts: &mut Vec<Attempt>,
+) -> Duration {
+    let started = Instant::now();
+    loop {
+        let key = uuid::Uuid::new_v4().to_string();
+        let sent = Instant::now();
+        let outcome = pay(&fleet.client, &fleet.url(""), wallet, 1, &key).await;
+        let applied = matches!(outcome, Outcome::Applied(_));
+        attempts.push(Attempt {
+            wallet: wallet.to_owned(),
+            amount: 1,
+            key,
+            outcome,
+            sent,
+            took: sent.elapsed(),
+        });
+        if applied {
+            return started.elapsed();
+        }
+        assert!(started.elapsed() < limit, "{wallet}: no payment went through within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
