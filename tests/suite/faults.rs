@@ -354,3 +354,48 @@ async fn a_stalled_replica_gets_a_504_nginx_never_resends_and_the_retry_returns_
         "one payment per key"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_a_replica_fails_only_its_requests_in_flight_and_a_graceful_restart_fails_none() {
+    let env = TestEnv::new();
+    let mut fleet = Fleet::start(&env, 3, &[("IDEMPOTENCY_STALE_AFTER", "2s")]).await;
+    open_wallets(&fleet, &WALLETS, OPENING).await;
+    let load = Load::start(&fleet, &WALLETS, 8);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    // replica-2 crashes.
+    let killed_at = Instant::now();
+    fleet.replicas[1].stop(Signal::SIGKILL);
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // replica-3 is restarted gracefully.
+    let drained_at = Instant::now();
+    let status = fleet.replicas[2].stop_with(Signal::SIGTERM).expect("running");
+    assert!(status.success(), "replica-3 drained and exited 0: {status}");
+    fleet.replicas[2].start();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let mut attempts = load.finish().await;
+
+    for failed in attempts.iter().filter(|a| !matches!(a.outcome, Outcome::Applied(_))) {
+        // Only requests that were on replica-2 when it died: answered 502 by nginx, not resent.
+        assert!(
+            failed.sent <= killed_at + Duration::from_millis(200) && failed.sent + failed.took >= killed_at,
+            "a request failed that was not in flight on the dead replica: {failed:?}, sent {:?} after the kill; nginx: {}",
+            failed.sent.checked_duration_since(killed_at),
+            fleet.nginx_errors()
+        );
+        assert_eq!(failed.outcome, Outcome::Unknown("502 ".into()), "{failed:?}");
+    }
+    assert!(
+        attempts.iter().filter(|a| a.sent > drained_at).all(|a| matches!(a.outcome, Outcome::Applied(_))),
+        "the graceful restart failed no request"
+    );
+    for line in fleet.access_log().iter().filter(|l| l["status"] == 502) {
+        let upstreams = line["upstream_addr"].as_str().unwrap_or("");
+        assert!(!upstreams.contains(','), "nginx resent a POST that reached the dead replica: {upstreams}");
+    }
+    // The payments whose clients saw a 502 were applied whole or not at all: the retries with
+    // their keys say which, and the books agree.
+    settle(&fleet, &mut attempts).await;
+    check_books(&fleet, &opening(&[]), &attempts).await;
+    eprintln!("replica lost: {:?}", tally(&attempts));
+}
