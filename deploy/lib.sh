@@ -95,6 +95,7 @@ wl_secret() {
 # scripts' commands included: ACLs apply inside scripts too).
 wl_redis_acl() {
   local file=$1 prefix=$2 app=$3 admin=$4
+  mkdir -p "$(dirname "$file")"
   (
     umask 077
     {
