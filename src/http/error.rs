@@ -11,11 +11,52 @@ use axum::{
     http::{HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
 };
-use serde_json::{Map, Value, json};
+use serde::Serialize;
 use std::time::Duration;
 
 /// Seconds a client should wait before retrying a 503.
 const RETRY_AFTER_SECONDS: u64 = 1;
+
+/// The content type of every error response.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// An RFC 9457 problem document: the body of every error response, as sent and as stored for an
+/// idempotency key.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(
+    as = Problem,
+    example = json!({
+        "type": "urn:walletlock:problem:insufficient_funds",
+        "title": "Insufficient funds",
+        "status": 422,
+        "detail": "the balance of 8000 does not cover this payment",
+        "code": "insufficient_funds",
+        "balance": 8000
+    })
+)]
+pub struct ProblemDocument {
+    /// `urn:walletlock:problem:` and the code.
+    #[serde(rename = "type")]
+    #[schema(pattern = "^urn:walletlock:problem:[a-z_]+$")]
+    problem_type: String,
+    title: &'static str,
+    /// The HTTP status code.
+    #[schema(minimum = 400, maximum = 599)]
+    status: u16,
+    /// What went wrong, for a person; for a 5xx only what the caller can do.
+    detail: String,
+    /// Stable: what clients match on (the README's error table lists every code).
+    #[schema(pattern = "^[a-z_]+$", example = "insufficient_funds")]
+    code: &'static str,
+    /// With a `400` for a field that broke its rule: the field's name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, example = "amount")]
+    field: Option<&'static str>,
+    /// With `insufficient_funds` and `balance_overflow`: the wallet's balance.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, minimum = 0, example = 8000)]
+    balance: Option<i64>,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -92,17 +133,23 @@ struct Problem {
     code: &'static str,
     title: &'static str,
     detail: String,
-    extra: Map<String, Value>,
+    field: Option<&'static str>,
+    balance: Option<i64>,
     retry_after: bool,
 }
 
 impl Problem {
     fn new(status: StatusCode, code: &'static str, title: &'static str, detail: impl Into<String>) -> Self {
-        Self { status, code, title, detail: detail.into(), extra: Map::new(), retry_after: false }
+        Self { status, code, title, detail: detail.into(), field: None, balance: None, retry_after: false }
     }
 
-    fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
-        self.extra.insert(key.to_owned(), value.into());
+    fn with_field(mut self, field: &'static str) -> Self {
+        self.field = Some(field);
+        self
+    }
+
+    fn with_balance(mut self, balance: i64) -> Self {
+        self.balance = Some(balance);
         self
     }
 
@@ -122,7 +169,7 @@ impl ApiError {
                 "Invalid input",
                 invalid.to_string(),
             )
-            .with("field", invalid.field),
+            .with_field(invalid.field),
             ApiError::BadRequest { code, detail } => {
                 Problem::new(S::BAD_REQUEST, code, "Bad request", detail.clone())
             }
@@ -218,14 +265,14 @@ fn wallet_problem(err: &WalletError) -> Problem {
             "Insufficient funds",
             format!("the balance of {balance} does not cover this payment"),
         )
-        .with("balance", *balance),
+        .with_balance(*balance),
         WalletError::Refused(Refusal::BalanceOverflow { balance }) => Problem::new(
             S::UNPROCESSABLE_ENTITY,
             "balance_overflow",
             "Balance overflow",
             format!("the balance of {balance} cannot hold this deposit"),
         )
-        .with("balance", *balance),
+        .with_balance(*balance),
         WalletError::LockTimeout { .. } => Problem::new(
             S::SERVICE_UNAVAILABLE,
             "lock_timeout",
@@ -263,20 +310,19 @@ impl ApiError {
     /// The problem document as bytes, as sent and as stored for an idempotency key.
     pub fn render(&self) -> StoredResponse {
         let problem = self.problem();
-        let mut body = json!({
-            "type": format!("urn:walletlock:problem:{}", problem.code),
-            "title": problem.title,
-            "status": problem.status.as_u16(),
-            "detail": problem.detail,
-            "code": problem.code,
-        });
-        if let Value::Object(fields) = &mut body {
-            fields.extend(problem.extra);
-        }
+        let document = ProblemDocument {
+            problem_type: format!("urn:walletlock:problem:{}", problem.code),
+            title: problem.title,
+            status: problem.status.as_u16(),
+            detail: problem.detail,
+            code: problem.code,
+            field: problem.field,
+            balance: problem.balance,
+        };
         StoredResponse {
             status: problem.status.as_u16(),
-            content_type: "application/problem+json".to_owned(),
-            body: serde_json::to_vec(&body).unwrap_or_default(),
+            content_type: PROBLEM_JSON.to_owned(),
+            body: serde_json::to_vec(&document).unwrap_or_default(),
         }
     }
 }

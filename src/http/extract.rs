@@ -47,8 +47,19 @@ fn is_json(content_type: Option<&axum::http::HeaderValue>) -> bool {
 pub struct QueryParams<T>(pub T);
 
 /// The `{id}` segment of a wallet route, validated before anything else is read.
-#[derive(Debug)]
-pub struct WalletPath(pub WalletId);
+#[derive(Debug, utoipa::IntoParams)]
+#[into_params(names("id"), parameter_in = Path)]
+pub struct WalletPath(
+    /// The wallet's id: 1 to 64 characters of `A-Z`, `a-z`, `0-9`, `_` and `-`.
+    #[param(
+        value_type = String,
+        min_length = 1,
+        max_length = 64,
+        pattern = "^[A-Za-z0-9_-]{1,64}$",
+        example = "alice"
+    )]
+    pub WalletId,
+);
 
 impl<S: Send + Sync> FromRequestParts<S> for WalletPath {
     type Rejection = ApiError;
@@ -62,8 +73,22 @@ impl<S: Send + Sync> FromRequestParts<S> for WalletPath {
 }
 
 /// The optional `Idempotency-Key` header; a malformed or repeated one is a 400.
-#[derive(Debug)]
-pub struct IdempotencyHeader(pub Option<IdempotencyKey>);
+#[derive(Debug, utoipa::IntoParams)]
+#[into_params(names("Idempotency-Key"), parameter_in = Header)]
+pub struct IdempotencyHeader(
+    /// Makes a retried request apply once: the same key with the same request gets the first
+    /// response again (with `Idempotent-Replayed: true`), and charges nothing. 1 to 255 printable
+    /// ASCII characters (HTTP strips a leading or trailing space, so none is documented).
+    #[param(
+        value_type = Option<String>,
+        nullable = false,
+        min_length = 1,
+        max_length = 255,
+        pattern = "^[\\x21-\\x7E]([\\x20-\\x7E]{0,253}[\\x21-\\x7E])?$",
+        example = "order-1001"
+    )]
+    pub Option<IdempotencyKey>,
+);
 
 impl<S: Send + Sync> FromRequestParts<S> for IdempotencyHeader {
     type Rejection = ApiError;

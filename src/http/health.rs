@@ -8,7 +8,7 @@ use axum::{
     response::IntoResponse,
     routing::get,
 };
-use serde_json::json;
+use serde::Serialize;
 use std::time::Duration;
 
 /// How long each dependency may take to answer a readiness probe.
@@ -21,9 +21,62 @@ pub fn router() -> Router<ApiContext> {
         .route("/metrics", get(metrics))
 }
 
-/// Prometheus text format. Pool and process gauges are sampled now; counters and histograms are
-/// kept as they happen. Scraped from each replica directly: nginx does not forward /metrics.
-async fn metrics(State(ctx): State<ApiContext>) -> impl IntoResponse {
+/// `GET /healthz`'s answer.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Liveness {
+    status: LiveStatus,
+    /// The replica that answered.
+    replica: String,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum LiveStatus {
+    Ok,
+}
+
+/// `GET /readyz`'s answer, ready or not.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Readiness {
+    status: ReadyStatus,
+    /// The replica that answered.
+    replica: String,
+    redis: DependencyStatus,
+    postgres: DependencyStatus,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ReadyStatus {
+    Ready,
+    Draining,
+    Unavailable,
+}
+
+/// Whether a dependency answered the probe in time.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum DependencyStatus {
+    Ok,
+    Unavailable,
+}
+
+/// This replica's metrics, in the Prometheus text format.
+///
+/// Pool and process gauges are sampled now; counters and histograms are kept as they happen.
+/// Scraped from each replica directly: nginx does not forward /metrics.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "operations",
+    responses((
+        status = 200,
+        description = "This replica's metrics, in the Prometheus text format",
+        body = String,
+        content_type = "text/plain; version=0.0.4"
+    ))
+)]
+pub(super) async fn metrics(State(ctx): State<ApiContext>) -> impl IntoResponse {
     let db = ctx.wallets.db();
     let idle = db.num_idle() as f64;
     metrics::gauge!("walletlock_pg_pool_connections", "state" => "idle").set(idle);
@@ -40,15 +93,34 @@ async fn metrics(State(ctx): State<ApiContext>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], ctx.metrics.render())
 }
 
-/// The process is alive and serving HTTP. Says nothing about Redis or Postgres, so an orchestrator
-/// does not restart a healthy replica because a dependency is down.
-async fn healthz(State(ctx): State<ApiContext>) -> impl IntoResponse {
-    Json(json!({ "status": "ok", "replica": &*ctx.replica }))
+/// Liveness: the process is alive and serving HTTP.
+///
+/// Says nothing about Redis or Postgres, so an orchestrator does not restart a healthy replica
+/// because a dependency is down.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "operations",
+    responses((status = 200, description = "The process serves HTTP (liveness)", body = Liveness))
+)]
+pub(super) async fn healthz(State(ctx): State<ApiContext>) -> Json<Liveness> {
+    Json(Liveness { status: LiveStatus::Ok, replica: ctx.replica.to_string() })
 }
 
-/// Ready to take payments: Redis and Postgres both answer within a short bound, and the replica
-/// is not shutting down. A 503 tells a load balancer or orchestrator to send traffic elsewhere.
-async fn readyz(State(ctx): State<ApiContext>) -> impl IntoResponse {
+/// Readiness: whether this replica can take payments.
+///
+/// Ready when Redis and Postgres both answer within a short bound and the replica is not shutting
+/// down. A 503 tells a load balancer or orchestrator to send traffic elsewhere.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "operations",
+    responses(
+        (status = 200, description = "Redis and Postgres answer; not draining", body = Readiness),
+        (status = 503, description = "A dependency did not answer in 800 ms, or draining", body = Readiness),
+    )
+)]
+pub(super) async fn readyz(State(ctx): State<ApiContext>) -> (StatusCode, Json<Readiness>) {
     let (redis, postgres) = tokio::join!(
         tokio::time::timeout(PROBE_LIMIT, ctx.wallets.leases().ping()),
         tokio::time::timeout(PROBE_LIMIT, sqlx::query("select 1").execute(ctx.wallets.db())),
@@ -58,12 +130,18 @@ async fn readyz(State(ctx): State<ApiContext>) -> impl IntoResponse {
     let draining = ctx.draining.is_draining();
     let ready = redis_ok && postgres_ok && !draining;
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let word = |ok: bool| if ok { "ok" } else { "unavailable" };
-    let body = json!({
-        "status": if ready { "ready" } else if draining { "draining" } else { "unavailable" },
-        "replica": &*ctx.replica,
-        "redis": word(redis_ok),
-        "postgres": word(postgres_ok),
-    });
+    let word = |ok: bool| if ok { DependencyStatus::Ok } else { DependencyStatus::Unavailable };
+    let body = Readiness {
+        status: if ready {
+            ReadyStatus::Ready
+        } else if draining {
+            ReadyStatus::Draining
+        } else {
+            ReadyStatus::Unavailable
+        },
+        replica: ctx.replica.to_string(),
+        redis: word(redis_ok),
+        postgres: word(postgres_ok),
+    };
     (status, Json(body))
 }

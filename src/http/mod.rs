@@ -6,6 +6,7 @@ mod error;
 mod extract;
 mod health;
 mod idempotent;
+mod openapi;
 mod probe;
 pub mod server;
 mod wallets;
@@ -63,6 +64,7 @@ pub fn router(ctx: ApiContext) -> Router {
     let replica = ctx.replica.clone();
     Router::new()
         .merge(health::router())
+        .merge(openapi::router())
         .merge(
             wallets::router().route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token)),
         )

@@ -2,7 +2,7 @@
 
 use super::ApiContext;
 use super::auth::Caller;
-use super::error::ApiError;
+use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, QueryParams, WalletPath};
 use super::idempotent::{self, Keyed, render_movement, render_open};
 use crate::idempotency::{Receipt, Scope};
@@ -16,6 +16,19 @@ use axum::{
     routing::{get, post},
 };
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+// Response descriptions shared by the operations' documentation.
+const UNAUTHORIZED: &str = "`unauthorized`: no known bearer token";
+const NO_WALLET: &str = "`wallet_not_found`; `not_found` for an empty id";
+const TOO_LARGE: &str = "`payload_too_large`: the body is over 16 KiB";
+const NOT_JSON: &str = "`unsupported_media_type`: the body is not `application/json`";
+const KEY_REUSED: &str = "`idempotency_key_reused`: the key was used for a different request";
+const UNAVAILABLE: &str = "`dependency_unavailable`, `request_timeout`: retry after `Retry-After`";
+const MOVEMENT_UNAVAILABLE: &str = "`lock_timeout`, `dependency_unavailable`, `request_timeout`, \
+                                    `outcome_unknown`: retry after `Retry-After`";
+const MOVEMENT_CONFLICT: &str =
+    "`lease_lost` (nothing applied, retry); `idempotency_key_in_flight` (with `Retry-After`)";
 
 pub fn router() -> Router<ApiContext> {
     Router::new()
@@ -26,13 +39,55 @@ pub fn router() -> Router<ApiContext> {
         .route("/wallets/{id}/transactions", get(transactions))
 }
 
-#[derive(Debug, Deserialize)]
+/// A new wallet. Unknown fields are refused.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct OpenWallet {
+    /// The wallet's id; without one (or with null) the server makes a UUID.
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
     id: Option<String>,
+    /// The opening balance in minor units; 0 when absent (or null).
+    #[schema(minimum = 0, maximum = 1_000_000_000_000_i64, example = 10000)]
     balance: Option<i64>,
 }
 
+/// Opens a wallet, with its opening balance as its first ledger entry (`open`).
+#[utoipa::path(
+    post,
+    path = "/wallets",
+    tag = "wallets",
+    security(("bearer" = [])),
+    params(IdempotencyHeader),
+    request_body(content = OpenWallet, content_type = "application/json"),
+    responses(
+        (status = 201, description = "The new wallet", body = Wallet,
+            headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
+            links(
+                ("GetWallet" = (operation_id = "get_wallet", parameters(("id" = "$response.body#/id")))),
+                ("Deposit" = (operation_id = "deposit", parameters(("id" = "$response.body#/id")))),
+                ("Pay" = (operation_id = "pay", parameters(("id" = "$response.body#/id")))),
+                ("Transactions" = (operation_id = "transactions", parameters(("id" = "$response.body#/id")))),
+            )),
+        (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`invalid_wallet_id`, `invalid_balance`, `invalid_idempotency_key`, \
+                           `malformed_json`, `invalid_body`"),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 409, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`wallet_exists`; `idempotency_key_in_flight` (with `Retry-After`)",
+            headers(
+                ("Retry-After" = u64, description = "Seconds to wait"),
+                ("Idempotent-Replayed" = String),
+            )),
+        (status = 413, description = TOO_LARGE, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 415, description = NOT_JSON, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 422, description = KEY_REUSED, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 503, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`dependency_unavailable`, `request_timeout`, `outcome_unknown`: \
+                           retry after `Retry-After`",
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
 async fn open_wallet(
     State(ctx): State<ApiContext>,
     Extension(caller): Extension<Caller>,
@@ -60,6 +115,24 @@ async fn open_wallet(
     Ok(idempotent::into_response(render_open(&outcome)))
 }
 
+/// Reads a wallet's balance and version.
+#[utoipa::path(
+    get,
+    path = "/wallets/{id}",
+    tag = "wallets",
+    security(("bearer" = [])),
+    params(WalletPath),
+    responses(
+        (status = 200, description = "The wallet", body = Wallet),
+        (status = 400, description = "`invalid_wallet_id`", body = ProblemDocument,
+            content_type = PROBLEM_JSON),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, description = NO_WALLET, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 503, description = UNAVAILABLE, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
 async fn get_wallet(
     State(ctx): State<ApiContext>,
     WalletPath(id): WalletPath,
@@ -67,12 +140,48 @@ async fn get_wallet(
     Ok(Json(ctx.wallets.get(&id).await?))
 }
 
-#[derive(Debug, Deserialize)]
+/// Money in. Unknown fields are refused.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct Deposit {
+    /// Minor units.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 500)]
     amount: i64,
 }
 
+/// Deposits money, under the wallet's lease and with a fenced commit.
+#[utoipa::path(
+    post,
+    path = "/wallets/{id}/deposit",
+    tag = "wallets",
+    security(("bearer" = [])),
+    params(WalletPath, IdempotencyHeader),
+    request_body(content = Deposit, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The deposit's ledger entry", body = Entry,
+            headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
+            links(("GetWallet" = (
+                operation_id = "get_wallet",
+                parameters(("id" = "$response.body#/wallet_id"))
+            )))),
+        (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`invalid_wallet_id`, `invalid_amount`, `invalid_idempotency_key`, \
+                           `malformed_json`, `invalid_body`"),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, description = NO_WALLET, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 409, description = MOVEMENT_CONFLICT, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        (status = 413, description = TOO_LARGE, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 415, description = NOT_JSON, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 422, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`balance_overflow` (with `balance`; nothing applied); `idempotency_key_reused`",
+            headers(("Idempotent-Replayed" = String))),
+        (status = 503, description = MOVEMENT_UNAVAILABLE, body = ProblemDocument,
+            content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
 async fn deposit(
     State(ctx): State<ApiContext>,
     Extension(caller): Extension<Caller>,
@@ -86,13 +195,51 @@ async fn deposit(
     Ok(move_money(&ctx, &caller, &id, movement, keyed).await)
 }
 
-#[derive(Debug, Deserialize)]
+/// Money out. Unknown fields are refused.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct Pay {
+    /// Minor units.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 2500)]
     amount: i64,
+    /// The caller's own note (an order number, say): at most 256 characters, no NUL.
+    #[schema(max_length = 256, pattern = "^[^\\x00]*$", example = "order-1001")]
     reference: Option<String>,
 }
 
+/// Pays from the wallet, if its balance covers the amount; nothing is applied otherwise.
+#[utoipa::path(
+    post,
+    path = "/wallets/{id}/pay",
+    tag = "wallets",
+    security(("bearer" = [])),
+    params(WalletPath, IdempotencyHeader),
+    request_body(content = Pay, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The payment's ledger entry", body = Entry,
+            headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
+            links(("GetWallet" = (
+                operation_id = "get_wallet",
+                parameters(("id" = "$response.body#/wallet_id"))
+            )))),
+        (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`invalid_wallet_id`, `invalid_amount`, `invalid_reference`, \
+                           `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, description = NO_WALLET, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 409, description = MOVEMENT_CONFLICT, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        (status = 413, description = TOO_LARGE, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 415, description = NOT_JSON, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 422, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`insufficient_funds` (with `balance`; nothing applied); `idempotency_key_reused`",
+            headers(("Idempotent-Replayed" = String))),
+        (status = 503, description = MOVEMENT_UNAVAILABLE, body = ProblemDocument,
+            content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
 async fn pay(
     State(ctx): State<ApiContext>,
     Extension(caller): Extension<Caller>,
@@ -131,21 +278,46 @@ async fn move_money(
 const MAX_PAGE: i64 = 500;
 const DEFAULT_PAGE: i64 = 50;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 struct PageQuery {
+    /// At most this many entries (default 50).
+    #[param(minimum = 1, maximum = 500, example = 50)]
     limit: Option<i64>,
     /// The `next_cursor` of the previous page.
+    #[param(pattern = "^[1-9][0-9]{0,17}$", example = "2")]
     before: Option<String>,
 }
 
-#[derive(Debug, Serialize)]
+/// A page of a wallet's ledger, newest first.
+#[derive(Debug, Serialize, ToSchema)]
 struct Page {
     transactions: Vec<Entry>,
     /// Pass as `before` to get the next (older) page; null on the last page.
+    #[schema(required = true, pattern = "^[1-9][0-9]*$", example = "2")]
     next_cursor: Option<String>,
 }
 
+/// Pages through the wallet's ledger, newest first.
+#[utoipa::path(
+    get,
+    path = "/wallets/{id}/transactions",
+    tag = "wallets",
+    security(("bearer" = [])),
+    params(WalletPath, PageQuery),
+    responses(
+        (status = 200, description = "A page of the wallet's ledger entries, newest first", body = Page),
+        (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`invalid_wallet_id`, `invalid_limit`, `invalid_cursor`, \
+                           `invalid_query` (an unknown, repeated or mistyped parameter)"),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, description = NO_WALLET, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 503, description = UNAVAILABLE, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
 async fn transactions(
     State(ctx): State<ApiContext>,
     WalletPath(id): WalletPath,

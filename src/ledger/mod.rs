@@ -76,10 +76,13 @@ impl StoreError {
 }
 
 /// One wallet as stored.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Wallet {
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
     pub id: String,
+    #[schema(minimum = 0, example = 7500)]
     pub balance: i64,
+    #[schema(minimum = 1, example = 2)]
     pub version: i64,
     #[serde(skip)]
     pub fence: i64,
@@ -88,7 +91,7 @@ pub struct Wallet {
 }
 
 /// What an entry did to its wallet's balance.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum EntryKind {
     Open,
@@ -116,18 +119,27 @@ impl EntryKind {
 }
 
 /// One ledger entry as stored.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Entry {
     pub id: Uuid,
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
     pub wallet_id: String,
     pub kind: EntryKind,
+    /// Minor units; an `open` entry's amount is the opening balance, which may be 0.
+    #[schema(minimum = 0, maximum = 1_000_000_000_000_i64, example = 2500)]
     pub amount: i64,
     /// The wallet's balance right after this entry.
+    #[schema(minimum = 0, example = 7500)]
     pub balance: i64,
     /// The wallet's version right after this entry (its position in the wallet's ledger).
+    #[schema(minimum = 1, example = 2)]
     pub version: i64,
+    /// The fencing token of the lease it was written under (0 for an `open` entry).
+    #[schema(minimum = 0, example = 1)]
     pub fence: i64,
+    /// The payment's reference; omitted when it has none.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, max_length = 256, example = "order-1001")]
     pub reference: Option<String>,
     pub created_at: DateTime<Utc>,
 }

@@ -15,4 +15,6 @@ mod fleet;
 mod idempotency;
 mod lease;
 mod metrics;
+mod openapi;
 mod redis_loss;
+mod topologies;
