@@ -101,9 +101,40 @@ wl_redis_acl() {
     {
       echo "user default off"
       echo "user admin on >$admin ~* &* +@all"
-      echo "user walletlock on >$app ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +eval +evalsha +script|load +get +set +del +exists +incr +incrby +pexpire +pttl +publish +subscribe +unsubscribe"
+      # ROLE lets a Sentinel client check it reached the primary; the cluster|* and
+      # readonly/readwrite commands let a Cluster client learn the slot map.
+      echo "user walletlock on >$app ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +eval +evalsha +script|load +get +set +del +exists +incr +incrby +pexpire +pttl +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
     } >"$file"
   )
+}
+
+# wl_start_sentinel DIR PORT MASTER PRIMARY_PORT ADMIN_PASSWORD: a Redis Sentinel on
+# 127.0.0.1:PORT watching the primary MASTER at 127.0.0.1:PRIMARY_PORT (authenticating to the data
+# nodes as `admin`), with its config and pid in DIR. It fails over 5 s after the primary stops
+# answering.
+wl_start_sentinel() {
+  local dir=$1 port=$2 master=$3 primary=$4 admin=$5
+  mkdir -p "$dir"
+  if [ ! -s "$dir/sentinel.conf" ]; then
+    (
+      umask 077
+      cat >"$dir/sentinel.conf" <<EOF
+port $port
+bind 127.0.0.1
+dir $dir
+sentinel monitor $master 127.0.0.1 $primary 2
+sentinel auth-user $master admin
+sentinel auth-pass $master $admin
+sentinel down-after-milliseconds $master 5000
+sentinel failover-timeout $master 10000
+sentinel parallel-syncs $master 1
+EOF
+    )
+  fi
+  # Sentinel rewrites its config as the topology changes, so it gets its own copy to write.
+  redis-server "$dir/sentinel.conf" --sentinel >>"$dir/redis.log" 2>&1 &
+  echo $! >"$dir/redis.pid"
+  wl_wait_for "sentinel on :$port" 15 wl_redis_answers "$port"
 }
 
 # wl_free_port: a TCP port nothing listens on right now.

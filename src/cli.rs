@@ -136,7 +136,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }),
         Command::Demo { name, database, redis } => {
-            let sandbox = Sandbox::create(database.database_url.expose_secret(), redis.pool()?).await?;
+            let sandbox = Sandbox::create(database.database_url.expose_secret(), redis.connect()?.0).await?;
             let outcome = demo::run(name, &sandbox).await;
             sandbox.drop().await?;
             for line in outcome? {

@@ -23,7 +23,7 @@
 //! | `API_TOKENS_FILE` | | a file of `caller:token` lines |
 //! | `LOG_FORMAT` | `pretty` | `pretty` or `json` |
 
-use crate::lease::{Backoff, LeaseClient, LeaseSettings, Ttl};
+use crate::lease::{Backoff, LeaseClient, LeaseSettings, RedisPool, Ttl, WakeSource};
 use crate::wallet::Strategy;
 use clap::{Args, ValueEnum};
 use secrecy::{ExposeSecret, SecretString};
@@ -68,7 +68,10 @@ impl DatabaseArgs {
 /// Redis: where, and how many connections.
 #[derive(Debug, Clone, Args)]
 pub struct RedisArgs {
-    /// Redis connection URL.
+    /// Redis: `redis://[user:password@]host:port` for one node,
+    /// `redis+sentinel://[user:password@]host:port,host:port/master-name` for a primary that Redis
+    /// Sentinel fails over (the credentials are the data nodes'), or
+    /// `redis+cluster://[user:password@]host:port,host:port` for a Redis Cluster (seed nodes).
     #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379", hide_env_values = true, value_parser = secret)]
     pub redis_url: SecretString,
     /// Redis connections per replica.
@@ -82,24 +85,157 @@ pub struct RedisArgs {
     pub redis_timeout: Duration,
 }
 
-impl RedisArgs {
-    /// A client for connections outside the pool (the lease wake-ups' Pub/Sub connection).
-    pub fn client(&self) -> anyhow::Result<deadpool_redis::redis::Client> {
-        deadpool_redis::redis::Client::open(self.redis_url.expose_secret())
-            .map_err(|err| anyhow::anyhow!("REDIS_URL is not usable: {err}"))
-    }
+/// The three forms of `REDIS_URL`, parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum RedisTarget {
+    /// `redis://[user:password@]host:port[/db]`
+    Node(String),
+    /// `redis+sentinel://[user:password@]host:port,host:port,.../master-name`: the Sentinels to
+    /// ask, the name of the primary they watch, and the credentials for the data nodes.
+    Sentinel { sentinels: Vec<String>, master: String, username: Option<String>, password: Option<String> },
+    /// `redis+cluster://[user:password@]host:port,host:port,...`: seed nodes.
+    Cluster { nodes: Vec<String> },
+}
 
-    pub fn pool(&self) -> anyhow::Result<deadpool_redis::Pool> {
-        let mut config = deadpool_redis::Config::from_url(self.redis_url.expose_secret());
+impl RedisTarget {
+    fn parse(url: &str) -> Result<Self, String> {
+        let several = |rest: &str| -> (Option<String>, Vec<String>) {
+            let (userinfo, hosts) = match rest.rsplit_once('@') {
+                Some((userinfo, hosts)) => (Some(userinfo.to_owned()), hosts),
+                None => (None, rest),
+            };
+            (userinfo, hosts.split(',').map(str::trim).filter(|h| !h.is_empty()).map(str::to_owned).collect())
+        };
+        if let Some(rest) = url.strip_prefix("redis+sentinel://") {
+            let (authority, master) =
+                rest.split_once('/').ok_or("a Sentinel REDIS_URL ends with /<master name>")?;
+            let (userinfo, sentinels) = several(authority);
+            let (username, password) = match userinfo.as_deref().map(|u| u.split_once(':')) {
+                Some(Some((user, password))) => {
+                    ((!user.is_empty()).then(|| user.to_owned()), Some(password.to_owned()))
+                }
+                Some(None) => (userinfo, None),
+                None => (None, None),
+            };
+            if sentinels.is_empty() || master.is_empty() {
+                return Err("a Sentinel REDIS_URL names at least one Sentinel and the master".into());
+            }
+            let sentinels = sentinels.iter().map(|host| format!("redis://{host}")).collect();
+            Ok(RedisTarget::Sentinel { sentinels, master: master.to_owned(), username, password })
+        } else if let Some(rest) = url.strip_prefix("redis+cluster://") {
+            let (userinfo, hosts) = several(rest.trim_end_matches('/'));
+            if hosts.is_empty() {
+                return Err("a Cluster REDIS_URL names at least one node".into());
+            }
+            let credentials = userinfo.map(|u| format!("{u}@")).unwrap_or_default();
+            Ok(RedisTarget::Cluster {
+                nodes: hosts.iter().map(|h| format!("redis://{credentials}{h}")).collect(),
+            })
+        } else if url.starts_with("redis://")
+            || url.starts_with("rediss://")
+            || url.starts_with("redis+unix://")
+        {
+            Ok(RedisTarget::Node(url.to_owned()))
+        } else {
+            Err("REDIS_URL starts with redis://, redis+sentinel:// or redis+cluster://".into())
+        }
+    }
+}
+
+impl RedisArgs {
+    fn pool_config(&self) -> deadpool_redis::PoolConfig {
         let mut pool = deadpool_redis::PoolConfig::new(self.redis_pool_size);
         // Without these a checkout would wait forever for a Redis that does not answer.
         pool.timeouts.wait = Some(self.redis_timeout);
         pool.timeouts.create = Some(self.redis_timeout);
         pool.timeouts.recycle = Some(self.redis_timeout);
-        config.pool = Some(pool);
-        config
-            .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-            .map_err(|err| anyhow::anyhow!("REDIS_URL is not usable: {err}"))
+        pool
+    }
+
+    /// The connection pool for `REDIS_URL`'s topology, and where release notifications come from.
+    pub fn connect(&self) -> anyhow::Result<(RedisPool, WakeSource)> {
+        use deadpool_redis::{Runtime, redis};
+        let unusable = |err: &dyn std::fmt::Display| anyhow::anyhow!("REDIS_URL is not usable: {err}");
+        let target = RedisTarget::parse(self.redis_url.expose_secret()).map_err(|err| unusable(&err))?;
+        Ok(match target {
+            RedisTarget::Node(url) => {
+                let mut config = deadpool_redis::Config::from_url(url.clone());
+                config.pool = Some(self.pool_config());
+                let pool = config.create_pool(Some(Runtime::Tokio1)).map_err(|err| unusable(&err))?;
+                (
+                    RedisPool::Single(pool),
+                    WakeSource::Node(redis::Client::open(url).map_err(|err| unusable(&err))?),
+                )
+            }
+            RedisTarget::Sentinel { sentinels, master, username, password } => {
+                let node = deadpool_redis::RedisConnectionInfo { username, password, ..Default::default() };
+                let node_info = deadpool_redis::sentinel::SentinelNodeConnectionInfo {
+                    tls_mode: None,
+                    redis_connection_info: Some(node),
+                };
+                let mut config = deadpool_redis::sentinel::Config::from_urls(
+                    sentinels.clone(),
+                    master.clone(),
+                    deadpool_redis::sentinel::SentinelServerType::Master,
+                )
+                .with_node_connection_info(Some(node_info.clone()));
+                config.pool = Some(self.pool_config());
+                let pool = config.create_pool(Some(Runtime::Tokio1)).map_err(|err| unusable(&err))?;
+                let client = redis::sentinel::SentinelClient::build(
+                    sentinels,
+                    master,
+                    Some(node_info.into()),
+                    redis::sentinel::SentinelServerType::Master,
+                )
+                .map_err(|err| unusable(&err))?;
+                (
+                    RedisPool::Sentinel(pool),
+                    WakeSource::Sentinel(std::sync::Arc::new(tokio::sync::Mutex::new(client))),
+                )
+            }
+            RedisTarget::Cluster { nodes } => {
+                let mut config = deadpool_redis::cluster::Config::from_urls(nodes.clone());
+                config.pool = Some(self.pool_config());
+                let pool = config.create_pool(Some(Runtime::Tokio1)).map_err(|err| unusable(&err))?;
+                let clients = nodes
+                    .into_iter()
+                    .map(redis::Client::open)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|err| unusable(&err))?;
+                (RedisPool::Cluster(pool), WakeSource::AnyOf(clients))
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RedisTarget;
+
+    #[test]
+    fn redis_urls_name_a_node_a_sentinel_set_or_a_cluster() {
+        assert_eq!(
+            RedisTarget::parse("redis://:pw@127.0.0.1:6379"),
+            Ok(RedisTarget::Node("redis://:pw@127.0.0.1:6379".into()))
+        );
+        assert_eq!(
+            RedisTarget::parse("redis+sentinel://app:pw@10.0.0.1:26379,10.0.0.2:26379/walletlock"),
+            Ok(RedisTarget::Sentinel {
+                sentinels: vec!["redis://10.0.0.1:26379".into(), "redis://10.0.0.2:26379".into()],
+                master: "walletlock".into(),
+                username: Some("app".into()),
+                password: Some("pw".into()),
+            })
+        );
+        assert_eq!(
+            RedisTarget::parse("redis+cluster://app:pw@n1:7000,n2:7001"),
+            Ok(RedisTarget::Cluster {
+                nodes: vec!["redis://app:pw@n1:7000".into(), "redis://app:pw@n2:7001".into()]
+            })
+        );
+        for bad in ["http://x", "redis+sentinel://h:1", "redis+sentinel://h:1/", "redis+cluster://"] {
+            assert!(RedisTarget::parse(bad).is_err(), "{bad}");
+        }
     }
 }
 
@@ -133,10 +269,10 @@ impl LeaseArgs {
     pub fn client(&self, redis: &RedisArgs) -> anyhow::Result<LeaseClient> {
         let settings =
             LeaseSettings::new(self.lease_ttl, self.lease_wait).with_op_timeout(redis.redis_timeout);
-        let pool = redis.pool()?;
+        let (pool, wake_source) = redis.connect()?;
         let prefix = redis.redis_key_prefix.clone();
         Ok(match self.lease_strategy {
-            LeaseStrategy::Queue => LeaseClient::new(pool, prefix, settings).with_wakeups(redis.client()?),
+            LeaseStrategy::Queue => LeaseClient::new(pool, prefix, settings).with_wakeups(wake_source),
             LeaseStrategy::Tutorial => {
                 LeaseClient::new(pool, prefix, settings.with_backoff(Backoff::TUTORIAL))
             }

@@ -12,7 +12,7 @@
 //! | `fenced` | the same short lease, with the fenced commit | OK, stale writes refused |
 //! | `lockstep` | the lease, fixed vs jittered retries | the time each takes |
 
-use crate::lease::{Backoff, LeaseClient, LeaseSettings, Ttl};
+use crate::lease::{Backoff, LeaseClient, LeaseSettings, RedisPool, Ttl};
 use crate::ledger::{self, EntryKind, NewEntry, StoreError, schema::ScratchSchema, unguarded};
 use crate::wallet::{self, WalletError, WalletId};
 use clap::ValueEnum;
@@ -216,12 +216,12 @@ pub async fn leased_spend(
 pub struct Sandbox {
     schema: ScratchSchema,
     db: PgPool,
-    redis: deadpool_redis::Pool,
+    redis: RedisPool,
     prefix: String,
 }
 
 impl Sandbox {
-    pub async fn create(database_url: &str, redis: deadpool_redis::Pool) -> anyhow::Result<Self> {
+    pub async fn create(database_url: &str, redis: RedisPool) -> anyhow::Result<Self> {
         let (schema, db) = ScratchSchema::create(database_url, "walletlock_demo", 20).await?;
         let prefix = format!("demo-{}", uuid::Uuid::new_v4().simple());
         Ok(Self { schema, db, redis, prefix })

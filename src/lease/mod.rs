@@ -39,12 +39,15 @@
 
 mod scripts;
 mod settings;
+mod topology;
 mod wake;
 
 pub use settings::{Backoff, InvalidTtl, LeaseSettings, Ttl};
+pub use topology::{RedisConnection, RedisPool, WakeSource};
 pub use wake::Wakeups;
 
-use deadpool_redis::{Pool, PoolError, redis::RedisError};
+use deadpool_redis::PoolError;
+use deadpool_redis::redis::{self, RedisError};
 use std::{
     fmt,
     sync::Arc,
@@ -123,7 +126,7 @@ impl RedisFailure {
 /// Takes and manages leases. Cheap to clone: clones share one connection pool.
 #[derive(Clone)]
 pub struct LeaseClient {
-    pool: Pool,
+    pool: RedisPool,
     /// Namespaces every key, so several deployments (or tests) can share one Redis.
     prefix: Arc<str>,
     settings: LeaseSettings,
@@ -148,13 +151,13 @@ impl fmt::Debug for LeaseClient {
 }
 
 impl LeaseClient {
-    pub fn new(pool: Pool, prefix: impl Into<Arc<str>>, settings: LeaseSettings) -> Self {
-        Self { pool, prefix: prefix.into(), settings, wakeups: None }
+    pub fn new(pool: impl Into<RedisPool>, prefix: impl Into<Arc<str>>, settings: LeaseSettings) -> Self {
+        Self { pool: pool.into(), prefix: prefix.into(), settings, wakeups: None }
     }
 
-    /// Wakes waiters when a contended lease is released, over a Pub/Sub connection of `client`.
-    pub fn with_wakeups(mut self, client: deadpool_redis::redis::Client) -> Self {
-        self.wakeups = Some(Wakeups::new(client));
+    /// Wakes waiters when a contended lease is released, over a Pub/Sub connection to `source`.
+    pub fn with_wakeups(mut self, source: impl Into<WakeSource>) -> Self {
+        self.wakeups = Some(Wakeups::new(source.into()));
         self
     }
 
@@ -274,55 +277,81 @@ impl LeaseClient {
     }
 
     async fn mark_contended(&self, keys: &Keys) -> Result<(), RedisFailure> {
-        let ttl = self.settings.ttl.as_millis();
-        self.bounded(async {
-            let mut conn = self.pool.get().await?;
-            let mut set = deadpool_redis::redis::cmd("SET");
-            set.arg(&keys.contended).arg("1").arg("PX").arg(ttl);
-            set.query_async::<()>(&mut conn).await?;
-            Ok(())
-        })
-        .await
+        let mut set = redis::cmd("SET");
+        set.arg(&keys.contended).arg("1").arg("PX").arg(self.settings.ttl.as_millis());
+        let (mut conn, left) = self.checkout().await?;
+        let outcome = tokio::time::timeout(left, set.query_async::<()>(&mut conn)).await;
+        self.settle(conn, outcome)
     }
 
     /// The connection pool, for its gauges.
-    pub fn pool(&self) -> &Pool {
+    pub fn pool(&self) -> &RedisPool {
         &self.pool
     }
 
     /// Answers whether Redis responds within the operation timeout.
     pub async fn ping(&self) -> Result<(), RedisFailure> {
-        self.bounded(async {
-            let mut conn = self.pool.get().await?;
-            deadpool_redis::redis::cmd("PING").query_async::<()>(&mut conn).await?;
-            Ok(())
-        })
-        .await
+        let (mut conn, left) = self.checkout().await?;
+        let outcome = tokio::time::timeout(left, redis::cmd("PING").query_async::<()>(&mut conn)).await;
+        self.settle(conn, outcome)
     }
 
-    async fn run<T: deadpool_redis::redis::FromRedisValue>(
+    async fn run<T: redis::FromRedisValue>(
         &self,
         script: &scripts::LeaseScript,
         keys: &[&str],
-        args: impl deadpool_redis::redis::ToRedisArgs,
+        args: impl redis::ToRedisArgs,
     ) -> Result<T, RedisFailure> {
-        self.bounded(async {
-            let waiting = Instant::now();
-            let mut conn = self.pool.get().await?;
-            metrics::histogram!("walletlock_redis_pool_acquire_wait_seconds").record(waiting.elapsed());
-            Ok(script.run(&mut conn, keys, args).await?)
-        })
-        .await
+        let (mut conn, left) = self.checkout().await?;
+        let outcome = tokio::time::timeout(left, script.run(&mut conn, keys, args)).await;
+        self.settle(conn, outcome)
     }
 
-    /// Bounds one Redis conversation (pool checkout included) by the operation timeout, so a
-    /// paused or unreachable Redis never hangs a caller.
-    async fn bounded<T>(
-        &self,
-        call: impl Future<Output = Result<T, RedisFailure>>,
-    ) -> Result<T, RedisFailure> {
+    /// A pooled connection, and what is left of the operation timeout for using it: the checkout
+    /// and the command are bounded together, so a paused or unreachable Redis never hangs a caller.
+    async fn checkout(&self) -> Result<(RedisConnection, Duration), RedisFailure> {
         let limit = self.settings.op_timeout;
-        tokio::time::timeout(limit, call).await.unwrap_or(Err(RedisFailure::Timeout(limit)))
+        let started = Instant::now();
+        let conn = tokio::time::timeout(limit, self.pool.get())
+            .await
+            .map_err(|_| RedisFailure::Timeout(limit))??;
+        metrics::histogram!("walletlock_redis_pool_acquire_wait_seconds").record(started.elapsed());
+        Ok((conn, limit.saturating_sub(started.elapsed())))
+    }
+
+    /// The outcome of a command on `conn`. A connection that timed out or broke is closed instead
+    /// of going back to the pool: after a failover it may point at a node that is gone, or no
+    /// longer primary (which still answers the pool's `PING`), and a fresh one asks the topology
+    /// anew.
+    fn settle<T>(
+        &self,
+        conn: RedisConnection,
+        outcome: Result<redis::RedisResult<T>, tokio::time::error::Elapsed>,
+    ) -> Result<T, RedisFailure> {
+        match outcome {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(err)) => {
+                let stopped_primary = matches!(
+                    err.kind(),
+                    redis::ErrorKind::Server(
+                        redis::ServerErrorKind::ReadOnly | redis::ServerErrorKind::MasterDown
+                    )
+                );
+                if stopped_primary
+                    || err.is_io_error()
+                    || err.is_connection_dropped()
+                    || err.is_timeout()
+                    || err.is_cluster_error()
+                {
+                    conn.discard();
+                }
+                Err(err.into())
+            }
+            Err(_) => {
+                conn.discard();
+                Err(RedisFailure::Timeout(self.settings.op_timeout))
+            }
+        }
     }
 
     async fn release_token(&self, name: &str, keys: &Keys, token: &Token) -> Result<Released, LeaseError> {
@@ -512,15 +541,11 @@ impl Lease {
 
     /// Whether someone is waiting for this lease right now.
     pub async fn contended(&self) -> Result<bool, LeaseError> {
-        let key = &self.keys.contended;
-        let waiting = self
-            .client
-            .bounded(async {
-                let mut conn = self.client.pool.get().await?;
-                Ok(deadpool_redis::redis::cmd("EXISTS").arg(key).query_async::<i64>(&mut conn).await?)
-            })
-            .await?;
-        Ok(waiting == 1)
+        let mut exists = redis::cmd("EXISTS");
+        exists.arg(&self.keys.contended);
+        let (mut conn, left) = self.client.checkout().await?;
+        let outcome = tokio::time::timeout(left, exists.query_async::<i64>(&mut conn)).await;
+        Ok(self.client.settle(conn, outcome)? == 1)
     }
 
     /// Releases the lease if it is still ours, waking whoever waits for it; [`LeaseError::NotHeld`]

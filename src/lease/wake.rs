@@ -12,7 +12,8 @@
 //! most one bounded poll: waiters never wait longer than the poll fallback before trying again.
 //! The listener reconnects on its own, and resubscribes what is being waited on.
 
-use deadpool_redis::redis::{self, aio::PubSubSink};
+use super::topology::WakeSource;
+use deadpool_redis::redis::aio::PubSubSink;
 use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -24,7 +25,7 @@ const RECONNECT_PAUSE: Duration = Duration::from_millis(200);
 
 /// The process's release notifications.
 pub struct Wakeups {
-    client: redis::Client,
+    source: WakeSource,
     /// Guarded by a std mutex: never held across an `.await`.
     state: Mutex<State>,
 }
@@ -46,8 +47,8 @@ impl std::fmt::Debug for Wakeups {
 }
 
 impl Wakeups {
-    pub fn new(client: redis::Client) -> Arc<Self> {
-        Arc::new(Self { client, state: Mutex::new(State::default()) })
+    pub fn new(source: WakeSource) -> Arc<Self> {
+        Arc::new(Self { source, state: Mutex::new(State::default()) })
     }
 
     /// Registers interest in `channel`: once this returns, a release published on it wakes the
@@ -96,7 +97,7 @@ impl Wakeups {
     /// Keeps one Pub/Sub connection up and wakes the waiter of each message's channel.
     async fn listen(self: Arc<Self>) {
         loop {
-            match self.client.get_async_pubsub().await {
+            match self.source.connect().await {
                 Ok(pubsub) => {
                     let (mut sink, mut messages) = pubsub.split();
                     let watched: Vec<String> = {

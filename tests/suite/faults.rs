@@ -230,8 +230,8 @@ async fn a_postgres_restart_is_a_503_while_it_is_down_and_nothing_partial() {
     env.own_postgres().stop();
     let down_at = Instant::now(); // exited: nothing can commit from here
     tokio::time::sleep(Duration::from_millis(3_000)).await;
+    let up_at = Instant::now(); // from here Postgres may answer again
     env.own_postgres().start_again();
-    let up_at = Instant::now();
     let mut attempts = Vec::new();
     let recovered = time_to_recover(&fleet, "f1", Duration::from_secs(10), &mut attempts).await;
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -218,7 +218,11 @@ pub async fn time_to_recover(
         if applied {
             return started.elapsed();
         }
-        assert!(started.elapsed() < limit, "{wallet}: no payment went through within {limit:?}");
+        assert!(
+            started.elapsed() < limit,
+            "{wallet}: no payment went through within {limit:?}; last answer {:?}",
+            attempts.last().map(|a| &a.outcome)
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -234,3 +234,218 @@ impl Drop for PostgresServer {
         self.stop();
     }
 }
+
+/// A Redis primary with two replicas, watched by three Sentinels that fail it over quickly
+/// (down after 1 s). Every process is stopped by pid when the set is dropped.
+pub struct SentinelSet {
+    _dir: TempDir,
+    pub sentinel_ports: Vec<u16>,
+    /// Data nodes by port (the primary first), then the Sentinels.
+    nodes: Vec<(u16, OwnedChild)>,
+    sentinels: Vec<OwnedChild>,
+}
+
+pub const SENTINEL_MASTER: &str = "walletlock";
+
+impl SentinelSet {
+    pub fn start() -> Self {
+        let dir = TempDir::new().expect("temp dir");
+        let mut nodes = Vec::new();
+        let primary_port = free_port();
+        for replica_of in [None, Some(primary_port), Some(primary_port)] {
+            let port = if replica_of.is_none() { primary_port } else { free_port() };
+            let mut command = Command::new("redis-server");
+            command.args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ]);
+            command.arg("--dir").arg(dir.path());
+            command.args(["--dbfilename", &format!("dump-{port}.rdb"), "--repl-diskless-sync-delay", "0"]);
+            if let Some(primary) = replica_of {
+                command.args(["--replicaof", "127.0.0.1", &primary.to_string()]);
+            }
+            let child = command.stdout(Stdio::null()).spawn().expect("redis-server");
+            nodes.push((port, OwnedChild(child)));
+            wait_until("redis node", Duration::from_secs(10), || listening(port));
+        }
+        let mut sentinels = Vec::new();
+        let mut sentinel_ports = Vec::new();
+        for n in 0..3 {
+            let port = free_port();
+            let config = dir.path().join(format!("sentinel-{n}.conf"));
+            std::fs::write(
+                &config,
+                format!(
+                    "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                     sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary_port} 2\n\
+                     sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n\
+                     sentinel failover-timeout {SENTINEL_MASTER} 5000\n\
+                     sentinel parallel-syncs {SENTINEL_MASTER} 1\n",
+                    dir = dir.path().display()
+                ),
+            )
+            .expect("sentinel config");
+            let child = Command::new("redis-server")
+                .arg(&config)
+                .arg("--sentinel")
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("redis-server --sentinel");
+            sentinels.push(OwnedChild(child));
+            sentinel_ports.push(port);
+            wait_until("sentinel", Duration::from_secs(10), || listening(port));
+        }
+        let set = Self { _dir: dir, sentinel_ports, nodes, sentinels };
+        // Ready when every Sentinel knows both replicas and the two other Sentinels.
+        wait_until("sentinels agree on the topology", Duration::from_secs(30), || {
+            set.sentinel_ports.iter().all(|port| {
+                let info = redis_cli(*port, &["SENTINEL", "MASTER", SENTINEL_MASTER]);
+                let field = |name: &str| {
+                    let lines: Vec<&str> = info.lines().collect();
+                    lines
+                        .iter()
+                        .position(|l| *l == name)
+                        .and_then(|i| lines.get(i + 1))
+                        .map(|v| v.to_string())
+                };
+                field("num-slaves").as_deref() == Some("2")
+                    && field("num-other-sentinels").as_deref() == Some("2")
+            })
+        });
+        set
+    }
+
+    /// `REDIS_URL` for this set.
+    pub fn url(&self) -> String {
+        let sentinels: Vec<String> = self.sentinel_ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        format!("redis+sentinel://{}/{SENTINEL_MASTER}", sentinels.join(","))
+    }
+
+    /// The port of the node the Sentinels call primary now.
+    pub fn current_primary(&self) -> u16 {
+        let answer =
+            redis_cli(self.sentinel_ports[0], &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER]);
+        answer.lines().nth(1).and_then(|p| p.trim().parse().ok()).expect("a primary")
+    }
+
+    /// SIGKILLs the current primary.
+    pub fn kill_primary(&mut self) -> u16 {
+        let primary = self.current_primary();
+        let (_, child) =
+            self.nodes.iter_mut().find(|(port, _)| *port == primary).expect("the primary is ours");
+        child.stop(Signal::SIGKILL, Duration::from_secs(5));
+        primary
+    }
+}
+
+impl Drop for SentinelSet {
+    fn drop(&mut self) {
+        for sentinel in &mut self.sentinels {
+            sentinel.stop(Signal::SIGKILL, Duration::from_secs(5));
+        }
+    }
+}
+
+/// A Redis Cluster of three primaries and three replicas (node timeout 1 s), stopped by pid when
+/// dropped.
+pub struct ClusterSet {
+    _dir: TempDir,
+    nodes: Vec<(u16, OwnedChild)>,
+}
+
+impl ClusterSet {
+    pub fn start() -> Self {
+        let dir = TempDir::new().expect("temp dir");
+        let mut nodes = Vec::new();
+        for _ in 0..6 {
+            let port = free_port();
+            let child = Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+                // Replicas sync at once (not after the default 5 s), so a failover finds them ready.
+                .args(["--repl-diskless-sync-delay", "0"])
+                .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
+                .arg("--dir")
+                .arg(dir.path())
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("redis-server");
+            nodes.push((port, OwnedChild(child)));
+            wait_until("cluster node", Duration::from_secs(10), || listening(port));
+        }
+        let addresses: Vec<String> = nodes.iter().map(|(port, _)| format!("127.0.0.1:{port}")).collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addresses)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
+        let set = Self { _dir: dir, nodes };
+        wait_until("the cluster is ok", Duration::from_secs(30), || {
+            set.nodes
+                .iter()
+                .all(|(port, _)| redis_cli(*port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+        });
+        set
+    }
+
+    /// `REDIS_URL` for this cluster (every node as a seed).
+    pub fn url(&self) -> String {
+        let nodes: Vec<String> = self.nodes.iter().map(|(port, _)| format!("127.0.0.1:{port}")).collect();
+        format!("redis+cluster://{}", nodes.join(","))
+    }
+
+    /// The port of the primary that owns `key`'s slot.
+    pub fn owner_of(&self, key: &str) -> u16 {
+        let alive =
+            self.nodes.iter().find(|(port, _)| listening(*port)).map(|(port, _)| *port).expect("a live node");
+        let slot: u16 = redis_cli(alive, &["CLUSTER", "KEYSLOT", key]).trim().parse().expect("a slot");
+        for line in redis_cli(alive, &["CLUSTER", "NODES"]).lines().filter(|l| l.contains("master")) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let port: u16 = fields[1]
+                .split('@')
+                .next()
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| p.parse().ok())
+                .expect("port");
+            for range in &fields[8..] {
+                let (start, end) = range.split_once('-').unwrap_or((range, range));
+                if let (Ok(start), Ok(end)) = (start.parse::<u16>(), end.parse::<u16>())
+                    && (start..=end).contains(&slot)
+                {
+                    return port;
+                }
+            }
+        }
+        panic!("no primary owns slot {slot}")
+    }
+
+    /// SIGKILLs the node on `port`.
+    pub fn kill(&mut self, port: u16) {
+        let (_, child) = self.nodes.iter_mut().find(|(p, _)| *p == port).expect("ours");
+        child.stop(Signal::SIGKILL, Duration::from_secs(5));
+    }
+}
+
+pub fn redis_cli(port: u16, args: &[&str]) -> String {
+    let out =
+        Command::new("redis-cli").args(["-p", &port.to_string()]).args(args).output().expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

@@ -1,0 +1,120 @@
+//! Outgrowing one Redis: the lease on Redis Sentinel and on Redis Cluster, under load through the
+//! fleet, with a primary killed mid-load. A failover can hand one lease to two holders (Redis
+//! replicates asynchronously): the fence in Postgres refuses the stale one, and the bank check
+//! proves nothing was lost or applied twice.
+
+use crate::support::TestEnv;
+use crate::support::fleet::Fleet;
+use crate::support::load::{Load, Outcome, check_books, open_wallets, settle, tally, time_to_recover};
+use crate::support::servers::{ClusterSet, SentinelSet};
+use std::time::{Duration, Instant};
+
+/// Wallets whose lease keys land on different slots, so a cluster spreads them over its primaries.
+fn wallets(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("t{i}")).collect()
+}
+
+/// Fetches the fence resynchronizations and lease_lost refusals the replicas counted.
+async fn fence_figures(fleet: &Fleet) -> (f64, f64) {
+    let (mut resyncs, mut refusals) = (0.0, 0.0);
+    for replica in &fleet.replicas {
+        let Ok(response) = fleet.client.get(replica.url("/metrics")).send().await else { continue };
+        let text = response.text().await.unwrap_or_default();
+        for line in text.lines() {
+            let value = || line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+            if line.starts_with("walletlock_fence_resyncs_total ") {
+                resyncs += value();
+            } else if line.starts_with("walletlock_fence_refusals_total ") {
+                refusals += value();
+            }
+        }
+    }
+    (resyncs, refusals)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_mid_load_loses_nothing() {
+    let mut sentinels = SentinelSet::start();
+    let mut env = TestEnv::new();
+    env.redis_url = sentinels.url();
+    let fleet = Fleet::start(
+        &env,
+        3,
+        &[("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s"), ("LEASE_WAIT", "3s")],
+    )
+    .await;
+    let names = wallets(8);
+    let ids: Vec<&str> = names.iter().map(String::as_str).collect();
+    open_wallets(&fleet, &ids, 1_000_000).await;
+    let load = Load::start(&fleet, &ids, 8);
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+
+    let old = sentinels.kill_primary();
+    let killed_at = Instant::now();
+    let mut attempts = Vec::new();
+    let resumed = time_to_recover(&fleet, "t0", Duration::from_secs(20), &mut attempts).await;
+    let promoted = sentinels.current_primary();
+    assert_ne!(promoted, old, "the Sentinels promoted a replica");
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    attempts.extend(load.finish().await);
+
+    assert!(resumed <= Duration::from_secs(10), "payments resumed {resumed:?} after the primary died");
+    let after: usize = attempts
+        .iter()
+        .filter(|a| a.sent > killed_at + resumed && matches!(a.outcome, Outcome::Applied(_)))
+        .count();
+    assert!(after > 0, "the replicas follow the new primary without a restart");
+    settle(&fleet, &mut attempts).await;
+    check_books(&fleet, &ids.iter().map(|w| (*w, 1_000_000)).collect::<Vec<_>>(), &attempts).await;
+    let (resyncs, refusals) = fence_figures(&fleet).await;
+    eprintln!(
+        "sentinel failover: payments resumed after {resumed:?}; lease_lost refusals {refusals}, fence resyncs {resyncs}; {:?}",
+        tally(&attempts)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_primary_lost_mid_load_loses_nothing() {
+    let mut cluster = ClusterSet::start();
+    let mut env = TestEnv::new();
+    env.redis_url = cluster.url();
+    let fleet = Fleet::start(
+        &env,
+        3,
+        &[
+            ("LEASE_TTL", "1s"),
+            ("IDEMPOTENCY_STALE_AFTER", "2s"),
+            ("LEASE_WAIT", "3s"),
+            ("REDIS_TIMEOUT", "3s"),
+        ],
+    )
+    .await;
+    let names = wallets(24);
+    let ids: Vec<&str> = names.iter().map(String::as_str).collect();
+    open_wallets(&fleet, &ids, 1_000_000).await;
+
+    // The wallets' leases are spread over all three primaries.
+    let owners: std::collections::BTreeSet<u16> =
+        ids.iter().map(|id| cluster.owner_of(&env.lease_key(&format!("wallet:{id}")))).collect();
+    assert_eq!(owners.len(), 3, "the test wallets cover every primary");
+
+    let load = Load::start(&fleet, &ids, 8);
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    // Kill the primary of t0's lease, and time how long until t0 can be paid again.
+    let doomed = cluster.owner_of(&env.lease_key("wallet:t0"));
+    cluster.kill(doomed);
+    let mut attempts = Vec::new();
+    let resumed = time_to_recover(&fleet, "t0", Duration::from_secs(20), &mut attempts).await;
+    assert_ne!(cluster.owner_of(&env.lease_key("wallet:t0")), doomed, "its replica took the slots over");
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    attempts.extend(load.finish().await);
+
+    assert!(resumed <= Duration::from_secs(10), "payments resumed {resumed:?} after the primary died");
+    settle(&fleet, &mut attempts).await;
+    check_books(&fleet, &ids.iter().map(|w| (*w, 1_000_000)).collect::<Vec<_>>(), &attempts).await;
+    let (resyncs, refusals) = fence_figures(&fleet).await;
+    eprintln!(
+        "cluster failover: payments on the lost primary's slots resumed after {resumed:?}; lease_lost refusals {refusals}, fence resyncs {resyncs}; {:?}",
+        tally(&attempts)
+    );
+}
