@@ -137,34 +137,53 @@ pub async fn take_over(
     Ok(taken.is_some())
 }
 
-/// Stores the response of the request holding `claim`, in the caller's transaction (the one that
-/// moved the money, if any). False if the claim is no longer ours: another request took the key
-/// over, and the caller must roll back.
-pub async fn complete(
+/// A response to store for the request holding `claim` (see [`complete_all`]).
+#[derive(Debug)]
+pub struct Completion<'a> {
+    pub at: KeyRef<'a>,
+    pub claim: Uuid,
+    pub response: StoredResponse,
+    pub entry_id: Option<Uuid>,
+}
+
+/// Stores the responses of the requests holding the given claims, in one statement of the
+/// caller's transaction (the one that moved the money, if any). Returns the claims that were still
+/// theirs; a claim missing from it was taken over by another request, and the caller must roll
+/// back.
+pub async fn complete_all(
     tx: &mut PgConnection,
-    at: KeyRef<'_>,
-    claim: Uuid,
-    response: &StoredResponse,
-    entry_id: Option<Uuid>,
-) -> Result<bool, StoreError> {
+    completions: &[Completion<'_>],
+) -> Result<Vec<Uuid>, StoreError> {
+    let callers: Vec<&str> = completions.iter().map(|c| c.at.caller).collect();
+    let scopes: Vec<&str> = completions.iter().map(|c| c.at.scope).collect();
+    let keys: Vec<&str> = completions.iter().map(|c| c.at.key).collect();
+    let claims: Vec<Uuid> = completions.iter().map(|c| c.claim).collect();
+    let statuses: Vec<i16> = completions.iter().map(|c| c.response.status as i16).collect();
+    let content_types: Vec<&str> = completions.iter().map(|c| c.response.content_type.as_str()).collect();
+    let bodies: Vec<&[u8]> = completions.iter().map(|c| c.response.body.as_slice()).collect();
+    let entry_ids: Vec<Option<Uuid>> = completions.iter().map(|c| c.entry_id).collect();
     let done = sqlx::query_scalar!(
         // language=PostgreSQL
-        r#"update idempotency_key
-           set claim = null, status = $4, content_type = $5, body = $6, entry_id = $7
-           where scope = $1 and key = $2 and claim = $3 and caller = $8
-           returning true as "done!""#,
-        at.scope,
-        at.key,
-        claim,
-        response.status as i16,
-        response.content_type,
-        response.body,
-        entry_id,
-        at.caller,
+        r#"update idempotency_key k
+           set claim = null, status = c.status, content_type = c.content_type, body = c.body,
+               entry_id = c.entry_id
+           from unnest($1::text[], $2::text[], $3::text[], $4::uuid[], $5::int2[], $6::text[],
+                       $7::bytea[], $8::uuid[])
+                as c(caller, scope, key, claim, status, content_type, body, entry_id)
+           where k.caller = c.caller and k.scope = c.scope and k.key = c.key and k.claim = c.claim
+           returning c.claim as "claim!""#,
+        &callers as &[&str],
+        &scopes as &[&str],
+        &keys as &[&str],
+        &claims,
+        &statuses,
+        &content_types as &[&str],
+        &bodies as &[&[u8]],
+        &entry_ids as &[Option<Uuid>],
     )
-    .fetch_optional(tx)
+    .fetch_all(tx)
     .await?;
-    Ok(done.is_some())
+    Ok(done)
 }
 
 /// Of the claims given as parallel lists (caller, scope, key, claim token), the tokens still

@@ -213,15 +213,19 @@ pub async fn create_wallet(
         sqlx::Error::Database(db) if db.constraint() == Some("wallet_pkey") => StoreError::WalletExists,
         _ => StoreError::Database(err),
     })?;
-    let open = NewEntry {
-        id: Uuid::new_v4(),
-        kind: EntryKind::Open,
-        amount: balance,
-        balance_after: balance,
-        reference: None,
-    };
-    let mut entries = append_entries(conn, id, 0, 0, &[open]).await?;
-    Ok((wallet, entries.remove(0)))
+    let open = sqlx::query_as!(
+        EntryRow,
+        // language=PostgreSQL
+        r#"insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence)
+           values ($1, $2, 1, 'open', $3, $3, 0)
+           returning id, wallet_id, seq, kind, amount, balance_after, fence, reference, created_at"#,
+        Uuid::new_v4(),
+        id,
+        balance,
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok((wallet, open.try_into()?))
 }
 
 pub async fn find_wallet(conn: &mut PgConnection, id: &str) -> Result<Option<Wallet>, StoreError> {
@@ -288,62 +292,47 @@ pub async fn commit(
             None => Err(StoreError::LeaseLost),
         };
     };
-    let new_version = read_version + entries.len() as i64;
-    let updated = sqlx::query_scalar!(
+    let ids: Vec<Uuid> = entries.iter().map(|e| e.id).collect();
+    let seqs: Vec<i64> = (1..=entries.len() as i64).map(|n| read_version + n).collect();
+    let kinds: Vec<&str> = entries.iter().map(|e| e.kind.as_str()).collect();
+    let amounts: Vec<i64> = entries.iter().map(|e| e.amount).collect();
+    let balances: Vec<i64> = entries.iter().map(|e| e.balance_after).collect();
+    let references: Vec<Option<&str>> = entries.iter().map(|e| e.reference.as_deref()).collect();
+    // One statement: the conditional UPDATE, and the entries only if it matched.
+    let rows = sqlx::query_as!(
+        EntryRow,
         // language=PostgreSQL
-        r#"update wallet set balance = $4, version = $5, updated_at = now()
-           where id = $1 and fence = $2 and version = $3
-           returning id"#,
+        r#"with moved as (
+               update wallet set balance = $4, version = $5, updated_at = now()
+               where id = $1 and fence = $2 and version = $3
+               returning id
+           )
+           insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence, reference)
+           select e.id, moved.id, e.seq, e.kind, e.amount, e.balance_after, $2, e.reference
+           from moved,
+                unnest($6::uuid[], $7::int8[], $8::text[], $9::int8[], $10::int8[], $11::text[])
+                    as e(id, seq, kind, amount, balance_after, reference)
+           returning id, wallet_id, seq, kind, amount, balance_after, fence, reference, created_at"#,
         id,
         fence,
         read_version,
         last.balance_after,
-        new_version,
-    )
-    .fetch_optional(&mut *tx)
-    .await?;
-    if updated.is_none() {
-        return Err(StoreError::LeaseLost);
-    }
-    append_entries(tx, id, fence, read_version, entries).await
-}
-
-/// Appends entries numbered from `after_seq + 1`, in one statement.
-async fn append_entries(
-    conn: &mut PgConnection,
-    id: &str,
-    fence: i64,
-    after_seq: i64,
-    entries: &[NewEntry],
-) -> Result<Vec<Entry>, StoreError> {
-    let ids: Vec<Uuid> = entries.iter().map(|e| e.id).collect();
-    let seqs: Vec<i64> = (1..=entries.len() as i64).map(|n| after_seq + n).collect();
-    let kinds: Vec<String> = entries.iter().map(|e| e.kind.as_str().to_owned()).collect();
-    let amounts: Vec<i64> = entries.iter().map(|e| e.amount).collect();
-    let balances: Vec<i64> = entries.iter().map(|e| e.balance_after).collect();
-    let references: Vec<Option<String>> = entries.iter().map(|e| e.reference.clone()).collect();
-    let rows = sqlx::query_as!(
-        EntryRow,
-        // language=PostgreSQL
-        r#"insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence, reference)
-           select e.id, $2, e.seq, e.kind, e.amount, e.balance_after, $3, e.reference
-           from unnest($1::uuid[], $4::int8[], $5::text[], $6::int8[], $7::int8[], $8::text[])
-                as e(id, seq, kind, amount, balance_after, reference)
-           returning id, wallet_id, seq, kind, amount, balance_after, fence, reference, created_at"#,
+        read_version + entries.len() as i64,
         &ids,
-        id,
-        fence,
         &seqs,
-        &kinds,
+        &kinds as &[&str],
         &amounts,
         &balances,
-        &references as &[Option<String>],
+        &references as &[Option<&str>],
     )
-    .fetch_all(conn)
+    .fetch_all(&mut *tx)
     .await?;
-    let mut entries = rows.into_iter().map(Entry::try_from).collect::<Result<Vec<_>, _>>()?;
-    entries.sort_by_key(|entry| entry.version);
-    Ok(entries)
+    if rows.is_empty() {
+        return Err(StoreError::LeaseLost);
+    }
+    let mut written = rows.into_iter().map(Entry::try_from).collect::<Result<Vec<_>, _>>()?;
+    written.sort_by_key(|entry| entry.version);
+    Ok(written)
 }
 
 /// A page of a wallet's entries, newest first: those with a version below `before` (all, when

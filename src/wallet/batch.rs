@@ -115,25 +115,33 @@ async fn decide_and_write(
     let written = ledger::commit(tx, id.as_str(), fence, held.version, &entries).await?;
 
     let mut results = Vec::with_capacity(ops.len());
-    for (op, decision) in ops.iter().zip(decisions) {
+    let mut outcomes = Vec::with_capacity(ops.len());
+    for decision in decisions {
         let outcome: MovementOutcome = match decision {
             Decision::Accepted(n) => Ok(written[n].clone()),
             Decision::Refused(refusal) => Err(refusal),
             Decision::TakenOver => {
                 results.push(Err(WalletError::KeyTakenOver));
+                outcomes.push(None);
                 continue;
             }
         };
-        if let Some(receipt) = &op.receipt {
-            let entry_id = outcome.as_ref().ok().map(|entry| entry.id);
-            // The row is locked by this transaction and was ours: storing cannot be refused.
-            if !idempotency::complete(tx, receipt, &outcome, entry_id).await? {
-                return Err(WalletError::Internal(anyhow::anyhow!(
-                    "an idempotency key locked by this batch moved"
-                )));
-            }
-        }
-        results.push(outcome.map_err(WalletError::Refused));
+        results.push(outcome.clone().map_err(WalletError::Refused));
+        outcomes.push(Some(outcome));
+    }
+    // Every key that runs here stores its outcome, all in one statement.
+    let to_store: Vec<_> = ops
+        .iter()
+        .zip(&outcomes)
+        .filter_map(|(op, outcome)| {
+            let (receipt, outcome) = (op.receipt.as_ref()?, outcome.as_ref()?);
+            Some((receipt, outcome, outcome.as_ref().ok().map(|entry| entry.id)))
+        })
+        .collect();
+    let expected = to_store.len();
+    // The rows are locked by this transaction and were ours: storing cannot be refused.
+    if idempotency::complete_all(tx, to_store).await? != expected {
+        return Err(WalletError::Internal(anyhow::anyhow!("an idempotency key locked by this batch moved")));
     }
     Ok((results, Held { balance, version: held.version + written.len() as i64 }))
 }
