@@ -142,6 +142,30 @@ wl_free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
+# wl_free_ports N: the first of N consecutive ports on 127.0.0.1 that are free now.
+wl_free_ports() {
+  python3 - "$1" <<'PY'
+import random, socket, sys
+n = int(sys.argv[1])
+for _ in range(200):
+    base = random.randrange(20000, 60000 - n)
+    socks = []
+    try:
+        for port in range(base, base + n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", port))
+            socks.append(s)
+    except OSError:
+        continue
+    finally:
+        for s in socks:
+            s.close()
+    print(base)
+    sys.exit(0)
+sys.exit("no free range of %d ports" % n)
+PY
+}
+
 # wl_wait_for WHAT SECONDS COMMAND...: runs COMMAND every 50 ms until it succeeds.
 wl_wait_for() {
   local what=$1 seconds=$2; shift 2
