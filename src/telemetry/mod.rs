@@ -7,12 +7,15 @@
 pub mod metrics;
 
 use crate::config::LogFormat;
+use std::io::IsTerminal;
 use tracing_subscriber::{EnvFilter, fmt};
 
 pub fn init(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new("info,sqlx::postgres::notice=warn"));
-    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colours only for a terminal: escape codes in a log file or a collector are noise.
+    let builder =
+        fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal());
     // A second initialisation (tests that start several servers in one process) keeps the first.
     let _ = match format {
         LogFormat::Pretty => builder.try_init(),
