@@ -44,6 +44,10 @@ pub fn describe_metrics() {
     );
     metrics::counter!("walletlock_fence_refusals_total").absolute(0);
     describe_histogram!(
+        crate::telemetry::metrics::BATCH_SIZE,
+        "Movements applied per group commit (one transaction under one lease)."
+    );
+    describe_histogram!(
         "walletlock_pg_pool_acquire_wait_seconds",
         Unit::Seconds,
         "Wait for a Postgres connection from the pool."

@@ -201,6 +201,7 @@ impl Wallets {
                     ((enqueued, deadline, reply), op)
                 })
                 .unzip();
+            metrics::histogram!(crate::telemetry::metrics::BATCH_SIZE).record(ops.len() as f64);
             let outcome = if lease.is_lost() {
                 Err(WalletError::LeaseLost)
             } else {

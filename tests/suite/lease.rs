@@ -2,7 +2,7 @@
 
 use crate::support::{TestEnv, eventually};
 use std::time::{Duration, Instant};
-use walletlock::lease::{Backoff, InvalidTtl, LeaseError, Ttl};
+use walletlock::lease::{Backoff, InvalidTtl, LeaseError, LeaseSettings, Ttl};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -193,4 +193,48 @@ async fn a_panicking_holder_releases_its_lease() {
     assert!(task.await.is_err());
     let next = leases.acquire("w").await.expect("released by the panicking holder, long before its TTL");
     next.release().await.unwrap();
+}
+
+/// Lease settings whose poll fallback is far longer than a wake-up takes, so a test can tell which
+/// of the two got a waiter in.
+fn slow_polling(ttl: Duration, poll_fallback: Duration) -> LeaseSettings {
+    let mut settings = LeaseSettings::new(Ttl::new(ttl).unwrap(), ms(5_000));
+    settings.poll_fallback = poll_fallback;
+    settings
+}
+
+#[tokio::test]
+async fn a_waiter_is_woken_by_the_release_not_by_its_next_poll() {
+    let env = TestEnv::new();
+    let leases = env.leases_with(slow_polling(ms(10_000), ms(3_000)));
+    let holder = leases.acquire("w").await.unwrap();
+    let waiter = {
+        let leases = leases.clone();
+        tokio::spawn(async move { leases.acquire("w").await.map(|lease| (lease, Instant::now())) })
+    };
+    // The waiter found the lease taken (it marked it contended); from then on a release wakes it.
+    eventually("the waiter marks the lease contended", ms(2_000), || async {
+        env.redis_cmd::<i64>(&["EXISTS", &env.contended_key("w")]).await == 1
+    })
+    .await;
+
+    let released_at = Instant::now();
+    holder.release().await.unwrap();
+    let (lease, acquired_at) = waiter.await.unwrap().expect("the waiter gets the lease");
+    let after = acquired_at - released_at;
+    assert!(after < ms(1_000), "woken {after:?} after the release; its next poll was 3 s away");
+    lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lease_that_expires_unreleased_is_taken_at_the_next_poll() {
+    let env = TestEnv::new();
+    // No release, so no wake-up: the holder crashed. The waiter's poll finds the lease expired.
+    let holder = env.leases_with(slow_polling(ms(300), ms(200))).acquire("w").await.unwrap();
+    std::mem::forget(holder);
+    let started = Instant::now();
+    let lease = env.leases_with(slow_polling(ms(5_000), ms(200))).acquire("w").await.unwrap();
+    let waited = started.elapsed();
+    assert!(waited < ms(2_000), "took the expired lease after {waited:?}: TTL 300 ms + one 200 ms poll");
+    lease.release().await.unwrap();
 }

@@ -111,7 +111,11 @@ impl TestEnv {
 
     /// A lease client of its own (its own Redis pool), under this test's key prefix.
     pub fn leases(&self, ttl: Duration, wait: Duration) -> LeaseClient {
-        let settings = LeaseSettings::new(Ttl::new(ttl).expect("ttl"), wait);
+        self.leases_with(LeaseSettings::new(Ttl::new(ttl).expect("ttl"), wait))
+    }
+
+    /// Like [`TestEnv::leases`], with every timing setting given.
+    pub fn leases_with(&self, settings: LeaseSettings) -> LeaseClient {
         let client = deadpool_redis::redis::Client::open(self.redis_url.as_str()).expect("redis url");
         LeaseClient::new(self.redis_pool(), self.prefix.clone(), settings).with_wakeups(client)
     }
@@ -142,6 +146,11 @@ impl TestEnv {
     /// The Redis key that holds the lease on `name` (see the lease module's key layout).
     pub fn lease_key(&self, name: &str) -> String {
         format!("{{{}:{name}}}:lease", self.prefix)
+    }
+
+    /// The Redis key a waiter sets when it finds the lease on `name` taken.
+    pub fn contended_key(&self, name: &str) -> String {
+        format!("{{{}:{name}}}:contended", self.prefix)
     }
 
     pub fn fence_key(&self, name: &str) -> String {
