@@ -98,19 +98,7 @@ impl RedisServer {
     }
 
     fn spawn(&mut self) {
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .arg("--dir")
-            .arg(self.dir.path())
+        let child = redis_server(self.port, self.dir.path())
             .args(&self.extra)
             .stdout(Stdio::null())
             .spawn()
@@ -247,6 +235,14 @@ pub struct SentinelSet {
 
 pub const SENTINEL_MASTER: &str = "walletlock";
 
+/// A `redis-server` on 127.0.0.1:`port`, keeping nothing on disk, its files in `dir`.
+fn redis_server(port: u16, dir: &std::path::Path) -> Command {
+    let mut command = Command::new("redis-server");
+    command.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]);
+    command.arg("--dir").arg(dir);
+    command
+}
+
 impl SentinelSet {
     pub fn start() -> Self {
         let dir = TempDir::new().expect("temp dir");
@@ -254,18 +250,7 @@ impl SentinelSet {
         let primary_port = free_port();
         for replica_of in [None, Some(primary_port), Some(primary_port)] {
             let port = if replica_of.is_none() { primary_port } else { free_port() };
-            let mut command = Command::new("redis-server");
-            command.args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ]);
-            command.arg("--dir").arg(dir.path());
+            let mut command = redis_server(port, dir.path());
             command.args(["--dbfilename", &format!("dump-{port}.rdb"), "--repl-diskless-sync-delay", "0"]);
             if let Some(primary) = replica_of {
                 command.args(["--replicaof", "127.0.0.1", &primary.to_string()]);
@@ -365,23 +350,11 @@ impl ClusterSet {
         let mut nodes = Vec::new();
         for _ in 0..6 {
             let port = free_port();
-            let child = Command::new("redis-server")
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
+            let child = redis_server(port, dir.path())
                 .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
                 // Replicas sync at once (not after the default 5 s), so a failover finds them ready.
                 .args(["--repl-diskless-sync-delay", "0"])
                 .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
-                .arg("--dir")
-                .arg(dir.path())
                 .stdout(Stdio::null())
                 .spawn()
                 .expect("redis-server");
