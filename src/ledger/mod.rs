@@ -263,8 +263,9 @@ pub async fn claim(conn: &mut PgConnection, id: &str, fence: i64) -> Result<Clai
     }
 }
 
-/// Applies `entries` to a wallet claimed with `fence` at `read_version`: one conditional UPDATE of
-/// the balance, then the entries, in the caller's transaction. The wallet's new balance is the last
+/// Applies `entries` to a wallet claimed with `fence` at `read_version`: one statement, in the
+/// caller's transaction, whose conditional UPDATE of the balance decides whether its entries are
+/// inserted. The wallet's new balance is the last
 /// entry's `balance_after`; its new version is `read_version` plus the number of entries.
 ///
 /// If the row's fence or version moved since the claim, nothing is written and the result is
