@@ -3,6 +3,7 @@
 
 use crate::support::app::spawn_app;
 use crate::support::fleet::Fleet;
+use crate::support::load::open_wallets;
 use crate::support::{TestEnv, books};
 use serde_json::{Value, json};
 use std::process::Command;
@@ -107,14 +108,7 @@ fn a_replica_without_tokens_refuses_to_start_and_one_can_be_made() {
 async fn no_secret_reaches_a_log_line() {
     let env = TestEnv::new();
     let fleet = Fleet::start(&env, 1, &[("RUST_LOG", "debug")]).await;
-    let created = fleet
-        .client
-        .post(fleet.url("/wallets"))
-        .json(&json!({ "id": "logged", "balance": 5 }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(created.status(), 201);
+    open_wallets(&fleet, &["logged"], 5).await;
     fleet.client.post(fleet.url("/wallets/logged/pay")).json(&json!({ "amount": 1 })).send().await.unwrap();
     reqwest::Client::new()
         .get(fleet.url("/wallets/logged"))

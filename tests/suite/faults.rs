@@ -4,7 +4,7 @@
 use crate::support::TestEnv;
 use crate::support::fleet::Fleet;
 use crate::support::load::{
-    Attempt, Load, Outcome, check_books, open_wallets, pay, settle, tally, time_to_recover,
+    Attempt, Load, Outcome, check_books, open_wallets, pay, pay_one, settle, tally, time_to_recover,
 };
 use nix::sys::signal::Signal;
 use std::time::{Duration, Instant};
@@ -187,8 +187,21 @@ async fn a_paused_redis_is_a_prompt_lock_timeout_never_a_hung_request() {
 
     let paused_at = Instant::now();
     env.redis_cmd::<()>(&["CLIENT", "PAUSE", "3000", "ALL"]).await;
-    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    // Payments of our own, sent once every lease held at the pause has lapsed (TTL 1 s) and with
+    // their whole wait (1 s) inside the pause: the load's clients may all be mid-request then.
+    tokio::time::sleep_until((paused_at + Duration::from_millis(1_300)).into()).await;
+    let probes: Vec<_> = WALLETS[..3]
+        .iter()
+        .map(|wallet| {
+            let (client, url) = (fleet.client.clone(), fleet.url(""));
+            tokio::spawn(async move { pay_one(&client, &url, wallet).await })
+        })
+        .collect();
     let mut attempts = Vec::new();
+    for probe in probes {
+        attempts.push(probe.await.unwrap());
+    }
+    tokio::time::sleep_until((paused_at + Duration::from_millis(3_000)).into()).await;
     let recovered = time_to_recover(&fleet, "f1", Duration::from_secs(5), &mut attempts).await;
     attempts.extend(load.finish().await);
 

@@ -1,6 +1,7 @@
 //! The fleet: the real binary as three replica processes behind the real nginx.
 
 use crate::support::fleet::{Fleet, repo};
+use crate::support::load::open_wallets;
 use crate::support::{TestEnv, books};
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
@@ -10,14 +11,7 @@ use std::process::Command;
 async fn fifty_pays_through_nginx_to_three_replicas_accept_exactly_ten() {
     let env = TestEnv::new();
     let fleet = Fleet::start(&env, 3, &[]).await;
-    let created = fleet
-        .client
-        .post(fleet.url("/wallets"))
-        .json(&json!({ "id": "burst", "balance": 100 }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(created.status(), 201);
+    open_wallets(&fleet, &["burst"], 100).await;
 
     let pays: Vec<_> = (0..50)
         .map(|_| {

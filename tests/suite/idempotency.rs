@@ -2,6 +2,7 @@
 
 use crate::support::app::{spawn_app, spawn_app_with};
 use crate::support::fleet::{Fleet, audit};
+use crate::support::load::open_wallets;
 use crate::support::{TestEnv, books, eventually};
 use reqwest::{Client, Response};
 use serde_json::{Value, json};
@@ -9,8 +10,13 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Barrier;
 
+/// Sends one keyed payment; an error when no response came back.
+async fn send_pay(client: &Client, url: &str, key: &str, amount: i64) -> reqwest::Result<Response> {
+    client.post(url).header("idempotency-key", key).json(&json!({ "amount": amount })).send().await
+}
+
 async fn pay(client: &Client, url: &str, key: &str, amount: i64) -> Response {
-    client.post(url).header("idempotency-key", key).json(&json!({ "amount": amount })).send().await.unwrap()
+    send_pay(client, url, key, amount).await.unwrap()
 }
 
 /// Sends until the key's first request has finished: a 409 in flight means "ask again shortly".
@@ -32,22 +38,11 @@ fn payment_id(body: &[u8]) -> String {
     serde_json::from_slice::<Value>(body).unwrap()["id"].as_str().unwrap().to_owned()
 }
 
-async fn open(fleet: &Fleet, id: &str, balance: i64) {
-    let response = fleet
-        .client
-        .post(fleet.url("/wallets"))
-        .json(&json!({ "id": id, "balance": balance }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 201);
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_double_tap_on_two_replicas_charges_once_and_both_see_one_payment() {
     let env = TestEnv::new();
     let fleet = Fleet::start(&env, 2, &[]).await;
-    open(&fleet, "tap", 100).await;
+    open_wallets(&fleet, &["tap"], 100).await;
 
     let both = Arc::new(Barrier::new(2));
     let taps: Vec<_> = fleet
@@ -79,7 +74,7 @@ async fn a_double_tap_on_two_replicas_charges_once_and_both_see_one_payment() {
 async fn twenty_concurrent_requests_with_one_key_charge_once() {
     let env = TestEnv::new();
     let fleet = Fleet::start(&env, 3, &[]).await;
-    open(&fleet, "twenty", 1_000).await;
+    open_wallets(&fleet, &["twenty"], 1_000).await;
 
     let start = Arc::new(Barrier::new(20));
     let requests: Vec<_> = (0..20)
@@ -120,7 +115,7 @@ async fn twenty_concurrent_requests_with_one_key_charge_once() {
 async fn a_retry_after_the_client_gave_up_gets_the_late_payment_replayed() {
     let env = TestEnv::new();
     let fleet = Fleet::start(&env, 2, &[]).await;
-    open(&fleet, "late", 100).await;
+    open_wallets(&fleet, &["late"], 100).await;
     // The wallet is busy, so the first request outlives its client's patience.
     let holder =
         env.leases(Duration::from_secs(10), Duration::from_secs(1)).acquire("wallet:late").await.unwrap();
@@ -149,20 +144,10 @@ async fn a_retry_after_the_client_gave_up_gets_the_late_payment_replayed() {
 async fn a_replica_killed_between_commit_and_response_has_its_payment_replayed() {
     let env = TestEnv::new();
     let mut fleet = Fleet::start(&env, 1, &[("WALLETLOCK_FAILPOINT", "after_commit")]).await;
-    open(&fleet, "crash-late", 100).await;
+    open_wallets(&fleet, &["crash-late"], 100).await;
 
     let url = fleet.replicas[0].url("/wallets/crash-late/pay");
-    assert!(
-        fleet
-            .client
-            .post(&url)
-            .header("idempotency-key", "k")
-            .json(&json!({ "amount": 10 }))
-            .send()
-            .await
-            .is_err(),
-        "no response: the replica died"
-    );
+    assert!(send_pay(&fleet.client, &url, "k", 10).await.is_err(), "no response: the replica died");
     let replica = &mut fleet.replicas[0];
     crate::support::servers::wait_until("the replica died", Duration::from_secs(5), || replica.exited());
     assert_eq!(books(&fleet.db, "crash-late").await.pays, 1, "the payment committed before the crash");
@@ -180,19 +165,10 @@ async fn a_replica_killed_before_commit_lets_the_retry_run_once() {
     let env = TestEnv::new();
     let settings = [("WALLETLOCK_FAILPOINT", "before_commit"), ("IDEMPOTENCY_STALE_AFTER", "1s")];
     let mut fleet = Fleet::start(&env, 1, &settings).await;
-    open(&fleet, "crash-early", 100).await;
+    open_wallets(&fleet, &["crash-early"], 100).await;
 
     let url = fleet.replicas[0].url("/wallets/crash-early/pay");
-    assert!(
-        fleet
-            .client
-            .post(&url)
-            .header("idempotency-key", "k")
-            .json(&json!({ "amount": 10 }))
-            .send()
-            .await
-            .is_err()
-    );
+    assert!(send_pay(&fleet.client, &url, "k", 10).await.is_err(), "no response: the replica died");
     assert_eq!(books(&fleet.db, "crash-early").await.pays, 0, "nothing committed");
 
     fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", None);
@@ -321,7 +297,7 @@ async fn an_expired_key_is_purged_and_behaves_as_new() {
 async fn the_audit_passes_after_a_burst_and_fails_on_books_broken_on_purpose() {
     let env = TestEnv::new();
     let fleet = Fleet::start(&env, 3, &[]).await;
-    open(&fleet, "audited", 100).await;
+    open_wallets(&fleet, &["audited"], 100).await;
     let burst: Vec<_> = (0..30)
         .map(|n| {
             let request = fleet

@@ -3,6 +3,7 @@
 
 use crate::support::TestEnv;
 use crate::support::fleet::Fleet;
+use crate::support::load::open_wallets;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -66,16 +67,7 @@ async fn metrics_after_a_burst_match_what_the_clients_saw() {
     let env = TestEnv::new();
     // A short wait, so some payments on the hot wallet time out: those must be counted too.
     let fleet = Fleet::start(&env, 3, &[("LEASE_WAIT", "150ms")]).await;
-    for id in ["m1", "m2"] {
-        let created = fleet
-            .client
-            .post(fleet.url("/wallets"))
-            .json(&json!({ "id": id, "balance": 1_000_000 }))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(created.status(), 201);
-    }
+    open_wallets(&fleet, &["m1", "m2"], 1_000_000).await;
     let requests: Vec<_> = (0..120)
         .map(|n| {
             let wallet = if n % 4 == 0 { "m2" } else { "m1" };

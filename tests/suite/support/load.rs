@@ -32,6 +32,14 @@ pub struct Attempt {
     pub took: Duration,
 }
 
+/// Pays 1 from `wallet` with a fresh idempotency key, timed: one attempt for the bank check.
+pub async fn pay_one(client: &reqwest::Client, url: &str, wallet: &str) -> Attempt {
+    let key = uuid::Uuid::new_v4().to_string();
+    let sent = Instant::now();
+    let outcome = pay(client, url, wallet, 1, &key).await;
+    Attempt { wallet: wallet.to_owned(), amount: 1, key, outcome, sent, took: sent.elapsed() }
+}
+
 /// Sends one payment and classifies the answer.
 pub async fn pay(client: &reqwest::Client, url: &str, wallet: &str, amount: i64, key: &str) -> Outcome {
     let request = client
@@ -78,19 +86,9 @@ impl Load {
                     let mut attempts = Vec::new();
                     let mut i = n;
                     while !stop.load(Ordering::Relaxed) {
-                        let wallet = wallets[i % wallets.len()].clone();
+                        let wallet = &wallets[i % wallets.len()];
                         i += 1;
-                        let key = uuid::Uuid::new_v4().to_string();
-                        let sent = Instant::now();
-                        let outcome = pay(&client, &url, &wallet, 1, &key).await;
-                        attempts.push(Attempt {
-                            wallet,
-                            amount: 1,
-                            key,
-                            outcome,
-                            sent,
-                            took: sent.elapsed(),
-                        });
+                        attempts.push(pay_one(&client, &url, wallet).await);
                     }
                     attempts
                 })
@@ -203,18 +201,9 @@ pub async fn time_to_recover(
 ) -> Duration {
     let started = Instant::now();
     loop {
-        let key = uuid::Uuid::new_v4().to_string();
-        let sent = Instant::now();
-        let outcome = pay(&fleet.client, &fleet.url(""), wallet, 1, &key).await;
-        let applied = matches!(outcome, Outcome::Applied(_));
-        attempts.push(Attempt {
-            wallet: wallet.to_owned(),
-            amount: 1,
-            key,
-            outcome,
-            sent,
-            took: sent.elapsed(),
-        });
+        let attempt = pay_one(&fleet.client, &fleet.url(""), wallet).await;
+        let applied = matches!(attempt.outcome, Outcome::Applied(_));
+        attempts.push(attempt);
         if applied {
             return started.elapsed();
         }
