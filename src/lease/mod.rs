@@ -279,9 +279,7 @@ impl LeaseClient {
     async fn mark_contended(&self, keys: &Keys) -> Result<(), RedisFailure> {
         let mut set = redis::cmd("SET");
         set.arg(&keys.contended).arg("1").arg("PX").arg(self.settings.ttl.as_millis());
-        let (mut conn, left) = self.checkout().await?;
-        let outcome = tokio::time::timeout(left, set.query_async::<()>(&mut conn)).await;
-        self.settle(conn, outcome)
+        self.query(&set).await
     }
 
     /// The connection pool, for its gauges.
@@ -291,8 +289,13 @@ impl LeaseClient {
 
     /// Answers whether Redis responds within the operation timeout.
     pub async fn ping(&self) -> Result<(), RedisFailure> {
+        self.query(&redis::cmd("PING")).await
+    }
+
+    /// Runs one plain command, bounded like every Redis call (see [`LeaseClient::checkout`]).
+    async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, RedisFailure> {
         let (mut conn, left) = self.checkout().await?;
-        let outcome = tokio::time::timeout(left, redis::cmd("PING").query_async::<()>(&mut conn)).await;
+        let outcome = tokio::time::timeout(left, cmd.query_async::<T>(&mut conn)).await;
         self.settle(conn, outcome)
     }
 
@@ -543,9 +546,7 @@ impl Lease {
     pub async fn contended(&self) -> Result<bool, LeaseError> {
         let mut exists = redis::cmd("EXISTS");
         exists.arg(&self.keys.contended);
-        let (mut conn, left) = self.client.checkout().await?;
-        let outcome = tokio::time::timeout(left, exists.query_async::<i64>(&mut conn)).await;
-        Ok(self.client.settle(conn, outcome)? == 1)
+        Ok(self.client.query::<i64>(&exists).await? == 1)
     }
 
     /// Releases the lease if it is still ours, waking whoever waits for it; [`LeaseError::NotHeld`]
