@@ -37,7 +37,9 @@ impl Application {
     pub async fn build(args: &ServeArgs) -> anyhow::Result<Self> {
         let callers = args.callers()?;
         let leases = args.lease.client(&args.redis)?;
-        let wallets = Wallets::new(args.database.pool()?, leases).with_strategy(args.lease.strategy());
+        let wallets = Wallets::new(args.database.pool()?, leases)
+            .with_strategy(args.lease.strategy())
+            .with_keys(args.key_settings());
         let listener = TcpListener::bind(args.listen)
             .await
             .map_err(|err| anyhow::anyhow!("cannot listen on {}: {err}", args.listen))?;

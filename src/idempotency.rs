@@ -25,6 +25,7 @@
 //! behaves as new.
 
 use crate::ledger::StoreError;
+use crate::ledger::group::FoundKey;
 pub use crate::ledger::idempotency::KeySettings;
 use crate::ledger::idempotency::{self as store, KeyRef, StoredResponse};
 use crate::wallet::{InvalidInput, WalletId};
@@ -87,18 +88,39 @@ impl Scope {
         Self { caller: caller.to_owned(), within: "wallets".to_owned() }
     }
 
-    fn at<'a>(&'a self, key: &'a IdempotencyKey) -> KeyRef<'a> {
+    pub fn at<'a>(&'a self, key: &'a IdempotencyKey) -> KeyRef<'a> {
         KeyRef { caller: &self.caller, scope: &self.within, key: key.as_str() }
     }
 }
 
-/// SHA-256 over the method, the path and the body: what "the same request" means.
+/// SHA-256 over the method, the path and the body: what "the same request" means. A JSON body
+/// counts by what it says, not how it is written: it is hashed in a canonical form (object keys
+/// sorted, no white space), so a retry whose client rebuilt the body with other key order or
+/// spacing is the same request. A body that is not JSON is hashed as it is.
 pub fn fingerprint(method: &str, path: &str, body: &[u8]) -> [u8; 32] {
+    let canonical =
+        serde_json::from_slice::<serde_json::Value>(body).ok().map(|value| canonical_json(&value));
     let mut hash = Sha256::new();
-    for part in [method.as_bytes(), b"\n", path.as_bytes(), b"\n", body] {
+    for part in [method.as_bytes(), b"\n", path.as_bytes(), b"\n", canonical.as_deref().unwrap_or(body)] {
         hash.update(part);
     }
     hash.finalize().into()
+}
+
+/// `value` as JSON with every object's keys sorted and no white space.
+fn canonical_json(value: &serde_json::Value) -> Vec<u8> {
+    fn sorted(value: &serde_json::Value) -> serde_json::Value {
+        match value {
+            serde_json::Value::Object(map) => {
+                let mut entries: Vec<_> = map.iter().collect();
+                entries.sort_by(|a, b| a.0.cmp(b.0));
+                serde_json::Value::Object(entries.into_iter().map(|(k, v)| (k.clone(), sorted(v))).collect())
+            }
+            serde_json::Value::Array(items) => serde_json::Value::Array(items.iter().map(sorted).collect()),
+            other => other.clone(),
+        }
+    }
+    serde_json::to_vec(&sorted(value)).unwrap_or_default()
 }
 
 /// A claim on a key, held by the one request that runs.
@@ -175,6 +197,47 @@ pub async fn begin(
 pub struct Receipt<T> {
     pub claim: Claim,
     pub render: fn(&T) -> StoredResponse,
+}
+
+/// A movement's key, carried to the wallet's lease holder, which looks it up, runs the movement
+/// only if the key is new, and stores the rendered outcome in the statement that moves the money.
+/// The lease makes one wallet's movements take turns, so a duplicate is found there: no claim is
+/// written ahead of the movement, and a duplicate of a request still queued waits for it and gets
+/// its response (see `crate::wallet`).
+#[derive(Debug, Clone)]
+pub struct Keyed<T> {
+    pub scope: Scope,
+    pub key: IdempotencyKey,
+    pub fingerprint: [u8; 32],
+    pub render: fn(&T) -> StoredResponse,
+}
+
+impl<T> Keyed<T> {
+    pub fn at(&self) -> KeyRef<'_> {
+        self.scope.at(&self.key)
+    }
+}
+
+/// Why a keyed request did not run: its key had already been used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prior {
+    /// The same request ran before: send its response again.
+    Replay(StoredResponse),
+    /// The key was used for a different request.
+    Reused,
+    /// A request that claimed the key ahead of running is still in flight.
+    InFlight,
+}
+
+impl Prior {
+    /// What a stored key says about a request with `fingerprint`.
+    pub fn of(found: &FoundKey, fingerprint: &[u8]) -> Self {
+        match &found.response {
+            _ if found.fingerprint != fingerprint => Prior::Reused,
+            Some(response) => Prior::Replay(response.clone()),
+            None => Prior::InFlight,
+        }
+    }
 }
 
 /// Stores the rendered outcome for `claim` in `tx`. False if the claim was taken over (the caller
@@ -270,5 +333,13 @@ mod tests {
         assert_ne!(base, fingerprint("POST", "/wallets/a/pay", br#"{"amount":11}"#));
         assert_ne!(base, fingerprint("POST", "/wallets/b/pay", br#"{"amount":10}"#));
         assert_ne!(base, fingerprint("POST", "/wallets/a/deposit", br#"{"amount":10}"#));
+    }
+
+    #[test]
+    fn a_json_body_counts_by_what_it_says_not_how_it_is_written() {
+        let base = fingerprint("POST", "/wallets/a/pay", br#"{"amount":10,"reference":"r"}"#);
+        assert_eq!(base, fingerprint("POST", "/wallets/a/pay", br#"{ "reference": "r",  "amount": 10 }"#));
+        assert_ne!(base, fingerprint("POST", "/wallets/a/pay", br#"{"amount":10,"reference":"s"}"#));
+        assert_ne!(base, fingerprint("POST", "/wallets/a/pay", br#"{"amount":10}"#));
     }
 }

@@ -4,6 +4,7 @@
 //! match on. A 4xx explains what was wrong with the request; a 5xx says only what the caller can
 //! do (retry later) and logs the cause, so no internals reach the client.
 
+use crate::idempotency::Prior;
 use crate::ledger::idempotency::StoredResponse;
 use crate::wallet::{InvalidInput, Refusal, WalletError};
 use axum::{
@@ -196,12 +197,7 @@ impl ApiError {
                 self.to_string(),
             ),
             ApiError::Wallet(err) => wallet_problem(err),
-            ApiError::IdempotencyKeyReused => Problem::new(
-                S::UNPROCESSABLE_ENTITY,
-                "idempotency_key_reused",
-                "Idempotency key reused",
-                "this Idempotency-Key was already used with a different method, path or body; nothing was applied",
-            ),
+            ApiError::IdempotencyKeyReused => reused(),
             ApiError::IdempotencyKeyInFlight => in_flight(),
             ApiError::Timeout(_) => Problem::new(
                 S::SERVICE_UNAVAILABLE,
@@ -226,6 +222,15 @@ fn invalid_code(field: &str) -> &'static str {
         "Idempotency-Key" => "invalid_idempotency_key",
         _ => "invalid_input",
     }
+}
+
+fn reused() -> Problem {
+    Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency_key_reused",
+        "Idempotency key reused",
+        "this Idempotency-Key was already used with a different method, path or body; nothing was applied",
+    )
 }
 
 fn in_flight() -> Problem {
@@ -293,7 +298,10 @@ fn wallet_problem(err: &WalletError) -> Problem {
             "a backing service did not answer in time; nothing was applied, retry later",
         )
         .retry_later(),
-        WalletError::KeyTakenOver => in_flight(),
+        WalletError::KeyTakenOver | WalletError::AlreadyRan(Prior::InFlight) => in_flight(),
+        WalletError::AlreadyRan(Prior::Reused) => reused(),
+        // The HTTP edge sends a replay as it was stored (`super::idempotent`); reaching here is a bug.
+        WalletError::AlreadyRan(Prior::Replay(_)) => internal(),
         WalletError::OutcomeUnknown(_) => Problem::new(
             S::SERVICE_UNAVAILABLE,
             "outcome_unknown",

@@ -3,7 +3,7 @@
 
 use super::ApiContext;
 use super::error::ApiError;
-use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Scope};
+use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed as KeyedRequest, Prior, Scope};
 use crate::ledger::idempotency::StoredResponse;
 use crate::wallet::{AlreadyExists, MovementOutcome, OpenOutcome, Refusal, WalletError};
 use axum::body::Body;
@@ -29,22 +29,43 @@ pub async fn begin(ctx: &ApiContext, scope: Scope, request: Keyed<'_>) -> Result
     let fingerprint = idempotency::fingerprint("POST", request.path, request.body);
     match idempotency::begin(ctx.wallets.db(), ctx.keys, scope, key, fingerprint).await {
         Ok(Begin::Proceed(claim)) => Ok(Some(claim)),
-        Ok(Begin::Replay(stored)) => {
+        Ok(Begin::Replay(stored)) => Err(prior_response(Prior::Replay(stored))),
+        Ok(Begin::Reused) => Err(prior_response(Prior::Reused)),
+        Ok(Begin::InFlight) => Err(prior_response(Prior::InFlight)),
+        Err(err) => Err(ApiError::Wallet(WalletError::from(err)).into_response()),
+    }
+}
+
+/// For a movement with a key: the key, its scope and the request's fingerprint, for the wallet's
+/// lease holder to look up and store (see [`crate::idempotency::Keyed`]). Without a key: `None`.
+pub fn keyed<T>(
+    scope: Scope,
+    request: Keyed<'_>,
+    render: fn(&T) -> StoredResponse,
+) -> Option<KeyedRequest<T>> {
+    let key = request.key?;
+    let fingerprint = idempotency::fingerprint("POST", request.path, request.body);
+    Some(KeyedRequest { scope, key, fingerprint, render })
+}
+
+/// The answer to a request whose key was used before.
+fn prior_response(prior: Prior) -> Response {
+    match prior {
+        Prior::Replay(stored) => {
             metrics::counter!("walletlock_idempotent_replays_total").increment(1);
             tracing::Span::current().record("outcome", "replayed");
             let mut response = into_response(stored);
             response.headers_mut().insert(IDEMPOTENT_REPLAYED.clone(), HeaderValue::from_static("true"));
-            Err(response)
+            response
         }
-        Ok(Begin::Reused) => {
+        Prior::Reused => {
             metrics::counter!("walletlock_idempotency_conflicts_total", "reason" => "reused").increment(1);
-            Err(ApiError::IdempotencyKeyReused.into_response())
+            ApiError::IdempotencyKeyReused.into_response()
         }
-        Ok(Begin::InFlight) => {
+        Prior::InFlight => {
             metrics::counter!("walletlock_idempotency_conflicts_total", "reason" => "in_flight").increment(1);
-            Err(ApiError::IdempotencyKeyInFlight.into_response())
+            ApiError::IdempotencyKeyInFlight.into_response()
         }
-        Err(err) => Err(ApiError::Wallet(WalletError::from(err)).into_response()),
     }
 }
 
@@ -85,6 +106,7 @@ pub fn movement_response(result: Result<crate::ledger::Entry, WalletError>) -> R
     let outcome: MovementOutcome = match result {
         Ok(entry) => Ok(entry),
         Err(WalletError::Refused(refusal)) => Err(refusal),
+        Err(WalletError::AlreadyRan(prior)) => return prior_response(prior),
         Err(err) => return ApiError::Wallet(err).into_response(),
     };
     if let Err(refusal) = &outcome {

@@ -262,12 +262,8 @@ async fn move_money(
     movement: Movement,
     keyed: Keyed<'_>,
 ) -> Response {
-    let claim = match idempotent::begin(ctx, Scope::wallet(&caller.0, id), keyed).await {
-        Ok(claim) => claim,
-        Err(answered) => return answered,
-    };
-    let receipt = claim.map(|claim| Receipt { claim, render: render_movement });
-    let result = ctx.wallets.apply(id, movement, receipt).await;
+    let key = idempotent::keyed(Scope::wallet(&caller.0, id), keyed, render_movement);
+    let result = ctx.wallets.apply(id, movement, key).await;
     if let Ok(entry) = &result {
         tracing::Span::current().record("fence", entry.fence);
     }

@@ -14,6 +14,13 @@ pub struct KeySettings {
     pub stale_after: Duration,
 }
 
+impl Default for KeySettings {
+    /// A day of retention; a claim stale after 10 s (the defaults of `walletlock serve`).
+    fn default() -> Self {
+        Self { retention: Duration::from_secs(24 * 3600), stale_after: Duration::from_secs(10) }
+    }
+}
+
 /// Where a key lives: the caller who sent it, what it is unique within (a wallet, or wallet
 /// creation), and the key itself.
 #[derive(Debug, Clone, Copy)]

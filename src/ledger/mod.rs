@@ -23,6 +23,7 @@
 //! claim is refused instead of overtaking the holder that replaced it.
 
 pub mod audit;
+pub mod group;
 pub mod idempotency;
 pub mod schema;
 pub mod unguarded;

@@ -29,15 +29,17 @@
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 
-/// The histogram of group-commit sizes (recorded by `crate::wallet`).
+/// The histogram of group-commit sizes per wallet (recorded by `crate::wallet`).
 pub const BATCH_SIZE: &str = "walletlock_batch_movements";
+/// The histogram of wallets per round (one statement, one WAL flush; recorded by `crate::wallet`).
+pub const ROUND_WALLETS: &str = "walletlock_round_wallets";
 
 /// Latency buckets, in seconds: from half a millisecond to ten seconds.
 const BUCKETS: &[f64] =
     &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
-/// Batch sizes, in movements: powers of two up to the largest batch.
-const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
+/// Batch sizes, in movements or wallets: powers of two up to the largest round.
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
 /// Installs the process-wide recorder (once; later calls return the same handle) and registers
 /// every metric at zero.
@@ -48,6 +50,7 @@ pub fn install() -> PrometheusHandle {
             let builder = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
                 .and_then(|b| b.set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), BATCH_BUCKETS))
+                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(ROUND_WALLETS.into()), BATCH_BUCKETS))
                 .expect("buckets are not empty");
             let recorder = builder.build_recorder();
             let handle = recorder.handle();

@@ -1,147 +1,174 @@
-//! The fenced group commit: a batch of movements applied under one held lease, in one Postgres
-//! transaction, with one conditional UPDATE of the wallet row.
+//! Deciding one wallet's batch of movements: each on its own, in arrival order, against the
+//! balance the previous ones left, and each idempotency key looked up first. Pure: the round that
+//! runs it ([`super::group`]) reads before and writes after.
 //!
-//! Each movement is still decided on its own, in arrival order, against the balance the previous
-//! ones left: a payment that does not fit is refused alone, the rest go through. Each accepted
-//! movement gets its own ledger entry, each keyed one its stored response, all in the transaction
-//! whose `UPDATE wallet ... WHERE fence = $ours AND version = $read` decides whether any of it
-//! happens. A hot wallet then costs one commit per batch instead of one per payment.
+//! A payment that does not fit is refused alone; the rest go through. A request whose key is
+//! already stored does not run: it gets the stored response (or `idempotency_key_reused`). A
+//! request whose key an earlier request of the same batch carries waits for that one and gets its
+//! response too, so a double tap that lands in one batch charges once.
 
 use super::{MovementOutcome, WalletError, WalletId};
-use crate::idempotency::{self, Receipt};
-use crate::ledger::{self, Entry, EntryKind, NewEntry};
+use crate::idempotency::{Keyed, Prior};
+use crate::ledger::group::FoundKey;
+use crate::ledger::idempotency::StoredResponse;
+use crate::ledger::{Entry, EntryKind};
 use crate::wallet::{Movement, Refusal};
-use sqlx::PgConnection;
-use std::collections::HashSet;
+use chrono::{DateTime, Utc};
+use std::collections::HashMap;
 use uuid::Uuid;
 
-/// One movement to apply, with its idempotency receipt if the request had a key.
+/// One movement to apply, with its idempotency key if the request had one.
 #[derive(Debug)]
 pub struct Op {
     pub movement: Movement,
-    pub receipt: Option<Receipt<MovementOutcome>>,
+    pub key: Option<Keyed<MovementOutcome>>,
 }
 
-/// The wallet as the lease holder last claimed or wrote it.
+/// The wallet as its lease holder last claimed or wrote it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Held {
     pub balance: i64,
     pub version: i64,
 }
 
-/// How one op fared inside the batch, before the commit.
+/// Stored keys by `(caller, scope, key)`.
+pub type FoundKeys = HashMap<(String, String, String), FoundKey>;
+
+/// How one op fared.
+#[derive(Debug)]
 enum Decision {
-    /// Its ledger entry is the n-th of the batch.
+    /// Runs; its ledger entry is the n-th of the batch.
     Accepted(usize),
     Refused(Refusal),
-    /// Its idempotency key was taken over by a retry: it does not run here.
-    TakenOver,
+    /// Its key was used before this batch.
+    Prior(Prior),
+    /// Its key is the one an earlier op of this batch (the n-th) carries, for the same request.
+    SameAs(usize),
 }
 
-/// Applies `ops` under the lease holding `fence`, from `held`. On success returns one result per
-/// op and moves `held` to the new balance and version. On failure (`LeaseLost` when the fence or
-/// version moved, or a database error) nothing of the batch is applied.
-pub async fn apply(
-    conn: &mut PgConnection,
-    id: &WalletId,
-    fence: i64,
-    held: &mut Held,
-    ops: &[Op],
-) -> Result<Vec<Result<Entry, WalletError>>, WalletError> {
-    let mut tx = sqlx::Connection::begin(conn).await?;
-    match decide_and_write(&mut tx, id, fence, held, ops).await {
-        Ok((results, after)) => {
-            crate::failpoint::hit("before_commit");
-            super::commit(tx).await?;
-            crate::failpoint::hit("after_commit");
-            *held = after;
-            Ok(results)
+/// A batch decided: what to write, and how to answer each op once the write is known.
+#[derive(Debug)]
+pub struct Plan {
+    decisions: Vec<Decision>,
+    /// The ledger entries of the accepted ops, in order.
+    pub entries: Vec<Entry>,
+    /// The wallet after them.
+    pub after: Held,
+    /// The response to store for each op with a key that ran: (op index, response).
+    pub responses: Vec<(usize, StoredResponse)>,
+}
+
+impl Plan {
+    /// Whether any op runs: then the batch must be written (or, with only refusals, its hold
+    /// checked) before it is answered.
+    pub fn runs(&self) -> bool {
+        self.decisions.iter().any(|d| matches!(d, Decision::Accepted(_) | Decision::Refused(_)))
+    }
+
+    /// The ledger entry op `n` wrote, if it ran and was accepted.
+    pub fn entry_of(&self, n: usize) -> Option<&Entry> {
+        match self.decisions.get(n) {
+            Some(Decision::Accepted(entry)) => self.entries.get(*entry),
+            _ => None,
         }
-        Err(err) => {
-            // Roll back now, not when the connection is next used: the transaction holds row
-            // locks (the wallet's, its keys') that the answers to this batch's requests need.
-            let _ = tx.rollback().await;
-            Err(err)
+    }
+
+    /// Each op's result, given whether the batch's write matched (`false`: the lease was lost and
+    /// nothing of it was written) or failed with `failure`.
+    pub fn results(&self, written: Result<bool, &WalletError>) -> Vec<Result<Entry, WalletError>> {
+        let ran = |outcome: Result<Entry, WalletError>| match written {
+            Ok(true) => outcome,
+            Ok(false) => Err(WalletError::LeaseLost),
+            Err(failure) => Err(failure.clone()),
+        };
+        let mut results: Vec<Result<Entry, WalletError>> = Vec::with_capacity(self.decisions.len());
+        for decision in &self.decisions {
+            let result = match decision {
+                Decision::Accepted(entry) => ran(Ok(self.entries[*entry].clone())),
+                Decision::Refused(refusal) => ran(Err(WalletError::Refused(*refusal))),
+                Decision::Prior(prior) => Err(WalletError::AlreadyRan(prior.clone())),
+                Decision::SameAs(first) => match &results[*first] {
+                    Ok(_) | Err(WalletError::Refused(_)) => {
+                        let stored =
+                            self.responses.iter().find(|(op, _)| op == first).map(|(_, r)| r.clone());
+                        match stored {
+                            Some(response) => Err(WalletError::AlreadyRan(Prior::Replay(response))),
+                            None => Err(WalletError::internal("no response for a keyed op")),
+                        }
+                    }
+                    Err(err) => Err(err.clone()),
+                },
+            };
+            results.push(result);
         }
+        results
     }
 }
 
-/// The body of [`apply`], inside its transaction: returns the results and the wallet after them.
-async fn decide_and_write(
-    tx: &mut PgConnection,
+/// Decides `ops` for wallet `id`, held at `held` under the lease holding `fence`; `found` has the
+/// keys already stored, `now` is the entries' time.
+pub fn decide(
     id: &WalletId,
     fence: i64,
-    held: &Held,
+    held: Held,
     ops: &[Op],
-) -> Result<(Vec<Result<Entry, WalletError>>, Held), WalletError> {
-    // The keys still ours, locked for this transaction: a retry cannot take one over before we
-    // commit, and a key already taken over does not run here.
-    let claims: Vec<&idempotency::Claim> =
-        ops.iter().filter_map(|op| op.receipt.as_ref().map(|r| &r.claim)).collect();
-    let owned: HashSet<Uuid> =
-        if claims.is_empty() { HashSet::new() } else { idempotency::lock_claims(tx, &claims).await? };
-
+    found: &FoundKeys,
+    now: DateTime<Utc>,
+) -> Plan {
     let mut balance = held.balance;
     let mut entries = Vec::new();
-    let decisions: Vec<Decision> = ops
-        .iter()
-        .map(|op| {
-            if op.receipt.as_ref().is_some_and(|receipt| !owned.contains(&receipt.claim.token)) {
-                return Decision::TakenOver;
-            }
-            match op.movement.apply_to(balance) {
-                Ok(after) => {
-                    balance = after;
-                    let (kind, reference) = match &op.movement {
-                        Movement::Deposit { .. } => (EntryKind::Deposit, None),
-                        Movement::Pay { reference, .. } => (EntryKind::Pay, reference.clone()),
-                    };
-                    let amount = op.movement.amount().get();
-                    entries.push(NewEntry {
-                        id: Uuid::new_v4(),
-                        kind,
-                        amount,
-                        balance_after: after,
-                        reference,
-                    });
-                    Decision::Accepted(entries.len() - 1)
-                }
-                Err(refusal) => Decision::Refused(refusal),
-            }
-        })
-        .collect();
-
-    // The one fenced conditional UPDATE, and the entries; refused if another holder moved in.
-    let written = ledger::commit(tx, id.as_str(), fence, held.version, &entries).await?;
-
-    let mut results = Vec::with_capacity(ops.len());
-    let mut outcomes = Vec::with_capacity(ops.len());
-    for decision in decisions {
-        let outcome: MovementOutcome = match decision {
-            Decision::Accepted(n) => Ok(written[n].clone()),
-            Decision::Refused(refusal) => Err(refusal),
-            Decision::TakenOver => {
-                results.push(Err(WalletError::KeyTakenOver));
-                outcomes.push(None);
+    let mut responses = Vec::new();
+    // The ops of this batch that carry each key: (op index, fingerprint).
+    let mut first_with_key: HashMap<(&str, &str, &str), (usize, &[u8; 32])> = HashMap::new();
+    let mut decisions = Vec::with_capacity(ops.len());
+    for (n, op) in ops.iter().enumerate() {
+        if let Some(key) = &op.key {
+            let at = key.at();
+            let stored = found.get(&(at.caller.to_owned(), at.scope.to_owned(), at.key.to_owned()));
+            if let Some(stored) = stored {
+                decisions.push(Decision::Prior(Prior::of(stored, &key.fingerprint)));
                 continue;
             }
+            if let Some((first, fingerprint)) = first_with_key.get(&(at.caller, at.scope, at.key)) {
+                decisions.push(if *fingerprint == &key.fingerprint {
+                    Decision::SameAs(*first)
+                } else {
+                    Decision::Prior(Prior::Reused)
+                });
+                continue;
+            }
+            first_with_key.insert((at.caller, at.scope, at.key), (n, &key.fingerprint));
+        }
+        let outcome: MovementOutcome = match op.movement.apply_to(balance) {
+            Ok(after) => {
+                balance = after;
+                let (kind, reference) = match &op.movement {
+                    Movement::Deposit { .. } => (EntryKind::Deposit, None),
+                    Movement::Pay { reference, .. } => (EntryKind::Pay, reference.clone()),
+                };
+                entries.push(Entry {
+                    id: Uuid::new_v4(),
+                    wallet_id: id.as_str().to_owned(),
+                    kind,
+                    amount: op.movement.amount().get(),
+                    balance: after,
+                    version: held.version + entries.len() as i64 + 1,
+                    fence,
+                    reference,
+                    created_at: now,
+                });
+                decisions.push(Decision::Accepted(entries.len() - 1));
+                Ok(entries[entries.len() - 1].clone())
+            }
+            Err(refusal) => {
+                decisions.push(Decision::Refused(refusal));
+                Err(refusal)
+            }
         };
-        results.push(outcome.clone().map_err(WalletError::Refused));
-        outcomes.push(Some(outcome));
+        if let Some(key) = &op.key {
+            responses.push((n, (key.render)(&outcome)));
+        }
     }
-    // Every key that runs here stores its outcome, all in one statement.
-    let to_store: Vec<_> = ops
-        .iter()
-        .zip(&outcomes)
-        .filter_map(|(op, outcome)| {
-            let (receipt, outcome) = (op.receipt.as_ref()?, outcome.as_ref()?);
-            Some((receipt, outcome, outcome.as_ref().ok().map(|entry| entry.id)))
-        })
-        .collect();
-    let expected = to_store.len();
-    // The rows are locked by this transaction and were ours: storing cannot be refused.
-    if idempotency::complete_all(tx, to_store).await? != expected {
-        return Err(WalletError::Internal(anyhow::anyhow!("an idempotency key locked by this batch moved")));
-    }
-    Ok((results, Held { balance, version: held.version + written.len() as i64 }))
+    let after = Held { balance, version: held.version + entries.len() as i64 };
+    Plan { decisions, entries, after, responses }
 }

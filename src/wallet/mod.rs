@@ -14,16 +14,18 @@
 
 mod batch;
 pub mod domain;
+mod group;
 mod queue;
 
 pub use domain::{Amount, InvalidInput, Movement, Refusal, WalletId};
 pub use queue::{MAX_BATCH, MAX_HOLD};
 
-use crate::idempotency::{self, Receipt};
+use crate::idempotency::{self, KeySettings, Keyed, Prior, Receipt};
 use crate::lease::{Lease, LeaseClient, LeaseError};
 use crate::ledger::{self, Entry, StoreError, Wallet};
 use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -39,13 +41,22 @@ pub fn describe_metrics() {
         }
     }
     describe_counter!(
+        "walletlock_wallet_busy_total",
+        "Claims that found the wallet's row locked by another holder's statement, and tried again."
+    );
+    metrics::counter!("walletlock_wallet_busy_total").absolute(0);
+    describe_counter!(
         "walletlock_fence_refusals_total",
         "Claims or commits the fence refused: the lease was lost."
     );
     metrics::counter!("walletlock_fence_refusals_total").absolute(0);
     describe_histogram!(
         crate::telemetry::metrics::BATCH_SIZE,
-        "Movements applied per group commit (one transaction under one lease)."
+        "Movements of one wallet per group commit (under one lease)."
+    );
+    describe_histogram!(
+        crate::telemetry::metrics::ROUND_WALLETS,
+        "Wallets written per round (one statement, one WAL flush)."
     );
     describe_histogram!(
         "walletlock_pg_pool_acquire_wait_seconds",
@@ -54,9 +65,12 @@ pub fn describe_metrics() {
     );
 }
 
+/// The cause of a failure, shared by every request of a round or batch that it failed.
+pub type SharedError = Arc<dyn std::error::Error + Send + Sync>;
+
 /// Why a wallet operation did not happen. Every variant but [`WalletError::OutcomeUnknown`] means
-/// nothing was applied.
-#[derive(Debug, thiserror::Error)]
+/// nothing was applied. Cloning shares the cause: one failed round answers many requests.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum WalletError {
     #[error("wallet not found")]
     NotFound,
@@ -72,21 +86,29 @@ pub enum WalletError {
     LeaseLost,
     /// Redis or Postgres could not be reached in time.
     #[error("{dependency} unavailable")]
-    Unavailable { dependency: &'static str, source: anyhow::Error },
+    Unavailable { dependency: &'static str, source: SharedError },
     /// The connection to Postgres failed while a commit was in flight: it may or may not have
     /// happened. The only variant that does not mean "nothing was applied"; a retry with the same
     /// idempotency key learns which.
     #[error("the commit's outcome is unknown")]
-    OutcomeUnknown(#[source] sqlx::Error),
+    OutcomeUnknown(#[source] Arc<sqlx::Error>),
     /// The request's idempotency key was taken over by a retry while this request ran (it was
     /// presumed dead); the retry runs it, this one applied nothing.
     #[error("the idempotency key was taken over by another request; nothing was applied")]
     KeyTakenOver,
+    /// The request's idempotency key was used before: it did not run again.
+    #[error("the idempotency key was used before; nothing was applied again")]
+    AlreadyRan(Prior),
     #[error(transparent)]
-    Internal(anyhow::Error),
+    Internal(SharedError),
 }
 
 impl WalletError {
+    /// A bug, described by `what`.
+    pub fn internal(what: &str) -> Self {
+        WalletError::Internal(Arc::from(Box::<dyn std::error::Error + Send + Sync>::from(what)))
+    }
+
     /// The `outcome` label of `walletlock_movements_total`.
     fn outcome(&self) -> &'static str {
         match self {
@@ -99,6 +121,8 @@ impl WalletError {
             WalletError::Unavailable { .. } => "unavailable",
             WalletError::OutcomeUnknown(_) => "unknown",
             WalletError::KeyTakenOver => "key_taken_over",
+            WalletError::AlreadyRan(Prior::Replay(_)) => "replayed",
+            WalletError::AlreadyRan(_) => "key_conflict",
             WalletError::Internal(_) => "error",
         }
     }
@@ -127,9 +151,9 @@ impl From<StoreError> for WalletError {
             StoreError::WalletExists => WalletError::Exists,
             StoreError::LeaseLost | StoreError::FenceBehind { .. } => WalletError::LeaseLost,
             err if err.is_unavailable() => {
-                WalletError::Unavailable { dependency: "postgres", source: err.into() }
+                WalletError::Unavailable { dependency: "postgres", source: Arc::new(err) }
             }
-            err => WalletError::Internal(err.into()),
+            err => WalletError::Internal(Arc::new(err)),
         }
     }
 }
@@ -146,7 +170,7 @@ impl From<LeaseError> for WalletError {
             LeaseError::NotObtained { waited, .. } => WalletError::LockTimeout { waited },
             LeaseError::NotHeld { .. } => WalletError::LeaseLost,
             LeaseError::Unavailable(failure) => {
-                WalletError::Unavailable { dependency: "redis", source: failure.into() }
+                WalletError::Unavailable { dependency: "redis", source: Arc::new(failure) }
             }
         }
     }
@@ -162,7 +186,7 @@ pub enum Strategy {
     Direct,
 }
 
-/// The wallet service. Cheap to clone; clones share pools, queues and the task tracker.
+/// The wallet service. Cheap to clone; clones share pools, queues, rounds and the task tracker.
 #[derive(Debug, Clone)]
 pub struct Wallets {
     db: PgPool,
@@ -170,25 +194,31 @@ pub struct Wallets {
     strategy: Strategy,
     /// The per-wallet queues of this replica (used by [`Strategy::Queue`]).
     queues: queue::Queues,
-    /// Every movement in progress, and every wallet worker, runs as a task on this tracker, so it
-    /// finishes (commit or roll back, then release) even if the request that started it is
-    /// dropped, and so shutdown can wait for all of them.
+    /// Where every movement is written, in rounds across wallets.
+    rounds: group::Rounds,
+    /// Every movement in progress, every wallet worker and every round runs as a task on this
+    /// tracker, so it finishes (commit or roll back, then release) even if the request that
+    /// started it is dropped, and so shutdown can wait for all of them.
     in_flight: TaskTracker,
 }
 
 impl Wallets {
+    /// The service over `db` and `leases`, with the default key retention (see
+    /// [`Wallets::with_keys`]). Call within a Tokio runtime: it starts the replica's rounds.
     pub fn new(db: PgPool, leases: LeaseClient) -> Self {
-        Self {
-            db,
-            leases,
-            strategy: Strategy::Queue,
-            queues: queue::Queues::default(),
-            in_flight: TaskTracker::new(),
-        }
+        let in_flight = TaskTracker::new();
+        let rounds = group::Rounds::start(db.clone(), KeySettings::default().retention, in_flight.clone());
+        Self { db, leases, strategy: Strategy::Queue, queues: queue::Queues::default(), rounds, in_flight }
     }
 
     pub fn with_strategy(mut self, strategy: Strategy) -> Self {
         self.strategy = strategy;
+        self
+    }
+
+    /// Stores movements' responses for `keys.retention`.
+    pub fn with_keys(mut self, keys: KeySettings) -> Self {
+        self.rounds = group::Rounds::start(self.db.clone(), keys.retention, self.in_flight.clone());
         self
     }
 
@@ -260,19 +290,21 @@ impl Wallets {
         Ok(page)
     }
 
-    /// Applies a movement under the wallet's lease with a fenced commit. With a receipt, the
-    /// outcome is stored for its idempotency key in the transaction that moves the money.
+    /// Applies a movement under the wallet's lease with a fenced commit. With a key, the key is
+    /// looked up first by the lease holder: a key used before answers
+    /// [`WalletError::AlreadyRan`] and applies nothing; a new key's outcome is stored in the
+    /// statement that moves the money.
     pub async fn apply(
         &self,
         id: &WalletId,
         movement: Movement,
-        receipt: Option<Receipt<MovementOutcome>>,
+        key: Option<Keyed<MovementOutcome>>,
     ) -> Result<Entry, WalletError> {
         let kind = match movement {
             Movement::Deposit { .. } => "deposit",
             Movement::Pay { .. } => "pay",
         };
-        let op = batch::Op { movement, receipt };
+        let op = batch::Op { movement, key };
         let result = match self.strategy {
             Strategy::Queue => {
                 let reply = self.apply_queued(id, op).await;
@@ -283,8 +315,7 @@ impl Wallets {
             }
             Strategy::Direct => {
                 let (this, id) = (self.clone(), id.clone());
-                let claim = op.receipt.as_ref().map(|r| r.claim.clone());
-                self.run_to_end(claim, async move { this.apply_alone(&id, op).await }).await
+                self.run_to_end(None, async move { this.apply_alone(&id, op).await }).await
             }
         };
         let outcome = result.as_ref().map_or_else(WalletError::outcome, |_| "accepted");
@@ -304,8 +335,8 @@ impl Wallets {
     }
 
     /// Runs `work` as its own task, so that it finishes (commit or roll back, release its lease,
-    /// store or give up its idempotency key) even if the caller is dropped because the client hung
-    /// up. A claim whose outcome is not stored is given up, so a retry runs.
+    /// store or give up its idempotency claim) even if the caller is dropped because the client
+    /// hung up. A claim whose outcome is not stored is given up, so a retry runs.
     async fn run_to_end<T: Send + 'static>(
         &self,
         claim: Option<idempotency::Claim>,
@@ -325,7 +356,7 @@ impl Wallets {
             }
             .instrument(tracing::Span::current()),
         );
-        task.await.map_err(|join| WalletError::Internal(anyhow::anyhow!("wallet task failed: {join}")))?
+        task.await.map_err(|join| WalletError::Internal(Arc::new(join)))?
     }
 
     /// Waits until every movement in progress has finished, up to `limit`. Call after the server
@@ -335,31 +366,14 @@ impl Wallets {
         tokio::time::timeout(limit, self.in_flight.wait()).await.is_ok()
     }
 
-    /// The tutorial's way: this request takes the lease itself, claims, applies its movement
-    /// alone, and releases.
+    /// The tutorial's way: this request takes the lease itself, has its movement written alone
+    /// under it, and releases.
     async fn apply_alone(&self, id: &WalletId, op: batch::Op) -> Result<Entry, WalletError> {
         let mut lease = self.leases.acquire(&lease_name(id)).await?;
         tracing::Span::current().record("lease_wait_ms", lease.waited().as_secs_f64() * 1e3);
         lease.keep_alive();
         let started = Instant::now();
-        let outcome = async {
-            let mut conn = self.connection().await?;
-            let lost = lease.lost();
-            let claimed = tokio::select! {
-                biased;
-                () = lost => return Err(WalletError::LeaseLost),
-                claimed = claim(&mut conn, &mut lease, id) => claimed?,
-            };
-            let mut held = batch::Held { balance: claimed.balance, version: claimed.version };
-            if lease.is_lost() {
-                return Err(WalletError::LeaseLost);
-            }
-            // From here the commit runs to its end even if the watchdog loses the lease meanwhile:
-            // the fence in its WHERE decides, and cancelling a commit in flight would leave its
-            // outcome unknown.
-            batch::apply(&mut conn, id, lease.fence(), &mut held, std::slice::from_ref(&op)).await?.remove(0)
-        }
-        .await;
+        let outcome = self.write_alone(&mut lease, id, op).await;
         tracing::Span::current().record("db_ms", started.elapsed().as_secs_f64() * 1e3);
         // Release on every outcome, so the next holder does not wait out our TTL. A lease found
         // already gone changes nothing: the fence has decided by now.
@@ -368,14 +382,57 @@ impl Wallets {
         }
         outcome
     }
+
+    async fn write_alone(
+        &self,
+        lease: &mut Lease,
+        id: &WalletId,
+        mut op: batch::Op,
+    ) -> Result<Entry, WalletError> {
+        // After one resynchronization our fence is above every fence the row has seen, unless
+        // another holder claimed meanwhile, which only a lost lease lets happen.
+        let mut resynced = false;
+        loop {
+            if lease.is_lost() {
+                return Err(WalletError::LeaseLost);
+            }
+            let job = group::Job { id: id.clone(), fence: lease.fence(), held: None, ops: vec![op] };
+            match self.rounds.run(job).await {
+                group::JobOutcome::Done { mut results, .. } => return results.remove(0),
+                group::JobOutcome::FenceBehind { .. } if resynced => return Err(WalletError::LeaseLost),
+                group::JobOutcome::FenceBehind { seen, mut ops } => {
+                    lease.advance_fence(seen).await?;
+                    resynced = true;
+                    op = ops.remove(0);
+                }
+                group::JobOutcome::Busy { mut ops } => {
+                    tokio::time::sleep(BUSY_PAUSE).await;
+                    op = ops.remove(0);
+                }
+            }
+        }
+    }
+}
+
+/// How long a holder that found its wallet's row busy waits before it tries again (while its
+/// lease lasts: a holder that stays busy longer has lost the wallet to the one writing it).
+const BUSY_PAUSE: Duration = Duration::from_millis(10);
+
+/// A failed write: one whose connection broke may have happened or not, which is
+/// [`WalletError::OutcomeUnknown`], never "unavailable, nothing applied".
+fn commit_failure(err: StoreError) -> WalletError {
+    match err {
+        StoreError::Database(err) if is_connection_failure(&err) => {
+            WalletError::OutcomeUnknown(Arc::new(err))
+        }
+        err => err.into(),
+    }
 }
 
 /// Commits `tx`. A commit whose connection failed may have happened or not: that is
 /// [`WalletError::OutcomeUnknown`], never "unavailable, nothing applied".
 pub(crate) async fn commit(tx: sqlx::Transaction<'_, sqlx::Postgres>) -> Result<(), WalletError> {
-    tx.commit().await.map_err(|err| {
-        if is_connection_failure(&err) { WalletError::OutcomeUnknown(err) } else { err.into() }
-    })
+    tx.commit().await.map_err(|err| commit_failure(err.into()))
 }
 
 /// The connection broke (as opposed to Postgres answering with an error).

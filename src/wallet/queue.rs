@@ -2,18 +2,19 @@
 //!
 //! Requests for one wallet line up here, first come first served, so only one of them (the
 //! wallet's worker) contends for the lease in Redis, however many arrived at this replica. Once
-//! the worker holds the lease and has claimed the wallet, it applies what is queued in batches
-//! ([`super::batch`]): up to [`MAX_BATCH`] movements per transaction, for at most [`MAX_HOLD`] per
-//! lease. It releases as soon as the queue is empty, the hold is up, or another replica is waiting
+//! the worker holds the lease, it hands what is queued to the replica's rounds
+//! ([`super::group`]) in batches: up to [`MAX_BATCH`] movements at a time, for at most
+//! [`MAX_HOLD`] per lease. The first batch claims the wallet; later ones write from what the last
+//! one left. It releases as soon as the queue is empty, the hold is up, or another replica is waiting
 //! for the wallet; after a release that woke another replica it lets that replica go first. A
 //! request that waited longer than the lease wait without the worker getting the lease is answered
 //! `lock_timeout`. A request whose client left is still applied in its turn: the client (or its
 //! retry, with the same idempotency key) may still want to learn its outcome.
 
-use super::batch::{self, Held, Op};
-use super::{WalletError, WalletId, Wallets, claim, lease_name};
-use crate::idempotency;
-use crate::lease::{LeaseError, Released};
+use super::batch::{Held, Op};
+use super::group::{Job, JobOutcome};
+use super::{WalletError, WalletId, Wallets, lease_name};
+use crate::lease::{Lease, LeaseError, Released};
 use crate::ledger::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -100,11 +101,6 @@ impl Queues {
         expired.into()
     }
 
-    /// Everything queued.
-    fn take_all(&self, id: &WalletId) -> Vec<Pending> {
-        self.take(id, usize::MAX)
-    }
-
     fn is_empty(&self, id: &WalletId) -> bool {
         self.inner.lock().expect("queues lock").get(id).is_none_or(VecDeque::is_empty)
     }
@@ -116,26 +112,20 @@ impl Wallets {
         let (reply, answer) = oneshot::channel();
         let enqueued = Instant::now();
         let deadline = enqueued + self.leases.settings().wait;
-        let claim = op.receipt.as_ref().map(|r| r.claim.clone());
         if self.queues.push(id, Pending { op, enqueued, deadline, reply }) {
             let (this, id) = (self.clone(), id.clone());
             let span = tracing::info_span!("wallet_worker", wallet_id = %id);
             self.in_flight.spawn(async move { this.serve(&id).await }.instrument(span));
         }
-        match answer.await {
-            Ok(reply) => reply,
-            // The worker ended without answering: it panicked. The key goes back for a retry.
-            Err(_) => {
-                if let Some(claim) = claim {
-                    idempotency::abandon(&self.db, &claim).await;
-                }
-                let result = Err(WalletError::Internal(anyhow::anyhow!("the wallet's worker stopped")));
-                Reply { result, waited: enqueued.elapsed(), db: Duration::ZERO }
-            }
-        }
+        answer.await.unwrap_or_else(|_| {
+            // The worker ended without answering: it panicked. Nothing of this request was
+            // written, or it was and its key replays it.
+            let result = Err(WalletError::internal("the wallet's worker stopped"));
+            Reply { result, waited: enqueued.elapsed(), db: Duration::ZERO }
+        })
     }
 
-    /// The wallet's worker: takes the lease, applies the queue in batches, releases; until the
+    /// The wallet's worker: takes the lease, has the queue written in batches, releases; until the
     /// queue is empty.
     async fn serve(&self, id: &WalletId) {
         let name = lease_name(id);
@@ -152,7 +142,7 @@ impl Wallets {
                     // Those who waited their whole wait give up; the others keep their place.
                     let failure = WalletError::from(err);
                     for pending in self.queues.take_expired(id, Instant::now()) {
-                        self.answer(pending, Err(copy(&failure)), Duration::ZERO).await;
+                        answer(pending, Err(failure.clone()), Duration::ZERO);
                     }
                     yield_first = false;
                     continue;
@@ -171,53 +161,75 @@ impl Wallets {
         }
     }
 
-    /// Serves the queue while holding the lease: claim the wallet, then batches.
-    async fn hold(&self, id: &WalletId, lease: &mut crate::lease::Lease) {
+    /// Serves the queue while holding the lease: batch after batch, each written by a round.
+    async fn hold(&self, id: &WalletId, lease: &mut Lease) {
         let held_since = Instant::now();
-        let mut conn = match self.connection().await {
-            Ok(conn) => conn,
-            Err(err) => return self.fail_all(id, err).await,
-        };
-        let lost = lease.lost();
-        let claimed = tokio::select! {
-            biased;
-            () = lost => Err(WalletError::LeaseLost),
-            claimed = claim(&mut conn, lease, id) => claimed,
-        };
-        let mut held = match claimed {
-            Ok(claimed) => Held { balance: claimed.balance, version: claimed.version },
-            Err(err) => return self.fail_all(id, err).await,
-        };
+        let mut held: Option<Held> = None;
+        // A batch whose claim found the fence behind runs again, once, after the fence is lifted.
+        let mut again: Option<Vec<Pending>> = None;
+        let mut resynced = false;
         loop {
-            let batch = self.queues.take(id, MAX_BATCH);
+            let batch = again.take().unwrap_or_else(|| self.queues.take(id, MAX_BATCH));
             if batch.is_empty() {
                 return;
             }
+            if lease.is_lost() {
+                return fail(batch, &WalletError::LeaseLost);
+            }
             let started = Instant::now();
-            let (pendings, ops): (Vec<_>, Vec<_>) = batch
+            let (waiters, ops): (Vec<_>, Vec<_>) = batch
                 .into_iter()
-                .map(|p| {
-                    let Pending { op, enqueued, deadline, reply } = p;
-                    ((enqueued, deadline, reply), op)
-                })
+                .map(|Pending { op, enqueued, deadline, reply }| ((enqueued, deadline, reply), op))
                 .unzip();
             metrics::histogram!(crate::telemetry::metrics::BATCH_SIZE).record(ops.len() as f64);
-            let outcome = if lease.is_lost() {
-                Err(WalletError::LeaseLost)
-            } else {
-                batch::apply(&mut conn, id, lease.fence(), &mut held, &ops).await
-            };
-            let db = started.elapsed();
-            let failed = outcome.is_err();
-            let results: Vec<Result<Entry, WalletError>> = match outcome {
-                Ok(results) => results,
-                // Nothing of the batch was applied: every request in it gets the same answer.
-                Err(err) => ops.iter().map(|_| Err(copy(&err))).collect(),
-            };
-            for (((enqueued, deadline, reply), op), result) in pendings.into_iter().zip(ops).zip(results) {
-                self.answer(Pending { op, enqueued, deadline, reply }, result, db).await;
+            let job = Job { id: id.clone(), fence: lease.fence(), held, ops };
+            let rejoin =
+                |waiters: Vec<(Instant, Instant, oneshot::Sender<Reply>)>, ops: Vec<Op>| -> Vec<Pending> {
+                    waiters
+                        .into_iter()
+                        .zip(ops)
+                        .map(|((enqueued, deadline, reply), op)| Pending { op, enqueued, deadline, reply })
+                        .collect()
+                };
+            match self.rounds.run(job).await {
+                JobOutcome::FenceBehind { seen, ops } => {
+                    let batch = rejoin(waiters, ops);
+                    if resynced {
+                        return fail(batch, &WalletError::LeaseLost);
+                    }
+                    if let Err(err) = lease.advance_fence(seen).await {
+                        return fail(batch, &err.into());
+                    }
+                    resynced = true;
+                    again = Some(batch);
+                    continue;
+                }
+                JobOutcome::Busy { ops } => {
+                    // Until the lease is lost (checked above) the wallet is ours; the busy row
+                    // belongs to a holder that lost it, and frees when its statement ends. A row
+                    // held longer than a lease wait is someone else's (an operator's session).
+                    let batch = rejoin(waiters, ops);
+                    let waited = held_since.elapsed();
+                    if waited >= self.leases.settings().wait {
+                        return fail(batch, &WalletError::LockTimeout { waited });
+                    }
+                    again = Some(batch);
+                    tokio::time::sleep(super::BUSY_PAUSE).await;
+                    continue;
+                }
+                JobOutcome::Done { held: after, results } => {
+                    let db = started.elapsed();
+                    for ((enqueued, _, reply), result) in waiters.into_iter().zip(results) {
+                        let waited = enqueued.elapsed().saturating_sub(db);
+                        let _ = reply.send(Reply { result, waited, db });
+                    }
+                    match after {
+                        Some(after) => held = Some(after),
+                        None => return,
+                    }
+                }
             }
-            if failed || held_since.elapsed() >= MAX_HOLD || self.queues.is_empty(id) {
+            if held_since.elapsed() >= MAX_HOLD || self.queues.is_empty(id) {
                 return;
             }
             // Another replica waits for this wallet: hand the lease over after each batch.
@@ -226,42 +238,17 @@ impl Wallets {
             }
         }
     }
-
-    /// Fails everything queued with `err` (the wallet is missing, or a dependency is down).
-    async fn fail_all(&self, id: &WalletId, err: WalletError) {
-        for pending in self.queues.take_all(id) {
-            self.answer(pending, Err(copy(&err)), Duration::ZERO).await;
-        }
-    }
-
-    /// Sends a request its result; a key whose outcome is not stored is given back first, so the
-    /// client's retry runs.
-    async fn answer(&self, pending: Pending, result: Result<Entry, WalletError>, db: Duration) {
-        if let (Some(receipt), Err(err)) = (&pending.op.receipt, &result)
-            && !err.is_stored()
-        {
-            idempotency::abandon(&self.db, &receipt.claim).await;
-        }
-        let waited = pending.enqueued.elapsed().saturating_sub(db);
-        let _ = pending.reply.send(Reply { result, waited, db });
-    }
 }
 
-/// The same error for another request of a failed batch.
-fn copy(err: &WalletError) -> WalletError {
-    match err {
-        WalletError::NotFound => WalletError::NotFound,
-        WalletError::Exists => WalletError::Exists,
-        WalletError::Refused(refusal) => WalletError::Refused(*refusal),
-        WalletError::LockTimeout { waited } => WalletError::LockTimeout { waited: *waited },
-        WalletError::LeaseLost => WalletError::LeaseLost,
-        WalletError::KeyTakenOver => WalletError::KeyTakenOver,
-        WalletError::Unavailable { dependency, source } => {
-            WalletError::Unavailable { dependency, source: anyhow::anyhow!("{source:#}") }
-        }
-        WalletError::OutcomeUnknown(source) => {
-            WalletError::OutcomeUnknown(sqlx::Error::Protocol(source.to_string()))
-        }
-        WalletError::Internal(source) => WalletError::Internal(anyhow::anyhow!("{source:#}")),
+/// Sends a request its result.
+fn answer(pending: Pending, result: Result<Entry, WalletError>, db: Duration) {
+    let waited = pending.enqueued.elapsed().saturating_sub(db);
+    let _ = pending.reply.send(Reply { result, waited, db });
+}
+
+/// Answers every request of `batch` with `err`: none of it was written.
+fn fail(batch: Vec<Pending>, err: &WalletError) {
+    for pending in batch {
+        answer(pending, Err(err.clone()), Duration::ZERO);
     }
 }

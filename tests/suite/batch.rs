@@ -3,7 +3,7 @@
 
 use crate::support::{TestEnv, books, eventually};
 use std::time::{Duration, Instant};
-use walletlock::idempotency::{self, Begin, IdempotencyKey, KeySettings, Receipt, Scope};
+use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
 use walletlock::ledger::idempotency::StoredResponse;
 use walletlock::wallet::{
     Amount, Movement, MovementOutcome, Refusal, WalletError, WalletId, Wallets, lease_name,
@@ -25,20 +25,30 @@ fn render(outcome: &MovementOutcome) -> StoredResponse {
     }
 }
 
+/// A payment's key `key` on wallet `id`, for the same request each time.
+fn keyed(id: &WalletId, key: &str) -> Keyed<MovementOutcome> {
+    Keyed {
+        scope: Scope::wallet("tester", id),
+        key: IdempotencyKey::parse(key.as_bytes()).unwrap(),
+        fingerprint: idempotency::fingerprint("POST", "/pay", b"10"),
+        render,
+    }
+}
+
 /// Queues `movements` (in this order) while another holder keeps the wallet's lease, then lets
 /// the wallet's worker have it: they all go in one batch.
 async fn one_batch(
     env: &TestEnv,
     wallets: &Wallets,
     id: &WalletId,
-    movements: Vec<(Movement, Option<Receipt<MovementOutcome>>)>,
+    movements: Vec<(Movement, Option<Keyed<MovementOutcome>>)>,
 ) -> Vec<Result<walletlock::ledger::Entry, WalletError>> {
     let holder =
         env.leases(Duration::from_secs(10), Duration::from_secs(1)).acquire(&lease_name(id)).await.unwrap();
     let mut queued = Vec::new();
-    for (movement, receipt) in movements {
+    for (movement, key) in movements {
         let (wallets, id) = (wallets.clone(), id.clone());
-        queued.push(tokio::spawn(async move { wallets.apply(&id, movement, receipt).await }));
+        queued.push(tokio::spawn(async move { wallets.apply(&id, movement, key).await }));
         // Let each one reach the queue before the next, so the order is the order given.
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -80,92 +90,70 @@ async fn two_requests_with_one_key_in_one_batch_charge_once() {
     let id = WalletId::generate();
     wallets.open(&id, 100, None).await.unwrap();
 
-    // The first request's claim goes stale while it waits in the queue, and its retry takes the
-    // key over: both end up in one batch.
-    let keys = KeySettings { retention: Duration::from_secs(3600), stale_after: Duration::from_millis(1) };
-    let key = IdempotencyKey::parse(b"twice").unwrap();
-    let fingerprint = idempotency::fingerprint("POST", "/pay", b"10");
-    let begin = || idempotency::begin(&db, keys, Scope::wallet("tester", &id), key.clone(), fingerprint);
-    let Begin::Proceed(first) = begin().await.unwrap() else { panic!("the key is new") };
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    let Begin::Proceed(retry) = begin().await.unwrap() else { panic!("a stale claim is taken over") };
-
+    // A double tap: the same request twice, queued behind one lease, lands in one batch.
     let results = one_batch(
         &env,
         &wallets,
         &id,
-        vec![
-            (pay(10), Some(Receipt { claim: first, render })),
-            (pay(10), Some(Receipt { claim: retry, render })),
-        ],
+        vec![(pay(10), Some(keyed(&id, "twice"))), (pay(10), Some(keyed(&id, "twice")))],
     )
     .await;
 
-    assert!(matches!(results[0], Err(WalletError::KeyTakenOver)), "{:?}", results[0]);
-    assert_eq!(results[1].as_ref().unwrap().balance, 90);
+    let first = results[0].as_ref().expect("the first one runs");
+    assert_eq!(first.balance, 90);
+    match &results[1] {
+        Err(WalletError::AlreadyRan(Prior::Replay(stored))) => {
+            assert_eq!(stored, &render(&Ok(first.clone())))
+        }
+        other => panic!("the second one gets the first one's response: {other:?}"),
+    }
     let books = books(&db, id.as_str()).await;
     assert_eq!((books.balance, books.pays), (90, 1), "charged once");
 }
 
 #[tokio::test]
-async fn a_lease_lost_mid_batch_applies_none_of_it_and_every_request_hears_lease_lost() {
+async fn a_lease_lost_while_the_wallet_is_busy_applies_none_of_the_batch_and_every_request_hears_lease_lost()
+{
     let env = TestEnv::new();
     let (schema, db) = env.database(2).await;
-    let wallets = env.replica(&schema, Duration::from_secs(2), Duration::from_secs(5)).await;
+    let wallets = env.replica(&schema, Duration::from_millis(300), Duration::from_secs(5)).await;
     let id = WalletId::generate();
     wallets.open(&id, 100, None).await.unwrap();
-    let keys = KeySettings { retention: Duration::from_secs(3600), stale_after: Duration::from_secs(60) };
-    let key = IdempotencyKey::parse(b"held").unwrap();
-    let Begin::Proceed(claim) = idempotency::begin(
-        &db,
-        keys,
-        Scope::wallet("tester", &id),
-        key,
-        idempotency::fingerprint("POST", "/pay", b"10"),
-    )
-    .await
-    .unwrap() else {
-        panic!("the key is new")
-    };
 
-    // The batch starts by locking its keys' rows: holding that row stops it between its claim of
-    // the wallet and its commit. Meanwhile a newer holder's fence lands on the wallet, as after a
-    // failover that handed the lease to someone else.
-    let holder =
-        env.leases(Duration::from_secs(10), Duration::from_secs(1)).acquire(&lease_name(&id)).await.unwrap();
-    let mut queued = Vec::new();
-    for (amount, receipt) in [(10, Some(Receipt { claim, render })), (20, None), (30, None)] {
-        let (wallets, id) = (wallets.clone(), id.clone());
-        queued.push(tokio::spawn(async move { wallets.apply(&id, pay(amount), receipt).await }));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // Another statement holds the wallet's row, so the batch's round finds it busy and tries
+    // again; meanwhile Redis loses the lease (as in a failover).
     let mut blocker = db.begin().await.unwrap();
-    sqlx::query("select 1 from idempotency_key where key = 'held' for update")
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
-    let fence_before = books(&db, id.as_str()).await.fence;
-    holder.release().await.unwrap();
-    eventually("the worker claimed the wallet", Duration::from_secs(2), || async {
-        books(&db, id.as_str()).await.fence > fence_before
-    })
-    .await;
-    sqlx::query("update wallet set fence = fence + 1000 where id = $1")
+    sqlx::query("select 1 from wallet where id = $1 for update")
         .bind(id.as_str())
         .execute(&mut *blocker)
         .await
         .unwrap();
-    blocker.commit().await.unwrap();
+    let holder =
+        env.leases(Duration::from_secs(10), Duration::from_secs(1)).acquire(&lease_name(&id)).await.unwrap();
+    let mut queued = Vec::new();
+    for (amount, key) in [(10, Some(keyed(&id, "held"))), (20, None), (30, None)] {
+        let (wallets, id) = (wallets.clone(), id.clone());
+        queued.push(tokio::spawn(async move { wallets.apply(&id, pay(amount), key).await }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    holder.release().await.unwrap();
+    let lease = env.lease_key(&lease_name(&id));
+    eventually("the worker holds the lease", Duration::from_secs(2), || async {
+        env.redis_cmd::<i64>(&["EXISTS", &lease]).await == 1
+    })
+    .await;
+    let _: () = env.redis_cmd(&["DEL", &lease]).await;
 
     for request in queued {
         let result = request.await.unwrap();
         assert!(matches!(result, Err(WalletError::LeaseLost)), "{result:?}");
     }
+    blocker.rollback().await.unwrap();
     let books = books(&db, id.as_str()).await;
     assert_eq!((books.balance, books.ledger_sum, books.pays), (100, 100, 0), "none of the batch applied");
     let keys_left: i64 =
         sqlx::query_scalar("select count(*) from idempotency_key").fetch_one(&db).await.unwrap();
-    assert_eq!(keys_left, 0, "the key was given back, so a retry runs");
+    assert_eq!(keys_left, 0, "no response stored, so a retry runs");
 }
 
 #[tokio::test]

@@ -50,18 +50,22 @@ async fn wait_for_lease(env: &TestEnv, wallet: &str) {
     .await;
 }
 
-/// Waits until a lease holder's claim of a wallet waits behind the row the test holds: the holder
-/// is then inside its critical section, its lease taken and its claim sent.
+/// Waits until a lease holder's claim of a wallet found the row the test holds busy: the holder is
+/// then inside its critical section, its lease taken and its claim sent, trying again while its
+/// lease lasts.
 async fn wait_for_blocked_claim(fleet: &Fleet) {
-    crate::support::eventually("a claim waits for the held row", Duration::from_secs(3), || async {
-        let waiting: i64 = sqlx::query_scalar(
-            "select count(*) from pg_stat_activity
-             where wait_event_type = 'Lock' and query like 'update wallet set fence%'",
-        )
-        .fetch_one(&fleet.db)
-        .await
-        .unwrap();
-        waiting > 0
+    crate::support::eventually("a claim found the held row busy", Duration::from_secs(3), || async {
+        let mut busy = 0.0;
+        for replica in &fleet.replicas {
+            let Ok(response) = fleet.client.get(replica.url("/metrics")).send().await else { continue };
+            let text = response.text().await.unwrap_or_default();
+            busy += text
+                .lines()
+                .filter_map(|line| line.strip_prefix("walletlock_wallet_busy_total "))
+                .filter_map(|value| value.trim().parse::<f64>().ok())
+                .sum::<f64>();
+        }
+        busy > 0.0
     })
     .await;
 }
@@ -273,9 +277,13 @@ async fn an_exhausted_connection_pool_is_a_prompt_503() {
     let fleet = Fleet::start(&env, 1, &settings).await;
     open_wallets(&fleet, &["busy1", "busy2", "free"], OPENING).await;
 
-    // Two workers each hold a pooled connection, stuck behind rows the test holds.
-    let rows = [hold_row(&fleet, "busy1").await, hold_row(&fleet, "busy2").await];
-    let stuck = [pay_on(&fleet, 0, "busy1", "s1"), pay_on(&fleet, 0, "busy2", "s2")];
+    // Two rounds each hold a pooled connection, stuck behind the key table the test holds.
+    let mut table = fleet.db.begin().await.unwrap();
+    sqlx::query("lock table idempotency_key in access exclusive mode").execute(&mut *table).await.unwrap();
+    let rows = [table];
+    let first = pay_on(&fleet, 0, "busy1", "s1");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let stuck = [first, pay_on(&fleet, 0, "busy2", "s2")];
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let started = Instant::now();

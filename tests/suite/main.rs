@@ -12,6 +12,7 @@ mod demos;
 mod faults;
 mod fence;
 mod fleet;
+mod group;
 mod idempotency;
 mod lease;
 mod metrics;

@@ -1,0 +1,276 @@
+//! The group commit across wallets: the two statements a replica runs per round of movements,
+//! whatever the number of wallets and movements in the round.
+//!
+//! 1. [`read`] claims the wallets whose lease was just taken (raising each row's fence to the
+//!    lease's, as [`super::claim`] does for one) and reads their balances and versions, and looks
+//!    up the round's idempotency keys, in one statement. The claim only orders holders: it is
+//!    committed without waiting for its WAL flush (`synchronous_commit` off for that statement
+//!    alone). Postgres flushes WAL in order, so the [`commit`] that moves money on the claim's
+//!    strength flushes the claim with it, and a claim lost to a crash was followed by no
+//!    acknowledged movement.
+//! 2. [`commit`] writes every wallet of the round with its own conditional `UPDATE ... WHERE fence
+//!    = $ours AND version = $read`, inserts the ledger entries and the stored idempotent responses
+//!    of the wallets that matched, and nothing of those that did not. One autocommit statement:
+//!    one WAL flush for the round, and no transaction left open between statements, so a replica
+//!    that stalls or is cut off mid-round holds no row lock.
+//!
+//! Neither statement ever waits for a row: both lock the round's wallet rows in id order with `SKIP
+//! LOCKED` before touching them. A row locked by another statement belongs to another holder
+//! writing it right now (only a holder whose lease passed to another replica lets two meet), so
+//! that one wallet is left out of the round ([`ClaimOutcome::Busy`], or not written) and the
+//! others go on: a stalled or partitioned holder never holds up a round, and two rounds that
+//! share wallets never deadlock.
+
+use super::idempotency::{KeyRef, StoredResponse};
+use super::{Claimed, Entry, StoreError};
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, Row};
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+use uuid::Uuid;
+
+/// A wallet to claim for the lease holding `fence`.
+#[derive(Debug, Clone, Copy)]
+pub struct ToClaim<'a> {
+    pub id: &'a str,
+    pub fence: i64,
+}
+
+/// What a claim found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    Claimed(Claimed),
+    /// The row has seen this fence or a higher one (see [`StoreError::FenceBehind`]).
+    FenceBehind {
+        seen: i64,
+    },
+    /// Another statement had the row locked: try again shortly.
+    Busy,
+    NotFound,
+}
+
+/// A stored idempotency key, as [`read`] found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoundKey {
+    pub fingerprint: Vec<u8>,
+    /// `None` while a request that claimed the key is still in flight (wallet creation claims
+    /// keys before it runs).
+    pub response: Option<StoredResponse>,
+}
+
+/// What [`read`] found: each claim's outcome by wallet id, and each key still live by
+/// `(caller, scope, key)`.
+#[derive(Debug, Default)]
+pub struct Found {
+    pub claims: HashMap<String, ClaimOutcome>,
+    pub keys: HashMap<(String, String, String), FoundKey>,
+}
+
+/// Claims `claims` and looks up `keys` (deleting those past their retention: they behave as new),
+/// in one statement.
+pub async fn read(
+    conn: &mut PgConnection,
+    claims: &[ToClaim<'_>],
+    keys: &[KeyRef<'_>],
+) -> Result<Found, StoreError> {
+    let ids: Vec<&str> = claims.iter().map(|c| c.id).collect();
+    let fences: Vec<i64> = claims.iter().map(|c| c.fence).collect();
+    let callers: Vec<&str> = keys.iter().map(|k| k.caller).collect();
+    let scopes: Vec<&str> = keys.iter().map(|k| k.scope).collect();
+    let names: Vec<&str> = keys.iter().map(|k| k.key).collect();
+    let rows = sqlx::query(
+        // language=PostgreSQL
+        r#"with locked as (
+               select id from wallet where id = any($1::text[]) order by id for update skip locked
+           ),
+           claimed as (
+               update wallet w set fence = c.fence
+               from locked join unnest($1::text[], $2::int8[]) as c(id, fence) on c.id = locked.id
+               where w.id = locked.id and w.fence < c.fence
+               returning w.id, w.balance, w.version
+           ),
+           expired as (
+               delete from idempotency_key k
+               using unnest($3::text[], $4::text[], $5::text[]) as q(caller, scope, key)
+               where k.caller = q.caller and k.scope = q.scope and k.key = q.key
+                 and k.expires_at < now()
+           )
+           select c.id as wallet_id, claimed.balance, claimed.version, w.fence as seen,
+                  c.id in (select id from locked) as locked, null::text as caller, null::text as scope, null::text as key,
+                  null::bytea as fingerprint, null::int2 as status, null::text as content_type,
+                  null::bytea as body
+           from unnest($1::text[]) as c(id)
+           left join claimed on claimed.id = c.id
+           left join wallet w on w.id = c.id
+           union all
+           select null, null, null, null, null, k.caller, k.scope, k.key, k.fingerprint, k.status,
+                  k.content_type, k.body
+           from idempotency_key k
+           join unnest($3::text[], $4::text[], $5::text[]) as q(caller, scope, key)
+             on k.caller = q.caller and k.scope = q.scope and k.key = q.key
+           where k.expires_at >= now()
+           union all
+           -- Read at commit: this statement's claims need not wait for their own WAL flush.
+           select null, null, null, null, null, null, null,
+                  set_config('synchronous_commit', 'off', true),
+                  null, null, null, null"#,
+    )
+    .bind(&ids)
+    .bind(&fences)
+    .bind(&callers)
+    .bind(&scopes)
+    .bind(&names)
+    .fetch_all(conn)
+    .await?;
+
+    let mut found = Found::default();
+    for row in rows {
+        if let Some(id) = row.try_get::<Option<String>, _>("wallet_id")? {
+            let balance: Option<i64> = row.try_get("balance")?;
+            let version: Option<i64> = row.try_get("version")?;
+            let seen: Option<i64> = row.try_get("seen")?;
+            let locked: Option<bool> = row.try_get("locked")?;
+            let outcome = match (balance, version, seen) {
+                (Some(balance), Some(version), _) => ClaimOutcome::Claimed(Claimed { balance, version }),
+                (_, _, None) => ClaimOutcome::NotFound,
+                (_, _, Some(_)) if locked != Some(true) => ClaimOutcome::Busy,
+                (_, _, Some(seen)) => ClaimOutcome::FenceBehind { seen },
+            };
+            found.claims.insert(id, outcome);
+        } else if let Some(caller) = row.try_get::<Option<String>, _>("caller")? {
+            let status: Option<i16> = row.try_get("status")?;
+            let content_type: Option<String> = row.try_get("content_type")?;
+            let body: Option<Vec<u8>> = row.try_get("body")?;
+            let response = match (status, content_type, body) {
+                (Some(status), Some(content_type), Some(body)) => {
+                    Some(StoredResponse { status: status as u16, content_type, body })
+                }
+                _ => None,
+            };
+            let at = (caller, row.try_get("scope")?, row.try_get("key")?);
+            found.keys.insert(at, FoundKey { fingerprint: row.try_get("fingerprint")?, response });
+        }
+    }
+    Ok(found)
+}
+
+/// One wallet's write in a [`commit`]: from `read_version` to `version` and `balance`, under the
+/// lease holding `fence`. With no entries (`version == read_version`) it only checks that the
+/// wallet is still ours, so refusals are stored only from a state this holder owns.
+#[derive(Debug, Clone, Copy)]
+pub struct WalletWrite<'a> {
+    pub id: &'a str,
+    pub fence: i64,
+    pub read_version: i64,
+    pub balance: i64,
+    pub version: i64,
+}
+
+/// A response to store for an idempotency key, with the wallet whose write it depends on.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyWrite<'a> {
+    pub wallet_id: &'a str,
+    pub at: KeyRef<'a>,
+    pub fingerprint: &'a [u8],
+    pub response: &'a StoredResponse,
+    pub entry_id: Option<Uuid>,
+}
+
+/// Everything one round writes.
+#[derive(Debug, Default)]
+pub struct GroupWrite<'a> {
+    pub wallets: Vec<WalletWrite<'a>>,
+    /// The ledger entries to append, each with its wallet, version (its `seq`), fence and time
+    /// (every entry of a round has the round's time).
+    pub entries: Vec<&'a Entry>,
+    pub keys: Vec<KeyWrite<'a>>,
+}
+
+/// Writes a round in one statement; returns the ids of the wallets whose write matched (their
+/// entries and keys are written). A wallet missing from it was claimed or written by another holder
+/// since this one read it, or is being written by one right now: nothing of it was written.
+///
+/// Fails whole, nothing written, with a unique violation on `idempotency_key` if another holder
+/// stored one of the round's keys after [`read`] looked (only a holder that lost its lease lets
+/// that happen): read again and replay it.
+pub async fn commit(
+    conn: &mut PgConnection,
+    write: &GroupWrite<'_>,
+    created_at: DateTime<Utc>,
+    retention: Duration,
+) -> Result<HashSet<String>, StoreError> {
+    let w = &write.wallets;
+    let e = &write.entries;
+    let k = &write.keys;
+    let rows = sqlx::query(
+        // language=PostgreSQL
+        r#"with locked as (
+               select id from wallet where id = any($1::text[]) order by id for update skip locked
+           ),
+           moved as (
+               update wallet w set balance = b.balance, version = b.version, updated_at = now()
+               from locked
+               join unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[])
+                   as b(id, fence, read_version, balance, version) on b.id = locked.id
+               where w.id = locked.id and w.fence = b.fence and w.version = b.read_version
+               returning w.id
+           ),
+           entries as (
+               insert into ledger_entry
+                   (id, wallet_id, seq, kind, amount, balance_after, fence, reference, created_at)
+               select e.id, e.wallet_id, e.seq, e.kind, e.amount, e.balance_after, e.fence,
+                      e.reference, $13
+               from unnest($6::uuid[], $7::text[], $8::int8[], $9::text[], $10::int8[], $11::int8[],
+                           $12::int8[], $14::text[])
+                   as e(id, wallet_id, seq, kind, amount, balance_after, fence, reference)
+               where e.wallet_id in (select id from moved)
+           ),
+           keys as (
+               insert into idempotency_key (caller, scope, key, fingerprint, status, content_type,
+                                            body, entry_id, expires_at)
+               select k.caller, k.scope, k.key, k.fingerprint, k.status, k.content_type, k.body,
+                      k.entry_id, now() + make_interval(secs => $24)
+               from unnest($15::text[], $16::text[], $17::text[], $18::text[], $19::bytea[],
+                           $20::int2[], $21::text[], $22::bytea[], $23::uuid[])
+                   as k(wallet_id, caller, scope, key, fingerprint, status, content_type, body,
+                        entry_id)
+               where k.wallet_id in (select id from moved)
+           )
+           select id from moved"#,
+    )
+    .bind(w.iter().map(|w| w.id).collect::<Vec<_>>())
+    .bind(w.iter().map(|w| w.fence).collect::<Vec<_>>())
+    .bind(w.iter().map(|w| w.read_version).collect::<Vec<_>>())
+    .bind(w.iter().map(|w| w.balance).collect::<Vec<_>>())
+    .bind(w.iter().map(|w| w.version).collect::<Vec<_>>())
+    .bind(e.iter().map(|e| e.id).collect::<Vec<_>>())
+    .bind(e.iter().map(|e| e.wallet_id.as_str()).collect::<Vec<_>>())
+    .bind(e.iter().map(|e| e.version).collect::<Vec<_>>())
+    .bind(e.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>())
+    .bind(e.iter().map(|e| e.amount).collect::<Vec<_>>())
+    .bind(e.iter().map(|e| e.balance).collect::<Vec<_>>())
+    .bind(e.iter().map(|e| e.fence).collect::<Vec<_>>())
+    .bind(created_at)
+    .bind(e.iter().map(|e| e.reference.as_deref()).collect::<Vec<_>>())
+    .bind(k.iter().map(|k| k.wallet_id).collect::<Vec<_>>())
+    .bind(k.iter().map(|k| k.at.caller).collect::<Vec<_>>())
+    .bind(k.iter().map(|k| k.at.scope).collect::<Vec<_>>())
+    .bind(k.iter().map(|k| k.at.key).collect::<Vec<_>>())
+    .bind(k.iter().map(|k| k.fingerprint).collect::<Vec<_>>())
+    .bind(k.iter().map(|k| k.response.status as i16).collect::<Vec<_>>())
+    .bind(k.iter().map(|k| k.response.content_type.as_str()).collect::<Vec<_>>())
+    .bind(k.iter().map(|k| k.response.body.as_slice()).collect::<Vec<_>>())
+    .bind(k.iter().map(|k| k.entry_id).collect::<Vec<_>>())
+    .bind(retention.as_secs_f64())
+    .fetch_all(conn)
+    .await?;
+    rows.iter().map(|row| row.try_get::<String, _>("id").map_err(StoreError::from)).collect()
+}
+
+impl StoreError {
+    /// Another holder stored one of the round's idempotency keys first (see [`commit`]).
+    pub fn is_key_conflict(&self) -> bool {
+        matches!(self, StoreError::Database(sqlx::Error::Database(db))
+            if db.constraint() == Some("idempotency_key_pkey"))
+    }
+}

@@ -1,0 +1,276 @@
+//! Rounds: the group commit across the wallets whose leases this replica holds.
+//!
+//! Every wallet's worker ([`super::queue`]) that holds its lease and has movements queued hands
+//! them to the replica's rounds as a [`Job`]. A round takes every job waiting (up to
+//! [`MAX_ROUND_OPS`] movements) and runs them together in two statements
+//! ([`crate::ledger::group`]): one claims the wallets just leased and looks up the round's
+//! idempotency keys, one writes every wallet conditionally on its own fence and version, with the
+//! entries and stored responses of the wallets that matched. A wallet whose fence moved is simply
+//! not written: only its movements hear `lease_lost`, the others commit. While a round runs, the
+//! next one's jobs gather, so a busy replica writes many wallets per WAL flush and an idle one
+//! writes each job at once: no timer, no added wait.
+
+use super::batch::{self, FoundKeys, Held, Op, Plan};
+use super::{WalletError, WalletId};
+use crate::ledger::Entry;
+use crate::ledger::group::{self as store, ClaimOutcome, GroupWrite, KeyWrite, ToClaim, WalletWrite};
+use crate::ledger::idempotency::KeyRef;
+use sqlx::PgPool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio_util::task::TaskTracker;
+
+/// The most movements one round writes.
+pub const MAX_ROUND_OPS: usize = 512;
+/// Rounds in flight at once per replica: while one waits for its WAL flush, the next reads.
+const CONCURRENT_ROUNDS: usize = 2;
+
+/// One wallet's movements for a round, from the holder of its lease.
+#[derive(Debug)]
+pub struct Job {
+    pub id: WalletId,
+    pub fence: i64,
+    /// The wallet as this lease last claimed or wrote it; `None`: the round claims it first.
+    pub held: Option<Held>,
+    pub ops: Vec<Op>,
+}
+
+/// How a job ended.
+#[derive(Debug)]
+pub enum JobOutcome {
+    /// Each op's result; `held` is the wallet after them (`None`: the lease was lost or the write
+    /// failed, and the holder must stop).
+    Done { held: Option<Held>, results: Vec<Result<Entry, WalletError>> },
+    /// The wallet's row has seen a fence at least as high as the lease's: nothing ran, the ops come
+    /// back, to run again once the lease's fence is lifted above `seen`.
+    FenceBehind { seen: i64, ops: Vec<Op> },
+    /// Another holder was writing the wallet's row right then: nothing ran, the ops come back, to
+    /// run again shortly while the lease is still held.
+    Busy { ops: Vec<Op> },
+}
+
+type Submission = (Job, oneshot::Sender<JobOutcome>);
+
+/// The replica's rounds. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Rounds {
+    jobs: mpsc::UnboundedSender<Submission>,
+}
+
+impl Rounds {
+    /// Starts gathering jobs into rounds, each round a task on `tracker` (so a drain waits for
+    /// rounds in flight). Stops when the last clone is dropped.
+    pub fn start(db: PgPool, retention: Duration, tracker: TaskTracker) -> Self {
+        let (jobs, queued) = mpsc::unbounded_channel();
+        tokio::spawn(gather(db, retention, tracker, queued));
+        Self { jobs }
+    }
+
+    /// Runs `job` in the next round and waits for its outcome.
+    pub async fn run(&self, job: Job) -> JobOutcome {
+        let (reply, outcome) = oneshot::channel();
+        let ops = job.ops.len();
+        if self.jobs.send((job, reply)).is_err() {
+            return failed(ops, &WalletError::internal("the replica's rounds stopped"));
+        }
+        outcome
+            .await
+            .unwrap_or_else(|_| failed(ops, &WalletError::internal("a round ended without answering")))
+    }
+}
+
+fn failed(ops: usize, err: &WalletError) -> JobOutcome {
+    JobOutcome::Done { held: None, results: (0..ops).map(|_| Err(err.clone())).collect() }
+}
+
+async fn gather(
+    db: PgPool,
+    retention: Duration,
+    tracker: TaskTracker,
+    mut queued: mpsc::UnboundedReceiver<Submission>,
+) {
+    let slots = Arc::new(Semaphore::new(CONCURRENT_ROUNDS));
+    // A round waits for a slot as a request waits for a pooled connection: no longer than the
+    // pool's acquire timeout, then it is answered 503 rather than left to time out.
+    let slot_wait = db.options().get_acquire_timeout();
+    while let Some(first) = queued.recv().await {
+        let slot = match tokio::time::timeout(slot_wait, slots.clone().acquire_owned()).await {
+            Ok(Ok(slot)) => slot,
+            Ok(Err(_closed)) => return,
+            Err(_elapsed) => {
+                let (job, reply) = first;
+                let err = WalletError::from(sqlx::Error::PoolTimedOut);
+                let _ = reply.send(failed(job.ops.len(), &err));
+                continue;
+            }
+        };
+        // Everything that queued meanwhile joins this round.
+        let mut ops = first.0.ops.len();
+        let mut round = vec![first];
+        while ops < MAX_ROUND_OPS {
+            let Ok(next) = queued.try_recv() else { break };
+            ops += next.0.ops.len();
+            round.push(next);
+        }
+        let db = db.clone();
+        tracker.spawn(async move {
+            run_round(&db, retention, round).await;
+            drop(slot);
+        });
+    }
+}
+
+/// A job in a round, once its wallet is held.
+struct Ready {
+    job: Job,
+    held: Held,
+    reply: oneshot::Sender<JobOutcome>,
+}
+
+async fn run_round(db: &PgPool, retention: Duration, round: Vec<Submission>) {
+    let started = Instant::now();
+    metrics::histogram!(crate::telemetry::metrics::ROUND_WALLETS).record(round.len() as f64);
+    let mut conn = match db.acquire().await {
+        Ok(conn) => conn,
+        Err(err) => {
+            let err = WalletError::from(err);
+            for (job, reply) in round {
+                let _ = reply.send(failed(job.ops.len(), &err));
+            }
+            return;
+        }
+    };
+    metrics::histogram!("walletlock_pg_pool_acquire_wait_seconds").record(started.elapsed());
+    let mut pending = round;
+    let mut ready: Vec<Ready> = Vec::new();
+    // A key stored by another holder between our read and our write fails the write whole; the
+    // second read finds it and replays it.
+    for attempt in 0..2 {
+        let found = match read(&mut conn, &mut pending, &mut ready).await {
+            Ok(found) => found,
+            Err(err) => return fail(ready, &err),
+        };
+        let now = round_time();
+        let plans: Vec<Plan> = ready
+            .iter()
+            .map(|r| batch::decide(&r.job.id, r.job.fence, r.held, &r.job.ops, &found, now))
+            .collect();
+        let write = group_write(&ready, &plans);
+        let written = if write.wallets.is_empty() {
+            Ok(Default::default())
+        } else {
+            crate::failpoint::hit("before_commit");
+            let written = store::commit(&mut conn, &write, now, retention).await;
+            crate::failpoint::hit("after_commit");
+            written
+        };
+        match written {
+            Err(err) if err.is_key_conflict() && attempt == 0 => continue,
+            Err(err) => {
+                let err = super::commit_failure(err);
+                for (r, plan) in ready.into_iter().zip(plans) {
+                    let results = plan.results(if plan.runs() { Err(&err) } else { Ok(true) });
+                    let _ = r.reply.send(JobOutcome::Done { held: None, results });
+                }
+                return;
+            }
+            Ok(moved) => {
+                for (r, plan) in ready.into_iter().zip(plans) {
+                    let matched = !plan.runs() || moved.contains(r.job.id.as_str());
+                    let held = if matched { Some(plan.after) } else { None };
+                    let results = plan.results(Ok(matched));
+                    let _ = r.reply.send(JobOutcome::Done { held, results });
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// The round's read: claims the wallets of `pending` (moving them to `ready`, or answering those
+/// not found or whose fence is behind) and looks up the keys of every ready job.
+async fn read(
+    conn: &mut sqlx::PgConnection,
+    pending: &mut Vec<Submission>,
+    ready: &mut Vec<Ready>,
+) -> Result<FoundKeys, WalletError> {
+    let to_claim: Vec<ToClaim<'_>> =
+        pending.iter().map(|(job, _)| ToClaim { id: job.id.as_str(), fence: job.fence }).collect();
+    let keys: Vec<KeyRef<'_>> = pending
+        .iter()
+        .map(|(job, _)| job)
+        .chain(ready.iter().map(|r| &r.job))
+        .flat_map(|job| job.ops.iter().filter_map(|op| op.key.as_ref().map(|key| key.at())))
+        .collect();
+    if to_claim.is_empty() && keys.is_empty() {
+        return Ok(FoundKeys::new());
+    }
+    let mut found = store::read(conn, &to_claim, &keys).await.map_err(WalletError::from)?;
+    for (job, reply) in pending.drain(..) {
+        let held = match job.held {
+            Some(held) => held,
+            None => match found.claims.get(job.id.as_str()) {
+                Some(ClaimOutcome::Claimed(claimed)) => {
+                    Held { balance: claimed.balance, version: claimed.version }
+                }
+                Some(ClaimOutcome::FenceBehind { seen }) => {
+                    let _ = reply.send(JobOutcome::FenceBehind { seen: *seen, ops: job.ops });
+                    continue;
+                }
+                Some(ClaimOutcome::Busy) => {
+                    metrics::counter!("walletlock_wallet_busy_total").increment(1);
+                    let _ = reply.send(JobOutcome::Busy { ops: job.ops });
+                    continue;
+                }
+                Some(ClaimOutcome::NotFound) | None => {
+                    let _ = reply.send(failed(job.ops.len(), &WalletError::NotFound));
+                    continue;
+                }
+            },
+        };
+        ready.push(Ready { job: Job { held: Some(held), ..job }, held, reply });
+    }
+    Ok(std::mem::take(&mut found.keys))
+}
+
+/// What the round writes: every wallet with an op that runs, its entries, its keys' responses.
+fn group_write<'a>(ready: &'a [Ready], plans: &'a [Plan]) -> GroupWrite<'a> {
+    let mut write = GroupWrite::default();
+    for (r, plan) in ready.iter().zip(plans).filter(|(_, plan)| plan.runs()) {
+        let id = r.job.id.as_str();
+        write.wallets.push(WalletWrite {
+            id,
+            fence: r.job.fence,
+            read_version: r.held.version,
+            balance: plan.after.balance,
+            version: plan.after.version,
+        });
+        write.entries.extend(plan.entries.iter());
+        for (op, response) in &plan.responses {
+            let Some(key) = &r.job.ops[*op].key else { continue };
+            write.keys.push(KeyWrite {
+                wallet_id: id,
+                at: key.at(),
+                fingerprint: &key.fingerprint,
+                response,
+                entry_id: plan.entry_of(*op).map(|entry| entry.id),
+            });
+        }
+    }
+    write
+}
+
+fn fail(ready: Vec<Ready>, err: &WalletError) {
+    for r in ready {
+        let _ = r.reply.send(failed(r.job.ops.len(), err));
+    }
+}
+
+/// The time of a round's entries, at Postgres's precision (microseconds), so a response rendered
+/// before the write says exactly what the ledger stores.
+fn round_time() -> chrono::DateTime<chrono::Utc> {
+    use chrono::{DurationRound, TimeDelta};
+    let now = chrono::Utc::now();
+    now.duration_trunc(TimeDelta::microseconds(1)).unwrap_or(now)
+}
