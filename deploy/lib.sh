@@ -176,9 +176,22 @@ wl_wait_for() {
   done
 }
 
-# wl_pid_alive PIDFILE: whether the process recorded in PIDFILE is running.
+# wl_alive PID: whether process PID is running: it exists and is not a zombie. `kill -0` alone is
+# not enough: a process that was killed but not yet reaped by its parent (a zombie; in a container
+# whose PID 1 does not reap, one that stays forever) still passes it. The state is the field after
+# the last ")" of /proc/PID/stat (the command name before it may hold spaces and parentheses).
+wl_alive() {
+  local stat state
+  case $1 in "" | *[!0-9]*) return 1 ;; esac
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  state=${stat##*) }
+  state=${state%% *}
+  [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
+}
+
+# wl_pid_alive PIDFILE: whether the process recorded in PIDFILE is running (see wl_alive).
 wl_pid_alive() {
-  [ -s "$1" ] && kill -0 "$(head -n 1 "$1")" 2>/dev/null
+  [ -s "$1" ] && wl_alive "$(head -n 1 "$1")"
 }
 
 # wl_stop_pid PIDFILE [SIGNAL]: stops the process recorded in PIDFILE (SIGTERM by default), waits
@@ -187,11 +200,11 @@ wl_stop_pid() {
   local file=$1 sig=${2:-TERM} pid
   [ -s "$file" ] || return 0
   pid=$(head -n 1 "$file")
-  if kill -0 "$pid" 2>/dev/null; then
+  if wl_alive "$pid"; then
     kill -CONT "$pid" 2>/dev/null || true
     kill -"$sig" "$pid" 2>/dev/null || true
-    for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
-    if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
+    for _ in $(seq 1 300); do wl_alive "$pid" || break; sleep 0.05; done
+    if wl_alive "$pid"; then kill -KILL "$pid" 2>/dev/null || true; fi
   fi
   rm -f "$file"
 }

@@ -1,11 +1,15 @@
 //! The HTTP API against the real router, with real Redis and Postgres: every status code, the
-//! problem format, and bad input that changes nothing.
+//! problem format, and bad input that changes nothing. And through the real nginx: the errors nginx
+//! makes itself are problems of the same shape, and the replicas' own pass through untouched.
 
 use crate::support::app::{TestApp, spawn_app, spawn_app_with};
+use crate::support::fleet::Fleet;
 use crate::support::{TestEnv, books, eventually};
+use nix::sys::signal::Signal;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Reads a problem+json response and checks the RFC 9457 members.
 async fn problem(response: reqwest::Response, status: u16, code: &str) -> Value {
@@ -13,11 +17,16 @@ async fn problem(response: reqwest::Response, status: u16, code: &str) -> Value 
     let content_type = response.headers()["content-type"].to_str().unwrap().to_owned();
     assert_eq!(content_type, "application/problem+json");
     let body: Value = response.json().await.unwrap();
+    problem_members(&body, status, code);
+    body
+}
+
+/// The RFC 9457 members of a problem document, `status` equal to the HTTP status.
+fn problem_members(body: &Value, status: u16, code: &str) {
     assert_eq!(body["status"], status, "{body}");
     assert_eq!(body["code"], code, "{body}");
     assert_eq!(body["type"], format!("urn:walletlock:problem:{code}"));
     assert!(body["title"].is_string() && body["detail"].is_string(), "{body}");
-    body
 }
 
 /// Everything about a wallet that a request could change.
@@ -414,4 +423,119 @@ async fn shutdown_finishes_the_payment_in_flight() {
     assert_eq!(pay.await.unwrap().status(), 200, "the payment in flight finished");
     stopping.await.unwrap();
     assert_eq!(books(&db, "ivy").await.pays, 1);
+}
+
+/// Sends `request` to nginx as raw bytes (what no HTTP client would send) and returns the
+/// answer's status, its headers (names lowercased) and its body as JSON.
+async fn raw_exchange(port: u16, request: &str) -> (u16, Vec<(String, String)>, Value) {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer))
+        .await
+        .expect("nginx answers and closes the connection")
+        .unwrap();
+    let answer = String::from_utf8(answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a head and a body");
+    let mut lines = head.lines();
+    let status = lines.next().and_then(|line| line.split(' ').nth(1)).unwrap().parse().unwrap();
+    let headers = lines
+        .filter_map(|line| line.split_once(':'))
+        .map(|(name, value)| (name.trim().to_ascii_lowercase(), value.trim().to_owned()))
+        .collect();
+    (status, headers, serde_json::from_str(body).unwrap_or_else(|_| panic!("{answer}")))
+}
+
+/// An answer nginx made itself: a problem with a request id, and no replica named.
+async fn nginx_problem(response: reqwest::Response, status: u16, code: &str) -> Value {
+    assert!(response.headers().get("x-served-by").is_none(), "{code}: nginx answered, not a replica");
+    assert!(response.headers().contains_key("x-request-id"), "{code}");
+    problem(response, status, code).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nginx_answers_the_errors_it_makes_itself_as_problems() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 1, &[]).await;
+    let client = &fleet.client;
+
+    // A request line nginx cannot parse, and a Transfer-Encoding it does not implement.
+    for (request, status, code) in [
+        ("GARBAGE\r\n\r\n", 400, "bad_request"),
+        ("POST /wallets HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 501, "not_implemented"),
+    ] {
+        let (got, headers, body) = raw_exchange(fleet.nginx_port, request).await;
+        assert_eq!(got, status, "{request:?}: {body}");
+        let header = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str());
+        assert_eq!(header("content-type"), Some("application/problem+json"), "{request:?}");
+        assert!(header("x-request-id").is_some() && header("x-served-by").is_none(), "{request:?}");
+        problem_members(&body, status, code);
+    }
+
+    // A header line over nginx's 8 KiB buffer, and a request line over it.
+    let oversized_header = client.get(fleet.url("/wallets/alice")).header("x-padding", "p".repeat(9 * 1024));
+    nginx_problem(oversized_header.send().await.unwrap(), 400, "bad_request").await;
+    let long_path = fleet.url(&format!("/wallets/{}", "a".repeat(9 * 1024)));
+    nginx_problem(client.get(long_path).send().await.unwrap(), 414, "uri_too_long").await;
+
+    // A body over client_max_body_size (64 KiB): refused before a replica sees it.
+    let huge = format!(r#"{{"amount":1,"reference":"{}"}}"#, "x".repeat(100 * 1024));
+    let too_large = client.post(fleet.url("/wallets/alice/pay")).header("content-type", "application/json");
+    let body = nginx_problem(too_large.body(huge).send().await.unwrap(), 413, "payload_too_large").await;
+    assert!(body["detail"].as_str().unwrap().contains("16 KiB"), "it names the API's limit: {body}");
+
+    // TRACE, which nginx refuses itself, and /metrics, which it keeps off the public side.
+    let trace = client.request(reqwest::Method::TRACE, fleet.url("/wallets"));
+    nginx_problem(trace.send().await.unwrap(), 405, "method_not_allowed").await;
+    nginx_problem(client.get(fleet.url("/metrics")).send().await.unwrap(), 404, "not_found").await;
+    // The page nginx renders its errors with is not a route.
+    nginx_problem(client.get(fleet.url("/_problem")).send().await.unwrap(), 404, "not_found").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replicas_own_problems_pass_through_nginx_untouched() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 1, &[]).await;
+    let served_by_replica = |response: &reqwest::Response| {
+        assert_eq!(response.headers()["x-served-by"], "replica-1");
+    };
+
+    // Statuses nginx has an error page for (404, 413), answered by the replica: its body, not nginx's.
+    let missing = fleet.client.get(fleet.url("/wallets/nobody")).send().await.unwrap();
+    served_by_replica(&missing);
+    problem(missing, 404, "wallet_not_found").await;
+    let no_route = fleet.client.get(fleet.url("/nowhere")).send().await.unwrap();
+    served_by_replica(&no_route);
+    problem(no_route, 404, "not_found").await;
+    // Over the replicas' 16 KiB, under nginx's 64 KiB.
+    let large = format!(r#"{{"amount":1,"reference":"{}"}}"#, "x".repeat(20 * 1024));
+    let too_large = fleet
+        .client
+        .post(fleet.url("/wallets/nobody/pay"))
+        .header("content-type", "application/json")
+        .body(large)
+        .send()
+        .await
+        .unwrap();
+    served_by_replica(&too_large);
+    let body = problem(too_large, 413, "payload_too_large").await;
+    assert_eq!(body["detail"], "the request body is larger than 16384 bytes", "{body}");
+    let unauthorized = reqwest::Client::new().get(fleet.url("/wallets/nobody")).send().await.unwrap();
+    served_by_replica(&unauthorized);
+    problem(unauthorized, 401, "unauthorized").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_replica_to_answer_is_a_502_problem_from_nginx() {
+    let env = TestEnv::new();
+    let mut fleet = Fleet::start(&env, 1, &[]).await;
+    assert_eq!(fleet.client.get(fleet.url("/readyz")).send().await.unwrap().status(), 200);
+    fleet.replicas[0].stop(Signal::SIGKILL);
+
+    // Its port now refuses connections: nginx has no replica to send anything to.
+    nginx_problem(fleet.client.get(fleet.url("/wallets/alice")).send().await.unwrap(), 502, "bad_gateway")
+        .await;
+    let pay = fleet.client.post(fleet.url("/wallets/alice/pay")).json(&json!({ "amount": 1 }));
+    let body = nginx_problem(pay.send().await.unwrap(), 502, "bad_gateway").await;
+    assert!(body["detail"].as_str().unwrap().contains("Idempotency-Key"), "it says how to learn the outcome");
 }

@@ -361,7 +361,7 @@ async fn a_stalled_replica_gets_a_504_nginx_never_resends_and_the_retry_returns_
     fleet.replicas[1].signal(Signal::SIGCONT);
 
     let timed_out: Vec<&Attempt> =
-        attempts.iter().filter(|a| a.outcome == Outcome::Unknown("504 ".into())).collect();
+        attempts.iter().filter(|a| a.outcome == Outcome::Unknown("504 gateway_timeout".into())).collect();
     assert!(!timed_out.is_empty(), "some request went to the stalled replica: {:?}", tally(&attempts));
     for line in fleet.access_log().iter().filter(|l| l["status"] == 504) {
         let upstreams = line["upstream_addr"].as_str().unwrap_or("");
@@ -404,7 +404,7 @@ async fn losing_a_replica_fails_only_its_requests_in_flight_and_a_graceful_resta
             failed.sent.checked_duration_since(killed_at),
             fleet.nginx_errors()
         );
-        assert_eq!(failed.outcome, Outcome::Unknown("502 ".into()), "{failed:?}");
+        assert_eq!(failed.outcome, Outcome::Unknown("502 bad_gateway".into()), "{failed:?}");
     }
     assert!(
         attempts.iter().filter(|a| a.sent > drained_at).all(|a| matches!(a.outcome, Outcome::Applied(_))),

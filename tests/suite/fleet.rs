@@ -2,10 +2,13 @@
 
 use crate::support::fleet::{Fleet, repo};
 use crate::support::load::open_wallets;
+use crate::support::servers::{OwnedChild, signal, wait_until};
 use crate::support::{TestEnv, books};
+use nix::sys::signal::Signal;
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
+use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_pays_through_nginx_to_three_replicas_accept_exactly_ten() {
@@ -112,4 +115,37 @@ fn help_lists_every_setting_with_its_environment_variable_and_default() {
         assert!(help.contains(&format!("env: {var}")), "{var} missing from --help");
     }
     assert!(help.contains("[default: 2s]") && help.contains("[default: 3s]"));
+}
+
+/// deploy/lib.sh decides whether a recorded pid still runs: `deploy/local up` restarts what does
+/// not, `down` waits for it to exit. A process that was killed but not yet reaped by its parent (a
+/// zombie) has stopped, though `kill -0` still finds it.
+#[test]
+fn the_deploy_scripts_count_a_killed_unreaped_process_as_stopped() {
+    let alive = |pid: u32| {
+        Command::new("bash")
+            .arg("-c")
+            .arg(format!("source deploy/lib.sh; wl_alive {pid}"))
+            .current_dir(repo())
+            .status()
+            .unwrap()
+            .success()
+    };
+    let state = |pid: u32| {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
+    };
+    let mut sleeper = OwnedChild(Command::new("sleep").arg("60").spawn().unwrap());
+    let pid = sleeper.pid();
+    assert!(alive(pid), "a running process is alive");
+
+    // This test is its parent and does not reap it yet: it stays a zombie.
+    signal(pid, Signal::SIGKILL);
+    wait_until("the killed process is a zombie", Duration::from_secs(5), || state(pid) == Some('Z'));
+    assert!(!alive(pid), "a zombie is not alive");
+    let signal_zero = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), None);
+    assert!(signal_zero.is_ok(), "though kill -0 finds it");
+
+    sleeper.0.wait().unwrap();
+    assert!(!alive(pid), "nor is a reaped one");
 }

@@ -64,7 +64,8 @@ pub async fn pay(client: &reqwest::Client, url: &str, wallet: &str, amount: i64,
         | (429, _) => Outcome::NotApplied(code),
         (409, "idempotency_key_in_flight")
         | (503, "request_timeout" | "outcome_unknown")
-        | (502 | 504, _) => Outcome::Unknown(format!("{status} {code}")),
+        | (502, "bad_gateway")
+        | (504, "gateway_timeout") => Outcome::Unknown(format!("{status} {code}")),
         _ => panic!("an answer the API does not give: {status} {body}"),
     }
 }
