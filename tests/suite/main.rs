@@ -9,6 +9,7 @@ mod api;
 mod batch;
 mod burst;
 mod demos;
+mod durability;
 mod faults;
 mod fence;
 mod fleet;

@@ -8,7 +8,7 @@ use super::fleet::{Fleet, audit};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// What a client learned from one payment.
@@ -73,15 +73,19 @@ pub async fn pay(client: &reqwest::Client, url: &str, wallet: &str, amount: i64,
 /// Clients paying 1 at a time from the given wallets, round robin, each payment with its own key.
 pub struct Load {
     stop: Arc<AtomicBool>,
+    /// How many payments have been answered 200 so far.
+    acknowledged: Arc<AtomicUsize>,
     clients: Vec<tokio::task::JoinHandle<Vec<Attempt>>>,
 }
 
 impl Load {
     pub fn start(fleet: &Fleet, wallets: &[&str], clients: usize) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
+        let acknowledged = Arc::new(AtomicUsize::new(0));
         let clients = (0..clients)
             .map(|n| {
                 let (client, url, stop) = (fleet.client.clone(), fleet.url(""), stop.clone());
+                let acknowledged = acknowledged.clone();
                 let wallets: Vec<String> = wallets.iter().map(|w| w.to_string()).collect();
                 tokio::spawn(async move {
                     let mut attempts = Vec::new();
@@ -89,13 +93,22 @@ impl Load {
                     while !stop.load(Ordering::Relaxed) {
                         let wallet = &wallets[i % wallets.len()];
                         i += 1;
-                        attempts.push(pay_one(&client, &url, wallet).await);
+                        let attempt = pay_one(&client, &url, wallet).await;
+                        if matches!(attempt.outcome, Outcome::Applied(_)) {
+                            acknowledged.fetch_add(1, Ordering::Relaxed);
+                        }
+                        attempts.push(attempt);
                     }
                     attempts
                 })
             })
             .collect();
-        Self { stop, clients }
+        Self { stop, acknowledged, clients }
+    }
+
+    /// How many payments the clients have been told were applied (a 200) so far.
+    pub fn acknowledged(&self) -> usize {
+        self.acknowledged.load(Ordering::Relaxed)
     }
 
     pub async fn finish(self) -> Vec<Attempt> {

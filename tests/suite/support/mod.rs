@@ -74,12 +74,23 @@ impl TestEnv {
         Self::private_postgres(RedisServer::start(), format!("t{}", uuid::Uuid::new_v4().simple()))
     }
 
+    /// Both servers of this test's own, Postgres with more settings (see
+    /// [`PostgresServer::start_with`]).
+    pub fn with_own_servers_and_postgres(settings: &[&str]) -> Self {
+        init_tracing();
+        let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
+        Self::with_servers(RedisServer::start(), PostgresServer::start_with(settings), prefix)
+    }
+
     pub fn own_postgres(&mut self) -> &mut PostgresServer {
         self.postgres.as_mut().expect("this test owns its Postgres")
     }
 
     fn private_postgres(redis: RedisServer, prefix: String) -> Self {
-        let postgres = PostgresServer::start();
+        Self::with_servers(redis, PostgresServer::start(), prefix)
+    }
+
+    fn with_servers(redis: RedisServer, postgres: PostgresServer, prefix: String) -> Self {
         Self {
             redis_url: redis.url(),
             database_url: postgres.url("postgres"),

@@ -125,12 +125,20 @@ pub struct PostgresServer {
     pub port: u16,
     dir: TempDir,
     child: Option<OwnedChild>,
+    /// More `-c name=value` settings, after (so overriding) the defaults; kept for restarts.
+    settings: Vec<String>,
 }
 
 impl PostgresServer {
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// A server with more settings (`"synchronous_commit=on"`, say), overriding the defaults.
+    pub fn start_with(settings: &[&str]) -> Self {
         let dir = TempDir::new().expect("temp dir");
-        let mut server = Self { port: free_port(), dir, child: None };
+        let settings = settings.iter().map(|s| s.to_string()).collect();
+        let mut server = Self { port: free_port(), dir, child: None, settings };
         server.chown_to_runner(server.dir.path());
         let status = server
             .as_runner(Command::new(pg_bin("initdb")))
@@ -161,6 +169,7 @@ impl PostgresServer {
             .arg(self.dir.path())
             .args(["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"])
             .args(["-c", "max_connections=300", "-c", "shared_buffers=64MB"])
+            .args(self.settings.iter().flat_map(|setting| ["-c", setting]))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -175,9 +184,32 @@ impl PostgresServer {
         });
     }
 
-    /// Starts the server again after [`PostgresServer::stop`], on the same port and data.
+    /// Starts the server again after [`PostgresServer::stop`] or [`PostgresServer::crash`], on the
+    /// same port and data. After a crash the old server's backends outlive it for a moment, still
+    /// attached to its shared memory, and Postgres refuses to start until they are gone: wait for
+    /// every process whose working directory is the data directory (each server process's is) to
+    /// exit, and for the port to be free. The stale `postmaster.pid` the crash left is Postgres's
+    /// to discard (its pid is dead).
     pub fn start_again(&mut self) {
+        let (port, data_dir) = (self.port, self.data_dir());
+        wait_until("the old server's processes to exit", Duration::from_secs(20), || {
+            !listening(port) && processes_in(&data_dir).is_empty()
+        });
         self.spawn();
+    }
+
+    /// Crashes the server: SIGKILLs the postmaster, the process whose pid is in the data
+    /// directory's `postmaster.pid`. No shutdown checkpoint; the next start recovers from the WAL.
+    /// Returns the postmaster's pid.
+    pub fn crash(&mut self) -> u32 {
+        let pid_file =
+            std::fs::read_to_string(self.data_dir().join("postmaster.pid")).expect("postmaster.pid");
+        let pid: u32 = pid_file.lines().next().and_then(|l| l.trim().parse().ok()).expect("a pid");
+        let mut child = self.child.take().expect("the server is running");
+        assert_eq!(pid, child.pid(), "the postmaster is the process this server started");
+        signal(pid, Signal::SIGKILL);
+        let _ = child.0.wait();
+        pid
     }
 
     /// Stops the server (fast shutdown: open connections are cut).
@@ -203,6 +235,19 @@ impl PostgresServer {
         }
         command
     }
+}
+
+/// The live processes whose working directory is `dir` (a zombie has none).
+fn processes_in(dir: &Path) -> Vec<u32> {
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
+    std::fs::read_dir("/proc")
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+                .filter(|pid| std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd == dir))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// The newest installed Postgres's server programs (Debian keeps them off PATH).
