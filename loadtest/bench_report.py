@@ -339,7 +339,7 @@ def main():
     )
     goal_widths = [max(len(goal_header[i]), *(len(c[i]) for c in goal_cells)) for i in range(3)]
     goal_plain = "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(cells, goal_widths)) for cells in [goal_header] + goal_cells
+        "  ".join(c.ljust(w) for c, w in zip(cells, goal_widths)).rstrip() for cells in [goal_header] + goal_cells
     )
     machine_lines = [f"- {k}: {v}" for k, v in info.items()]
     command = f"BENCH_SECONDS={secs} BENCH_VUS={vus} loadtest/bench"
