@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """loadtest/chart.py BENCH_JSON PNG: the chart of loadtest/bench's table (matplotlib).
 
-Left: throughput (payments per second, log scale) of each run, with its ratio to its raw-Postgres
-anchor. Right: p50 and p99 latency (ms, log scale).
+Left: throughput (payments per second, log scale; for the read and health ceilings, requests per
+second) of each run, with its ratio to its raw-Postgres anchor. Right: p50 and p99 latency (ms, log
+scale). Grey: pgbench; blue: walletlock's payments; green: its read and health ceilings; red: the
+tutorial's lock.
 """
 
 import json
@@ -18,18 +20,25 @@ def main():
     bench = json.load(open(sys.argv[1]))
     rows = [r for r in bench["rows"] if r["rps"] > 0 and r["p50_ms"] > 0]
     labels = [r["label"].replace(": ", ":\n") for r in rows]
-    colors = ["#7f7f7f" if r["kind"] == "pgbench" else ("#d62728" if "tutorial" in r["label"] else "#1f77b4") for r in rows]
+    def color(r):
+        if r["kind"] == "pgbench":
+            return "#7f7f7f"
+        if "tutorial" in r["label"]:
+            return "#d62728"
+        return "#1f77b4" if r.get("moves", True) else "#2ca02c"
+
+    colors = [color(r) for r in rows]
     y = list(range(len(rows)))[::-1]
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.9 * len(rows) + 1.8), sharey=True)
     rps = [r["rps"] for r in rows]
     left.barh(y, rps, color=colors)
     left.set_xscale("log")
-    left.set_xlabel("payments per second (log scale)")
+    left.set_xlabel("payments per second (read, health: requests per second; log scale)")
     left.set_yticks(y)
     left.set_yticklabels(labels, fontsize=9)
     for yi, r in zip(y, rows):
-        note = f" {r['rps']:,.0f}/s"
+        note = f" {r['rps']:,.0f}/s" + ("" if r.get("moves", True) else " (ceiling)")
         if r.get("ratio") is not None:
             note += f"  ({r['ratio']:.3f}x anchor)"
         left.text(r["rps"], yi, note, va="center", fontsize=8)

@@ -9,6 +9,10 @@
 //              answers must agree on one charge (same ledger entry)
 //   mixed      deposits (40%) and payments (60%) on 100 small wallets, so that some payments meet
 //              insufficient funds
+//   read       GET /wallets/{id} (with the token) on 10,000 wallets picked at random: the read
+//              ceiling, what the same fleet answers when nothing moves
+//   health     GET /healthz through nginx, no wallets: the health ceiling (nginx, a replica, no
+//              Redis, no Postgres)
 //
 // Load model (MODEL):
 //   closed     (default) VUS virtual users, each sending its next payment when the last answered
@@ -24,6 +28,11 @@
 // MAX_ERROR_RATE (0.001, unexpected answers per request), SUMMARY_JSON (where handleSummary writes
 // the JSON summary; none when unset), ACK_LOG=1 (one `WL {...}` console line per finished
 // operation: what the client saw acknowledged, read by loadtest/books.py).
+//
+// Phases, for a runner that measures the run alone (loadtest/run with COSTS=1): OPEN_ONLY=1 runs
+// setup() only (opens the wallets, one iteration that does nothing, no summary file); OPENED=1
+// skips the opening in setup() and uses the wallets RUN_ID's OPEN_ONLY run opened. Unset, setup()
+// opens the wallets and the scenario runs, in one k6 run.
 //
 // Every deposit and payment carries a unique Idempotency-Key (also its `reference`). An answer that
 // leaves the outcome unknown (no answer, a 502/504 from nginx, 500, 503 request_timeout, 409
@@ -49,6 +58,8 @@ const PROFILES = {
   spread: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 1000, p99_ms: 2000 },
   doubletap: { wallets: 1000, initial: 1000000000, vus: 32, p95_ms: 1000, p99_ms: 2000 },
   mixed: { wallets: 100, initial: 100, vus: 32, p95_ms: 1000, p99_ms: 2000 },
+  read: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 1000, p99_ms: 2000 },
+  health: { wallets: 0, initial: 1, vus: 64, p95_ms: 1000, p99_ms: 2000 },
 };
 
 const SCENARIO = __ENV.SCENARIO || 'spread';
@@ -102,12 +113,18 @@ const P99_MS = positiveNumber('P99_MS', PROFILE.p99_ms);
 const MAX_ERROR_RATE = positiveNumber('MAX_ERROR_RATE', 0.001);
 const MAX_DROPPED_PCT = positiveNumber('MAX_DROPPED_PCT', 1);
 const ACK_LOG = __ENV.ACK_LOG === '1';
+const OPEN_ONLY = __ENV.OPEN_ONLY === '1';
+const OPENED = __ENV.OPENED === '1';
+// The requests the scenario times and counts (tag `op`): deposits and payments, or reads, or
+// health checks.
+const OP = { read: 'read', health: 'health' }[SCENARIO] || 'move';
 // Tries per operation before it is logged as undecided (and settled after the run).
 const TRIES = 5;
 
 if (MODEL !== 'closed' && MODEL !== 'open') throw new Error(`MODEL must be closed or open, not ${MODEL}`);
 
 function scenarioConfig() {
+  if (OPEN_ONLY) return { executor: 'shared-iterations', vus: 1, iterations: 1, maxDuration: '1m' };
   if (MODEL === 'closed') {
     return { executor: 'constant-vus', vus: VUS, duration: DURATION, gracefulStop: '10s' };
   }
@@ -125,21 +142,22 @@ function scenarioConfig() {
 const thresholds = {
   // Answers outside the API's contract, per request.
   unexpected_errors: [`rate<${MAX_ERROR_RATE}`],
-  // Deposits and payments only: setup's wallet creations and the runner's reads are not timed here.
-  'http_req_duration{op:move}': [`p(95)<${P95_MS}`, `p(99)<${P99_MS}`],
+  // The scenario's own requests only (deposits and payments, or reads, or health checks): setup's
+  // wallet creations are not timed here.
+  [`http_req_duration{op:${OP}}`]: [`p(95)<${P95_MS}`, `p(99)<${P99_MS}`],
   // Two answers to one key that report different ledger entries: a double charge.
   double_charges: ['count==0'],
-  // Listed so that the summary carries the request count of deposits and payments alone.
-  'http_reqs{op:move}': ['count>0'],
+  // Listed so that the summary carries the request count of the scenario's own requests alone.
+  [`http_reqs{op:${OP}}`]: ['count>0'],
 };
-if (MODEL === 'open') {
+if (MODEL === 'open' && !OPEN_ONLY) {
   const planned = RATE * DURATION_S;
   thresholds.dropped_iterations = [`count<=${Math.floor((planned * MAX_DROPPED_PCT) / 100)}`];
 }
 
 export const options = {
   scenarios: { [SCENARIO]: scenarioConfig() },
-  thresholds,
+  thresholds: OPEN_ONLY ? {} : thresholds,
   setupTimeout: '10m',
   // setup() opens wallets 100 at a time; doubletap sends its two requests together.
   batch: 100,
@@ -199,6 +217,8 @@ function randomInt(min, max) {
 export function setup() {
   const runId = __ENV.RUN_ID || `lt-${SCENARIO}-${Date.now().toString(36)}`;
   if (!/^[A-Za-z0-9_-]{1,50}$/.test(runId)) fail(`RUN_ID must be 1 to 50 of A-Z a-z 0-9 _ -, not ${runId}`);
+  if (OPENED && !__ENV.RUN_ID) fail('OPENED=1 needs the RUN_ID whose wallets an OPEN_ONLY=1 run opened');
+  if (OPENED || WALLETS === 0) return { runId };
   const started = Date.now();
   let pending = [];
   for (let i = 0; i < WALLETS; i++) pending.push(i);
@@ -376,8 +396,43 @@ function doubletap(runId, wallet, amount) {
   finish('pay', wallet, amount, key, request, outcome);
 }
 
+// One read of a wallet: a 200 with that wallet's figures, or an unexpected answer.
+function read(wallet) {
+  const res = http.get(`${BASE_URL}/wallets/${wallet}`, {
+    headers: JSON_HEADERS,
+    tags: { op: 'read', name: 'GET /wallets/{id}' },
+  });
+  let body = null;
+  try {
+    body = res.status === 200 ? res.json() : null;
+  } catch (_) {
+    body = null;
+  }
+  const expected = body !== null && body.id === wallet && Number.isInteger(body.balance) && body.balance >= 0;
+  operations.add(1, { kind: 'read' });
+  unexpectedErrors.add(!expected);
+  if (!expected) unexpected.add(1);
+  check(res, { 'read: the wallet': () => expected });
+}
+
+// One liveness check through nginx (no token, no Redis, no Postgres).
+function health() {
+  const res = http.get(`${BASE_URL}/healthz`, { tags: { op: 'health', name: 'GET /healthz' } });
+  let expected = false;
+  try {
+    expected = res.status === 200 && res.json().status === 'ok';
+  } catch (_) {
+    expected = false;
+  }
+  operations.add(1, { kind: 'health' });
+  unexpectedErrors.add(!expected);
+  if (!expected) unexpected.add(1);
+  check(res, { 'health: ok': () => expected });
+}
+
 export default function (data) {
   const runId = data.runId;
+  if (OPEN_ONLY) return;
   switch (SCENARIO) {
     case 'hot':
       move(runId, 'pay', walletId(runId, 0), 1);
@@ -394,6 +449,12 @@ export default function (data) {
       else move(runId, 'pay', wallet, randomInt(1, 40));
       break;
     }
+    case 'read':
+      read(walletId(runId, randomInt(0, WALLETS - 1)));
+      break;
+    case 'health':
+      health();
+      break;
   }
 }
 
@@ -416,7 +477,8 @@ function failedThresholds(data) {
 }
 
 export function handleSummary(data) {
-  const moves = metric(data, 'http_reqs{op:move}', 'count');
+  if (OPEN_ONLY) return { stdout: '' };
+  const moves = metric(data, `http_reqs{op:${OP}}`, 'count');
   const figures = {
     scenario: SCENARIO,
     model: MODEL,
@@ -427,15 +489,17 @@ export function handleSummary(data) {
     initial: INITIAL,
     base_url: BASE_URL,
     run_id: (data.setup_data && data.setup_data.runId) || __ENV.RUN_ID || null,
-    // Deposits and payments, over the scenario's own duration (setup's wallet openings excluded).
+    // The scenario's own operations (deposits and payments, or reads, or health checks), over its
+    // own duration (setup's wallet openings excluded).
+    op: OP,
     operations: metric(data, 'operations', 'count'),
     ops_per_s: metric(data, 'operations', 'count') / DURATION_S,
     requests: moves,
     rps: moves / DURATION_S,
-    p50_ms: metric(data, 'http_req_duration{op:move}', 'med'),
-    p95_ms: metric(data, 'http_req_duration{op:move}', 'p(95)'),
-    p99_ms: metric(data, 'http_req_duration{op:move}', 'p(99)'),
-    max_ms: metric(data, 'http_req_duration{op:move}', 'max'),
+    p50_ms: metric(data, `http_req_duration{op:${OP}}`, 'med'),
+    p95_ms: metric(data, `http_req_duration{op:${OP}}`, 'p(95)'),
+    p99_ms: metric(data, `http_req_duration{op:${OP}}`, 'p(99)'),
+    max_ms: metric(data, `http_req_duration{op:${OP}}`, 'max'),
     accepted: metric(data, 'accepted', 'count'),
     deposited: metric(data, 'deposited', 'count'),
     insufficient_funds: metric(data, 'insufficient_funds', 'count'),
