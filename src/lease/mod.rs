@@ -43,7 +43,7 @@ mod topology;
 mod wake;
 
 pub use settings::{Backoff, InvalidTtl, LeaseSettings, Ttl};
-pub use topology::{RedisConnection, RedisPool, WakeSource};
+pub use topology::{RedisConnection, RedisPool, SharedConnection, WakeSource};
 pub use wake::Wakeups;
 
 use deadpool_redis::PoolError;
@@ -127,6 +127,9 @@ impl RedisFailure {
 #[derive(Clone)]
 pub struct LeaseClient {
     pool: RedisPool,
+    /// The pooled connection every command of this client is sent on, until one fails on it
+    /// (see [`LeaseClient::checkout`]). Shared by the clones.
+    shared: Arc<std::sync::Mutex<Option<(RedisConnection, SharedConnection)>>>,
     /// Namespaces every key, so several deployments (or tests) can share one Redis.
     prefix: Arc<str>,
     settings: LeaseSettings,
@@ -152,7 +155,7 @@ impl fmt::Debug for LeaseClient {
 
 impl LeaseClient {
     pub fn new(pool: impl Into<RedisPool>, prefix: impl Into<Arc<str>>, settings: LeaseSettings) -> Self {
-        Self { pool: pool.into(), prefix: prefix.into(), settings, wakeups: None }
+        Self { pool: pool.into(), shared: Arc::default(), prefix: prefix.into(), settings, wakeups: None }
     }
 
     /// Wakes waiters when a contended lease is released, over a Pub/Sub connection to `source`.
@@ -296,7 +299,7 @@ impl LeaseClient {
     async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, RedisFailure> {
         let (mut conn, left) = self.checkout().await?;
         let outcome = tokio::time::timeout(left, cmd.query_async::<T>(&mut conn)).await;
-        self.settle(conn, outcome)
+        self.settle(outcome)
     }
 
     async fn run<T: redis::FromRedisValue>(
@@ -307,28 +310,36 @@ impl LeaseClient {
     ) -> Result<T, RedisFailure> {
         let (mut conn, left) = self.checkout().await?;
         let outcome = tokio::time::timeout(left, script.run(&mut conn, keys, args)).await;
-        self.settle(conn, outcome)
+        self.settle(outcome)
     }
 
-    /// A pooled connection, and what is left of the operation timeout for using it: the checkout
-    /// and the command are bounded together, so a paused or unreachable Redis never hangs a caller.
-    async fn checkout(&self) -> Result<(RedisConnection, Duration), RedisFailure> {
+    /// The connection to send on, and what is left of the operation timeout for using it: the
+    /// checkout and the command are bounded together, so a paused or unreachable Redis never hangs
+    /// a caller. Every command goes over one pooled connection, shared (see [`SharedConnection`]);
+    /// the pool is asked again only after a command failed on it.
+    async fn checkout(&self) -> Result<(SharedConnection, Duration), RedisFailure> {
         let limit = self.settings.op_timeout;
+        if let Some((_, shared)) = self.shared.lock().expect("shared connection lock").as_ref() {
+            return Ok((shared.clone(), limit));
+        }
         let started = Instant::now();
         let conn = tokio::time::timeout(limit, self.pool.get())
             .await
             .map_err(|_| RedisFailure::Timeout(limit))??;
         metrics::histogram!("walletlock_redis_pool_acquire_wait_seconds").record(started.elapsed());
-        Ok((conn, limit.saturating_sub(started.elapsed())))
+        let shared = conn.share();
+        let mut slot = self.shared.lock().expect("shared connection lock");
+        if slot.is_none() {
+            *slot = Some((conn, shared.clone()));
+        }
+        Ok((shared, limit.saturating_sub(started.elapsed())))
     }
 
-    /// The outcome of a command on `conn`. A connection that timed out or broke is closed instead
-    /// of going back to the pool: after a failover it may point at a node that is gone, or no
-    /// longer primary (which still answers the pool's `PING`), and a fresh one asks the topology
-    /// anew.
+    /// The outcome of a command. A connection that timed out or broke is closed instead of going
+    /// back to the pool: after a failover it may point at a node that is gone, or no longer
+    /// primary (which still answers the pool's `PING`), and a fresh one asks the topology anew.
     fn settle<T>(
         &self,
-        conn: RedisConnection,
         outcome: Result<redis::RedisResult<T>, tokio::time::error::Elapsed>,
     ) -> Result<T, RedisFailure> {
         match outcome {
@@ -346,14 +357,20 @@ impl LeaseClient {
                     || err.is_timeout()
                     || err.is_cluster_error()
                 {
-                    conn.discard();
+                    self.discard_shared();
                 }
                 Err(err.into())
             }
             Err(_) => {
-                conn.discard();
+                self.discard_shared();
                 Err(RedisFailure::Timeout(self.settings.op_timeout))
             }
+        }
+    }
+
+    fn discard_shared(&self) {
+        if let Some((conn, _)) = self.shared.lock().expect("shared connection lock").take() {
+            conn.discard();
         }
     }
 

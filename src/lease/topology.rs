@@ -102,6 +102,54 @@ impl ConnectionLike for RedisConnection {
 }
 
 /// Where the release notifications' Pub/Sub connection goes.
+/// A pooled connection's multiplexed channel, cloned: many tasks send on it at once, and redis-rs
+/// writes what they send together, so the replica's concurrent lease commands share round trips
+/// instead of each checking a connection out (which deadpool pays for with a `PING`).
+#[derive(Clone)]
+pub enum SharedConnection {
+    Node(redis::aio::MultiplexedConnection),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl RedisConnection {
+    /// The channel of this connection, to share.
+    pub fn share(&self) -> SharedConnection {
+        match self {
+            RedisConnection::Single(conn) => SharedConnection::Node((**conn).clone()),
+            RedisConnection::Sentinel(conn) => SharedConnection::Node((**conn).clone()),
+            RedisConnection::Cluster(conn) => SharedConnection::Cluster((**conn).clone()),
+        }
+    }
+}
+
+impl ConnectionLike for SharedConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            SharedConnection::Node(conn) => conn.req_packed_command(cmd),
+            SharedConnection::Cluster(conn) => conn.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            SharedConnection::Node(conn) => conn.req_packed_commands(cmd, offset, count),
+            SharedConnection::Cluster(conn) => conn.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            SharedConnection::Node(conn) => conn.get_db(),
+            SharedConnection::Cluster(conn) => conn.get_db(),
+        }
+    }
+}
+
 #[derive(Clone)]
 pub enum WakeSource {
     /// The one node.

@@ -149,7 +149,12 @@ async fn run_round(db: &PgPool, retention: Duration, round: Vec<Submission>) {
     for attempt in 0..2 {
         let found = match read(&mut conn, &mut pending, &mut ready).await {
             Ok(found) => found,
-            Err(err) => return fail(ready, &err),
+            Err(err) => {
+                for (job, reply) in pending {
+                    let _ = reply.send(failed(job.ops.len(), &err));
+                }
+                return fail(ready, &err);
+            }
         };
         let now = round_time();
         let plans: Vec<Plan> = ready
