@@ -1,28 +1,15 @@
 //! Group commit: movements queued for one wallet are applied in batches under one lease, each still
 //! decided on its own, none applied if the batch's fenced commit is refused.
 
-use crate::support::{TestEnv, books, eventually};
+use crate::support::{TestEnv, books, eventually, render};
 use std::time::{Duration, Instant};
 use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
-use walletlock::ledger::idempotency::StoredResponse;
 use walletlock::wallet::{
     Amount, Movement, MovementOutcome, Refusal, WalletError, WalletId, Wallets, lease_name,
 };
 
 fn pay(amount: i64) -> Movement {
     Movement::Pay { amount: Amount::new(amount).unwrap(), reference: None }
-}
-
-fn render(outcome: &MovementOutcome) -> StoredResponse {
-    let body = match outcome {
-        Ok(entry) => entry.id.to_string(),
-        Err(refusal) => refusal.to_string(),
-    };
-    StoredResponse {
-        status: if outcome.is_ok() { 200 } else { 422 },
-        content_type: "text/plain".into(),
-        body: body.into(),
-    }
 }
 
 /// A payment's key `key` on wallet `id`, for the same request each time.

@@ -2,13 +2,12 @@
 //! own fence and version; a wallet whose lease was lost is left out alone, a key sent twice runs
 //! once, and rounds that share wallets wait for each other instead of deadlocking.
 
-use crate::support::{TestEnv, books, eventually};
+use crate::support::{TestEnv, books, eventually, render};
 use std::time::{Duration, Instant};
 use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
 use walletlock::ledger::group::{self, ClaimOutcome, GroupWrite, ToClaim, WalletWrite};
-use walletlock::ledger::idempotency::StoredResponse;
 use walletlock::ledger::{self, Entry, EntryKind};
-use walletlock::wallet::{Amount, Movement, MovementOutcome, WalletError, WalletId, lease_name};
+use walletlock::wallet::{Amount, Movement, WalletError, WalletId, lease_name};
 
 async fn wallet_with(db: &sqlx::PgPool, balance: i64) -> WalletId {
     let id = WalletId::generate();
@@ -65,18 +64,6 @@ async fn a_round_writes_every_wallet_but_the_one_another_holder_claimed() {
     for (id, expected) in [(&ids[0], 90), (&ids[1], 100), (&ids[2], 90)] {
         let books = books(&db, id.as_str()).await;
         assert_eq!((books.balance, books.ledger_sum), (expected, expected), "{id}");
-    }
-}
-
-fn render(outcome: &MovementOutcome) -> StoredResponse {
-    let body = match outcome {
-        Ok(entry) => entry.id.to_string(),
-        Err(refusal) => refusal.to_string(),
-    };
-    StoredResponse {
-        status: if outcome.is_ok() { 200 } else { 422 },
-        content_type: "text/plain".into(),
-        body: body.into(),
     }
 }
 

@@ -212,3 +212,19 @@ pub async fn books(db: &PgPool, wallet: &str) -> Books {
     .expect("wallet row");
     Books { balance, ledger_sum, pays, fence }
 }
+
+/// A stand-in for the HTTP layer's rendering of a movement's outcome, for tests that store
+/// idempotent responses without a server: the entry's id, or the refusal.
+pub fn render(
+    outcome: &walletlock::wallet::MovementOutcome,
+) -> walletlock::ledger::idempotency::StoredResponse {
+    let body = match outcome {
+        Ok(entry) => entry.id.to_string(),
+        Err(refusal) => refusal.to_string(),
+    };
+    walletlock::ledger::idempotency::StoredResponse {
+        status: if outcome.is_ok() { 200 } else { 422 },
+        content_type: "text/plain".into(),
+        body: body.into(),
+    }
+}
