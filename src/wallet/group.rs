@@ -15,10 +15,10 @@ use super::{WalletError, WalletId};
 use crate::ledger::Entry;
 use crate::ledger::group::{self as store, ClaimOutcome, GroupWrite, KeyWrite, ToClaim, WalletWrite};
 use crate::ledger::idempotency::KeyRef;
-use sqlx::PgPool;
-use std::sync::Arc;
+use sqlx::pool::PoolConnection;
+use sqlx::{PgPool, Postgres};
 use std::time::{Duration, Instant};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
 
 /// The most movements one round writes.
@@ -84,20 +84,38 @@ fn failed(ops: usize, err: &WalletError) -> JobOutcome {
     JobOutcome::Done { held: None, results: (0..ops).map(|_| Err(err.clone())).collect() }
 }
 
+/// A round's connection, kept from one round to the next while its rounds succeed: a round then
+/// runs its two statements and nothing else, where a pool checkout would add a health-check ping
+/// (one more round trip per round) and its own timeout. `None` until first used and after a failed
+/// round; the next round then takes a fresh connection from the pool.
+type Lane = Option<PoolConnection<Postgres>>;
+
 async fn gather(
     db: PgPool,
     retention: Duration,
     tracker: TaskTracker,
     mut queued: mpsc::UnboundedReceiver<Submission>,
 ) {
-    let slots = Arc::new(Semaphore::new(CONCURRENT_ROUNDS));
-    // A round waits for a slot as a request waits for a pooled connection: no longer than the
+    let (lane_back, mut lanes) = mpsc::channel::<Lane>(CONCURRENT_ROUNDS);
+    for _ in 0..CONCURRENT_ROUNDS {
+        lane_back.try_send(None).expect("a channel sized for every lane");
+    }
+    // A round waits for a lane as a request waits for a pooled connection: no longer than the
     // pool's acquire timeout, then it is answered 503 rather than left to time out.
-    let slot_wait = db.options().get_acquire_timeout();
-    while let Some(first) = queued.recv().await {
-        let slot = match tokio::time::timeout(slot_wait, slots.clone().acquire_owned()).await {
-            Ok(Ok(slot)) => slot,
-            Ok(Err(_closed)) => return,
+    let lane_wait = db.options().get_acquire_timeout();
+    loop {
+        let first = tokio::select! {
+            next = queued.recv() => match next {
+                Some(first) => first,
+                None => return,
+            },
+            // The replica drained (no worker or round left): the kept connections go back to the
+            // pool, which can then close.
+            () = tracker.wait() => return,
+        };
+        let lane = match tokio::time::timeout(lane_wait, lanes.recv()).await {
+            Ok(Some(lane)) => lane,
+            Ok(None) => return,
             Err(_elapsed) => {
                 let (job, reply) = first;
                 let err = WalletError::from(sqlx::Error::PoolTimedOut);
@@ -113,10 +131,10 @@ async fn gather(
             ops += next.0.ops.len();
             round.push(next);
         }
-        let db = db.clone();
+        let (db, lane_back) = (db.clone(), lane_back.clone());
         tracker.spawn(async move {
-            run_round(&db, retention, round).await;
-            drop(slot);
+            let lane = run_round(&db, lane, retention, round).await;
+            let _ = lane_back.send(lane).await;
         });
     }
 }
@@ -128,32 +146,37 @@ struct Ready {
     reply: oneshot::Sender<JobOutcome>,
 }
 
-async fn run_round(db: &PgPool, retention: Duration, round: Vec<Submission>) {
-    let started = Instant::now();
+/// Runs one round on `lane`'s connection; the lane to keep for the next round.
+async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Submission>) -> Lane {
     metrics::histogram!(crate::telemetry::metrics::ROUND_WALLETS).record(round.len() as f64);
-    let mut conn = match db.acquire().await {
+    let kept = lane.is_some();
+    let mut conn = match connect(db, lane).await {
         Ok(conn) => conn,
-        Err(err) => {
-            let err = WalletError::from(err);
-            for (job, reply) in round {
-                let _ = reply.send(failed(job.ops.len(), &err));
-            }
-            return;
-        }
+        Err(err) => return answer_all(round, Vec::new(), &err.into()),
     };
-    metrics::histogram!("walletlock_pg_pool_acquire_wait_seconds").record(started.elapsed());
     let mut pending = round;
     let mut ready: Vec<Ready> = Vec::new();
     // A key stored by another holder between our read and our write fails the write whole; the
     // second read finds it and replays it.
-    for attempt in 0..2 {
-        let found = match read(&mut conn, &mut pending, &mut ready).await {
+    let mut first_attempt = true;
+    loop {
+        let mut found = read(&mut conn, &mut pending, &mut ready).await;
+        if kept && first_attempt && matches!(found, Err(WalletError::Unavailable { .. })) {
+            // The kept connection died while idle (Postgres restarted, say), which a pool
+            // checkout's ping would have caught: read again, once, on a fresh one. The read is
+            // safe to repeat: a claim that was applied finds its fence taken, and is lifted.
+            conn.close_on_drop();
+            conn = match connect(db, None).await {
+                Ok(fresh) => fresh,
+                Err(err) => return answer_all(pending, ready, &err.into()),
+            };
+            found = read(&mut conn, &mut pending, &mut ready).await;
+        }
+        let found = match found {
             Ok(found) => found,
             Err(err) => {
-                for (job, reply) in pending {
-                    let _ = reply.send(failed(job.ops.len(), &err));
-                }
-                return fail(ready, &err);
+                conn.close_on_drop();
+                return answer_all(pending, ready, &err);
             }
         };
         let now = round_time();
@@ -171,14 +194,18 @@ async fn run_round(db: &PgPool, retention: Duration, round: Vec<Submission>) {
             written
         };
         match written {
-            Err(err) if err.is_key_conflict() && attempt == 0 => continue,
+            Err(err) if err.is_key_conflict() && first_attempt => {
+                first_attempt = false;
+                continue;
+            }
             Err(err) => {
+                conn.close_on_drop();
                 let err = super::commit_failure(err);
                 for (r, plan) in ready.into_iter().zip(plans) {
                     let results = plan.results(if plan.runs() { Err(&err) } else { Ok(true) });
                     let _ = r.reply.send(JobOutcome::Done { held: None, results });
                 }
-                return;
+                return None;
             }
             Ok(moved) => {
                 for (r, plan) in ready.into_iter().zip(plans) {
@@ -187,10 +214,30 @@ async fn run_round(db: &PgPool, retention: Duration, round: Vec<Submission>) {
                     let results = plan.results(Ok(matched));
                     let _ = r.reply.send(JobOutcome::Done { held, results });
                 }
-                return;
+                return Some(conn);
             }
         }
     }
+}
+
+/// The lane's connection, or a fresh one from the pool.
+async fn connect(db: &PgPool, lane: Lane) -> Result<PoolConnection<Postgres>, sqlx::Error> {
+    if let Some(conn) = lane {
+        return Ok(conn);
+    }
+    let started = Instant::now();
+    let conn = db.acquire().await?;
+    metrics::histogram!("walletlock_pg_pool_acquire_wait_seconds").record(started.elapsed());
+    Ok(conn)
+}
+
+/// Answers every job of a round that failed before writing anything.
+fn answer_all(pending: Vec<Submission>, ready: Vec<Ready>, err: &WalletError) -> Lane {
+    for (job, reply) in pending {
+        let _ = reply.send(failed(job.ops.len(), err));
+    }
+    fail(ready, err);
+    None
 }
 
 /// The round's read: claims the wallets of `pending` (moving them to `ready`, or answering those

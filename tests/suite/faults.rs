@@ -50,9 +50,11 @@ async fn wait_for_lease(env: &TestEnv, wallet: &str) {
     .await;
 }
 
-/// Waits until a lease holder's claim of a wallet found the row the test holds busy: the holder is
-/// then inside its critical section, its lease taken and its claim sent, trying again while its
-/// lease lasts.
+/// Waits until a lease holder's claim of a wallet found the row the test holds busy, three times:
+/// the holder is then inside its critical section, its lease taken and its claim sent, trying again
+/// while its lease lasts; and each of its replica's round connections is open (the first rounds
+/// open them), so a pause now freezes the holder in that loop, not in the middle of connecting
+/// (whose acquire timeout would expire during the pause and answer 503 before the fence is asked).
 async fn wait_for_blocked_claim(fleet: &Fleet) {
     crate::support::eventually("a claim found the held row busy", Duration::from_secs(3), || async {
         let mut busy = 0.0;
@@ -65,7 +67,7 @@ async fn wait_for_blocked_claim(fleet: &Fleet) {
                 .filter_map(|value| value.trim().parse::<f64>().ok())
                 .sum::<f64>();
         }
-        busy > 0.0
+        busy >= 3.0
     })
     .await;
 }
@@ -116,7 +118,11 @@ async fn a_paused_lease_holder_is_refused_when_it_wakes() {
     let env = TestEnv::new();
     let fleet = Fleet::start(&env, 3, &FAULT_SETTINGS).await;
     open_wallets(&fleet, &[&WALLETS[..], &["paused"]].concat(), OPENING).await;
-    let load = Load::start(&fleet, &WALLETS, 6);
+    // The others keep paying, on the replicas that are not frozen. Every timer of a frozen process
+    // expires at once when it wakes: with load on it, a round waiting for a pooled connection would
+    // be answered 503 before the fence is asked, and this test is about the fence.
+    let others = [fleet.replicas[1].url(""), fleet.replicas[2].url("")];
+    let load = Load::start_at(&fleet, &others, &WALLETS, 6);
 
     // replica-1 holds the lease of `paused` and is frozen (a GC pause, a stalled VM) past the TTL.
     let row = hold_row(&fleet, "paused").await;
@@ -133,7 +139,12 @@ async fn a_paused_lease_holder_is_refused_when_it_wakes() {
 
     fleet.replicas[0].signal(Signal::SIGCONT);
     let stale = stale.await.unwrap();
-    assert_eq!(stale, Outcome::NotApplied("lease_lost".into()), "the woken holder's write is refused");
+    assert_eq!(
+        stale,
+        Outcome::NotApplied("lease_lost".into()),
+        "the woken holder's write is refused; replica-1 logged:\n{}",
+        fleet.replicas[0].log()
+    );
 
     let mut attempts = vec![attempt("paused", "stale", stale), attempt("paused", "current", current)];
     attempts.extend(load.finish().await);

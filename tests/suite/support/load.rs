@@ -79,12 +79,18 @@ pub struct Load {
 }
 
 impl Load {
+    /// Clients paying through the fleet's nginx.
     pub fn start(fleet: &Fleet, wallets: &[&str], clients: usize) -> Self {
+        Self::start_at(fleet, &[fleet.url("")], wallets, clients)
+    }
+
+    /// Clients paying at the given addresses, the clients spread over them.
+    pub fn start_at(fleet: &Fleet, urls: &[String], wallets: &[&str], clients: usize) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let acknowledged = Arc::new(AtomicUsize::new(0));
         let clients = (0..clients)
             .map(|n| {
-                let (client, url, stop) = (fleet.client.clone(), fleet.url(""), stop.clone());
+                let (client, url, stop) = (fleet.client.clone(), urls[n % urls.len()].clone(), stop.clone());
                 let acknowledged = acknowledged.clone();
                 let wallets: Vec<String> = wallets.iter().map(|w| w.to_string()).collect();
                 tokio::spawn(async move {
