@@ -90,9 +90,12 @@ wl_secret() {
 }
 
 # wl_redis_acl FILE PREFIX APP_PASSWORD ADMIN_PASSWORD: a Redis ACL file with no default user,
-# an `admin` for operators, and the replicas' user `walletlock`, which may only touch the lease
-# keys and release channels under PREFIX and run the commands the lease layer sends (its Lua
-# scripts' commands included: ACLs apply inside scripts too).
+# an `admin` for operators (and for `walletlock redis-functions`, which loads the lease scripts),
+# and the replicas' user `walletlock`, which may only touch the lease keys and release channels
+# under PREFIX and send the commands the lease layer sends: FCALL into the loaded library, never
+# EVAL, EVALSHA, SCRIPT or FUNCTION LOAD/DELETE (no code of its own, so no endless script), and the
+# commands the functions run (ACLs apply inside functions too, as the caller: which is why the
+# user may also send GET/SET/DEL/INCR/PEXPIRE on its fence keys directly; README, "Redis users").
 wl_redis_acl() {
   local file=$1 prefix=$2 app=$3 admin=$4
   mkdir -p "$(dirname "$file")"
@@ -103,7 +106,7 @@ wl_redis_acl() {
       echo "user admin on >$admin ~* &* +@all"
       # ROLE lets a Sentinel client check it reached the primary; the cluster|* and
       # readonly/readwrite commands let a Cluster client learn the slot map.
-      echo "user walletlock on >$app ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +eval +evalsha +script|load +get +set +del +exists +incr +incrby +pexpire +pttl +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
+      echo "user walletlock on >$app ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +fcall +function|list +get +set +del +exists +incr +pexpire +pttl +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
     } >"$file"
   )
 }

@@ -37,6 +37,16 @@ impl Application {
     pub async fn build(args: &ServeArgs) -> anyhow::Result<Self> {
         let callers = args.callers()?;
         let leases = args.lease.client(&args.redis)?;
+        // Logs whether the lease scripts go as Redis Functions or EVALSHA; a Redis still down
+        // leaves it to the first payment.
+        tokio::spawn({
+            let leases = leases.clone();
+            async move {
+                if let Err(err) = leases.decide_scripting().await {
+                    tracing::debug!(error = %err, "lease scripts: Redis not reached yet; the first payment decides");
+                }
+            }
+        });
         let wallets = Wallets::new(args.database.pool()?, leases)
             .with_strategy(args.lease.strategy())
             .with_keys(args.key_settings());

@@ -43,6 +43,14 @@ pub enum Command {
         #[command(flatten)]
         database: DatabaseArgs,
     },
+    /// Load the lease scripts into Redis as the Functions library `walletlock` (replacing an older
+    /// one): on the node, on the primary Sentinel names, or on every primary of a Cluster. Run it
+    /// as an administrator (REDIS_URL with a user that may FUNCTION LOAD) from the deploy step; the
+    /// replicas' user then only needs FCALL.
+    RedisFunctions {
+        #[command(flatten)]
+        redis: RedisArgs,
+    },
     /// Print a fresh random API token (256 bits, hex), for API_TOKENS as `caller:<token>`.
     Token,
     /// GET a URL and exit 0 on a 2xx answer, 1 otherwise: the container health check.
@@ -119,6 +127,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("audit FAILED: {} problems in {summary}", report.problems.len());
                 Ok(ExitCode::FAILURE)
             }
+        }
+        Command::RedisFunctions { redis } => {
+            let library = crate::lease::load_library(&redis.connect()?.0).await?;
+            tracing::info!(library, "lease scripts loaded as Redis Functions");
+            Ok(ExitCode::SUCCESS)
         }
         Command::Token => {
             println!("{:032x}{:032x}", rand::random::<u128>(), rand::random::<u128>());

@@ -66,7 +66,7 @@ sha256() { printf '%s' "$1" | sha256sum | cut -d' ' -f1; }
   # The same commands as wl_redis_acl in deploy/lib.sh (deploy/check-deploy compares the two): ROLE
   # lets a Sentinel client check it reached the primary; cluster|* and readonly/readwrite let a
   # Cluster client learn the slot map.
-  echo "user walletlock on #$(sha256 "$WALLETLOCK_REDIS_PASSWORD") ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +eval +evalsha +script|load +get +set +del +exists +incr +incrby +pexpire +pttl +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
+  echo "user walletlock on #$(sha256 "$WALLETLOCK_REDIS_PASSWORD") ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +fcall +function|list +get +set +del +exists +incr +pexpire +pttl +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
 } >"$dir/redis-users.acl.new"
 install_file "$dir/redis-users.acl.new" "$dir/redis-users.acl" "$redis_uid"
 echo "secrets: wrote the Redis ACL (users admin and walletlock, keys {$prefix:*)"

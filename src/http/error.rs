@@ -291,6 +291,13 @@ fn wallet_problem(err: &WalletError) -> Problem {
             "Lease lost",
             "this replica lost the wallet's lease before committing; nothing was applied, it is safe to retry",
         ),
+        WalletError::FenceExhausted(_) => Problem::new(
+            S::SERVICE_UNAVAILABLE,
+            "fence_exhausted",
+            "Wallet needs an operator",
+            "this wallet's fencing token reached its largest value; nothing was applied, and nothing \
+             can be until an operator resets it",
+        ),
         WalletError::Unavailable { .. } => Problem::new(
             S::SERVICE_UNAVAILABLE,
             "dependency_unavailable",

@@ -26,7 +26,8 @@ const NOT_JSON: &str = "`unsupported_media_type`: the body is not `application/j
 const KEY_REUSED: &str = "`idempotency_key_reused`: the key was used for a different request";
 const UNAVAILABLE: &str = "`dependency_unavailable`, `request_timeout`: retry after `Retry-After`";
 const MOVEMENT_UNAVAILABLE: &str = "`lock_timeout`, `dependency_unavailable`, `request_timeout`, \
-                                    `outcome_unknown`: retry after `Retry-After`";
+                                    `outcome_unknown`: retry after `Retry-After`; `fence_exhausted`: \
+                                    the wallet needs an operator (no `Retry-After`)";
 const MOVEMENT_CONFLICT: &str =
     "`lease_lost` (nothing applied, retry); `idempotency_key_in_flight` (with `Retry-After`)";
 

@@ -42,6 +42,7 @@ mod settings;
 mod topology;
 mod wake;
 
+pub use scripts::{LIBRARY, LIBRARY_NAME};
 pub use settings::{Backoff, InvalidTtl, LeaseSettings, Ttl};
 pub use topology::{RedisConnection, RedisPool, SharedConnection, WakeSource};
 pub use wake::Wakeups;
@@ -86,6 +87,17 @@ pub fn describe_metrics() {
 /// How long a fence counter outlives the last acquisition of its name.
 const FENCE_RETENTION_MS: u64 = 7 * 24 * 3600 * 1000;
 
+/// Loads (or replaces) [`LIBRARY`], the lease scripts as Redis Functions, into `pool`'s Redis: on
+/// every primary of a Cluster (the client sends `FUNCTION LOAD` to each; their replicas get it by
+/// replication), on the primary of a Sentinel set. Needs a user that may `FUNCTION LOAD`: the
+/// deploy step's administrator, never the replicas' user. Returns the library's name.
+pub async fn load_library(pool: &RedisPool) -> Result<String, RedisFailure> {
+    let mut conn = pool.get().await?;
+    let mut load = redis::cmd("FUNCTION");
+    load.arg("LOAD").arg("REPLACE").arg(LIBRARY.as_str());
+    Ok(load.query_async::<String>(&mut conn).await?)
+}
+
 /// Why a lease operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {
@@ -95,6 +107,11 @@ pub enum LeaseError {
     /// The lease expired or passed to another holder; nothing was changed.
     #[error("lease {name:?} is not held (it expired or belongs to another holder)")]
     NotHeld { name: String },
+    /// No fence above the one asked for exists: the store has seen 2^63-1, the largest fence a
+    /// signed 64-bit integer holds. Nothing was changed; an operator must reset the store's fence
+    /// (README, "When a fence reaches the top").
+    #[error("lease {name:?}: no fence above {seen} exists (the fence space is exhausted)")]
+    FenceExhausted { name: String, seen: i64 },
     /// Redis did not answer, or answered with an error.
     #[error("redis unavailable")]
     Unavailable(#[from] RedisFailure),
@@ -135,6 +152,8 @@ pub struct LeaseClient {
     settings: LeaseSettings,
     /// Release notifications for waiters; `None`: waiters only poll.
     wakeups: Option<Arc<Wakeups>>,
+    /// Whether the scripts go as `FCALL` or `EVALSHA`; shared by the clones.
+    scripting: Arc<scripts::Scripting>,
 }
 
 /// What a release found.
@@ -155,7 +174,14 @@ impl fmt::Debug for LeaseClient {
 
 impl LeaseClient {
     pub fn new(pool: impl Into<RedisPool>, prefix: impl Into<Arc<str>>, settings: LeaseSettings) -> Self {
-        Self { pool: pool.into(), shared: Arc::default(), prefix: prefix.into(), settings, wakeups: None }
+        Self {
+            pool: pool.into(),
+            shared: Arc::default(),
+            prefix: prefix.into(),
+            settings,
+            wakeups: None,
+            scripting: Arc::default(),
+        }
     }
 
     /// Wakes waiters when a contended lease is released, over a Pub/Sub connection to `source`.
@@ -214,7 +240,14 @@ impl LeaseClient {
                 )
                 .await;
             let last_error = match outcome {
-                Ok((1, fence)) => {
+                Ok((taken @ (1 | 2), fence)) => {
+                    if taken == 2 {
+                        tracing::warn!(
+                            lease = name,
+                            fence,
+                            "the fence counter could not grow (at 2^63-1, or not an integer) and started over; the store's fence lifts it"
+                        );
+                    }
                     tracing::debug!(
                         lease = name,
                         fence,
@@ -309,8 +342,25 @@ impl LeaseClient {
         args: impl redis::ToRedisArgs,
     ) -> Result<T, RedisFailure> {
         let (mut conn, left) = self.checkout().await?;
-        let outcome = tokio::time::timeout(left, script.run(&mut conn, keys, args)).await;
+        let outcome = tokio::time::timeout(left, script.run(&mut conn, &self.scripting, keys, args)).await;
         self.settle(outcome)
+    }
+
+    /// Decides (once Redis answers) whether the lease scripts go as Redis Functions or as
+    /// `EVALSHA` scripts, and logs which; the first script sent decides it otherwise. Call at
+    /// startup, so the log says it before the first payment.
+    pub async fn decide_scripting(&self) -> Result<(), RedisFailure> {
+        let (mut conn, left) = self.checkout().await?;
+        let outcome = tokio::time::timeout(left, self.scripting.decide(&mut conn)).await;
+        self.settle(outcome).map(|_| ())
+    }
+
+    /// Whether the lease scripts go as Redis Functions (`FCALL`): `None` until decided.
+    pub fn uses_functions(&self) -> Option<bool> {
+        match self.scripting.get() {
+            scripts::Way::Unknown => None,
+            way => Some(way == scripts::Way::Functions),
+        }
     }
 
     /// The connection to send on, and what is left of the operation timeout for using it: the
@@ -546,11 +596,20 @@ impl Lease {
     ///
     /// Token-checked: a holder whose lease is gone gets [`LeaseError::NotHeld`], because a stale
     /// holder is exactly the case a store refuses on purpose.
+    /// At the top of the fence space (`seen` is `i64::MAX`) there is no fence to give:
+    /// [`LeaseError::FenceExhausted`], with nothing changed.
     pub async fn advance_fence(&mut self, seen: i64) -> Result<i64, LeaseError> {
         let keys = [self.keys.lease.as_str(), self.keys.fence.as_str()];
-        match self.client.run::<i64>(&scripts::ADVANCE_FENCE, &keys, (&self.token.0, seen)).await? {
-            -1 => Err(LeaseError::NotHeld { name: self.name.clone() }),
-            fence => {
+        // Stores hold fences from 0 up; the script takes the floor as digits without a sign.
+        let floor = seen.max(0).to_string();
+        let args = (&self.token.0, floor, FENCE_RETENTION_MS);
+        match self.client.run::<(i64, i64)>(&scripts::ADVANCE_FENCE, &keys, args).await? {
+            (0, _) => Err(LeaseError::NotHeld { name: self.name.clone() }),
+            (-1, _) => {
+                tracing::error!(lease = %self.name, seen, "no fence above the store's exists: an operator must reset the store's fence (README, \"When a fence reaches the top\")");
+                Err(LeaseError::FenceExhausted { name: self.name.clone(), seen })
+            }
+            (_, fence) => {
                 metrics::counter!("walletlock_fence_resyncs_total").increment(1);
                 tracing::info!(lease = %self.name, old = self.fence, new = fence, seen, "fence counter resynchronized from the store");
                 self.fence = fence;

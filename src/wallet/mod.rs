@@ -84,6 +84,10 @@ pub enum WalletError {
     /// Our lease expired or passed to another holder before the commit, which was refused.
     #[error("the wallet's lease was lost before the commit; nothing was applied")]
     LeaseLost,
+    /// The wallet's row has seen the largest fence there is: no lease can write it until an
+    /// operator resets its fence (README, "When a fence reaches the top").
+    #[error("the wallet's fence is at its top; an operator must reset it")]
+    FenceExhausted(#[source] Arc<LeaseError>),
     /// Redis or Postgres could not be reached in time.
     #[error("{dependency} unavailable")]
     Unavailable { dependency: &'static str, source: SharedError },
@@ -118,6 +122,7 @@ impl WalletError {
             WalletError::Refused(Refusal::BalanceOverflow { .. }) => "balance_overflow",
             WalletError::LockTimeout { .. } => "lock_timeout",
             WalletError::LeaseLost => "lease_lost",
+            WalletError::FenceExhausted(_) => "fence_exhausted",
             WalletError::Unavailable { .. } => "unavailable",
             WalletError::OutcomeUnknown(_) => "unknown",
             WalletError::KeyTakenOver => "key_taken_over",
@@ -169,6 +174,7 @@ impl From<LeaseError> for WalletError {
         match err {
             LeaseError::NotObtained { waited, .. } => WalletError::LockTimeout { waited },
             LeaseError::NotHeld { .. } => WalletError::LeaseLost,
+            err @ LeaseError::FenceExhausted { .. } => WalletError::FenceExhausted(Arc::new(err)),
             LeaseError::Unavailable(failure) => {
                 WalletError::Unavailable { dependency: "redis", source: Arc::new(failure) }
             }

@@ -184,6 +184,13 @@ async fn the_replicas_redis_user_can_only_work_leases() {
         acl.path().display().to_string(),
     ]);
     let app_redis = format!("redis://walletlock:app-password-0123@127.0.0.1:{}", redis.port);
+    let admin_redis = format!("redis://admin:admin-password-0123@127.0.0.1:{}", redis.port);
+    // The deploy step loads the lease scripts as the administrator; the replicas' user cannot.
+    let loaded = Command::new(env!("CARGO_BIN_EXE_walletlock"))
+        .args(["redis-functions", "--redis-url", &admin_redis])
+        .output()
+        .unwrap();
+    assert!(loaded.status.success(), "{}", String::from_utf8_lossy(&loaded.stderr));
     let app = crate::support::app::spawn_app_with(&env, &["--redis-url", &app_redis]).await;
     app.open_wallet("acl", 1_000).await;
 
@@ -195,15 +202,33 @@ async fn the_replicas_redis_user_can_only_work_leases() {
         assert_eq!(paid.unwrap().status(), 200);
     }
     assert_eq!(books(&app.db, "acl").await.pays, 20);
+    let admin = deadpool_redis::redis::Client::open(admin_redis.as_str()).unwrap();
+    let mut admin = admin.get_multiplexed_async_connection().await.unwrap();
+    let stats: String =
+        deadpool_redis::redis::cmd("INFO").arg("commandstats").query_async(&mut admin).await.unwrap();
+    assert!(stats.contains("cmdstat_fcall:calls="), "the payments ran the functions: {stats}");
 
     let client = deadpool_redis::redis::Client::open(app_redis.as_str()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let endless = "#!lua name=intruder\nredis.register_function('spin', function() while true do end end)";
     for forbidden in [
         vec!["FLUSHALL"],
         vec!["KEYS", "*"],
         vec!["CONFIG", "GET", "*"],
         vec!["SET", "not-a-lease", "1"],
         vec!["DEL", "{other:wallet:x}:lease"],
+        // No code of its own: a leaked password cannot run an endless script and stop Redis.
+        vec!["EVAL", "while true do end", "0"],
+        vec!["EVALSHA", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db", "0"],
+        vec!["EVAL_RO", "while true do end", "0"],
+        vec!["SCRIPT", "LOAD", "while true do end"],
+        vec!["SCRIPT", "FLUSH"],
+        vec!["SCRIPT", "KILL"],
+        vec!["FUNCTION", "LOAD", endless],
+        vec!["FUNCTION", "DELETE", "walletlock"],
+        vec!["FUNCTION", "FLUSH"],
+        vec!["FUNCTION", "KILL"],
+        vec!["FUNCTION", "RESTORE", "x"],
     ] {
         let err = deadpool_redis::redis::cmd(forbidden[0])
             .arg(&forbidden[1..])
@@ -212,6 +237,24 @@ async fn the_replicas_redis_user_can_only_work_leases() {
             .expect_err("refused");
         assert!(err.to_string().to_lowercase().contains("noperm"), "{forbidden:?}: {err}");
     }
+
+    // What the user may still write directly: its fence counters, with the commands the functions
+    // run on them (Redis checks each command a function runs against the caller's ACL). A counter
+    // set to garbage or to the top does not wedge the wallet: it starts over and is lifted above
+    // the row's fence.
+    let fence_key = format!("{{{}:wallet:acl}}:fence", env.prefix);
+    for sabotage in ["not-a-number", &i64::MAX.to_string()] {
+        let _: () = deadpool_redis::redis::cmd("SET")
+            .arg(&fence_key)
+            .arg(sabotage)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let paid = app.client.post(app.url("/wallets/acl/pay")).json(&json!({ "amount": 1 })).send().await;
+        assert_eq!(paid.unwrap().status(), 200, "after the fence counter was set to {sabotage}");
+    }
+    assert_eq!(books(&app.db, "acl").await.pays, 22);
+
     let anonymous = deadpool_redis::redis::Client::open(format!("redis://127.0.0.1:{}", redis.port)).unwrap();
     let refused = anonymous.get_multiplexed_async_connection().await;
     let denied = match refused {

@@ -183,3 +183,135 @@ async fn a_fence_issued_twice_lets_only_one_holder_in() {
     commit(&db, &second, &id, second_read, 30).await.unwrap();
     assert_eq!(books(&db, id.as_str()).await.balance, 70);
 }
+
+/// The fence of the wallet's row and of its newest payment.
+async fn fences_written(db: &sqlx::PgPool, id: &WalletId) -> (i64, i64) {
+    sqlx::query_as(
+        "select w.fence, e.fence from wallet w join ledger_entry e on e.wallet_id = w.id
+         where w.id = $1 and e.kind = 'pay' order by e.seq desc limit 1",
+    )
+    .bind(id.as_str())
+    .fetch_one(db)
+    .await
+    .unwrap()
+}
+
+/// A wallet whose row has already seen fence `seen` (years of payments, or a counter lifted far).
+async fn wallet_that_has_seen(db: &sqlx::PgPool, seen: i64) -> WalletId {
+    let id = wallet_with(db, 100).await;
+    sqlx::query("update wallet set fence = $2 where id = $1")
+        .bind(id.as_str())
+        .bind(seen)
+        .execute(db)
+        .await
+        .unwrap();
+    id
+}
+
+/// Fences near `value` are exact through Redis and Postgres: a counter at `value` issues exactly
+/// `value + 1`, the payment commits with exactly that fence in the row and the ledger, and a
+/// holder whose row has seen `value` is lifted to exactly `value + 1`. Lua numbers are doubles,
+/// exact only up to 2^53: any fence that passes through one comes out rounded.
+async fn fences_are_exact_at(value: i64) {
+    let env = TestEnv::new();
+    let (_schema, db) = env.database(4).await;
+    let leases = env.leases(ms(5_000), ms(500));
+
+    let id = wallet_with(&db, 100).await;
+    let name = wallet::lease_name(&id);
+    let _: () = env.redis_cmd(&["SET", &env.fence_key(&name), &value.to_string()]).await;
+    let mut lease = leases.acquire(&name).await.unwrap();
+    assert_eq!(lease.fence(), value + 1, "acquire issues the counter's next value");
+    let read = claim(&db, &mut lease, &id).await.unwrap();
+    assert_eq!(lease.fence(), value + 1, "claimed with that fence, no resynchronization");
+    commit(&db, &lease, &id, read, 1).await.unwrap();
+    lease.release().await.unwrap();
+    assert_eq!(fences_written(&db, &id).await, (value + 1, value + 1), "row and ledger entry");
+
+    // Redis lost the counter of a wallet whose row has seen `value`.
+    let id = wallet_that_has_seen(&db, value).await;
+    let name = wallet::lease_name(&id);
+    let mut lease = leases.acquire(&name).await.unwrap();
+    assert_eq!(lease.fence(), 1, "a fresh counter");
+    let read = claim(&db, &mut lease, &id).await.expect("lifted above what the row has seen, then claimed");
+    assert_eq!(lease.fence(), value + 1, "lifted to exactly one above the row's fence");
+    let counter: String = env.redis_cmd(&["GET", &env.fence_key(&name)]).await;
+    assert_eq!(counter, (value + 1).to_string(), "the counter in Redis too");
+    commit(&db, &lease, &id, read, 1).await.unwrap();
+    lease.release().await.unwrap();
+    assert_eq!(fences_written(&db, &id).await, (value + 1, value + 1));
+}
+
+#[tokio::test]
+async fn fences_are_exact_just_above_2_pow_53() {
+    fences_are_exact_at((1 << 53) + 1).await;
+}
+
+#[tokio::test]
+async fn fences_are_exact_at_2_pow_62() {
+    fences_are_exact_at(1 << 62).await;
+}
+
+#[tokio::test]
+async fn fences_are_exact_up_to_the_largest_one() {
+    fences_are_exact_at(i64::MAX - 1).await;
+}
+
+#[tokio::test]
+async fn a_fence_at_the_top_is_a_clear_error_and_the_documented_reset_frees_the_wallet() {
+    let env = TestEnv::new();
+    let (_schema, db) = env.database(4).await;
+    let leases = env.leases(ms(5_000), ms(500));
+
+    // A counter at the top (a leaked credential's INCRBY) cannot grow: it starts over, and the
+    // row's fence lifts it. No wallet is wedged by Redis alone.
+    let id = wallet_that_has_seen(&db, 41).await;
+    let name = wallet::lease_name(&id);
+    let _: () = env.redis_cmd(&["SET", &env.fence_key(&name), &i64::MAX.to_string()]).await;
+    let mut lease = leases.acquire(&name).await.expect("a full counter starts over");
+    assert_eq!(lease.fence(), 1);
+    let read = claim(&db, &mut lease, &id).await.expect("lifted above the row's fence");
+    assert_eq!(lease.fence(), 42);
+    commit(&db, &lease, &id, read, 1).await.unwrap();
+    lease.release().await.unwrap();
+
+    // A row that has seen the largest fence cannot be claimed again: a clear error, nothing changed.
+    let id = wallet_that_has_seen(&db, i64::MAX).await;
+    let name = wallet::lease_name(&id);
+    let mut lease = leases.acquire(&name).await.unwrap();
+    match claim(&db, &mut lease, &id).await {
+        Err(WalletError::FenceExhausted(cause)) => {
+            assert!(cause.to_string().contains("fence space is exhausted"), "{cause}")
+        }
+        other => panic!("expected FenceExhausted, got {other:?}"),
+    }
+    assert!(matches!(
+        lease.advance_fence(i64::MAX).await,
+        Err(walletlock::lease::LeaseError::FenceExhausted { seen: i64::MAX, .. })
+    ));
+    lease.release().await.expect("the lease is still held and released");
+    assert_eq!(books(&db, id.as_str()).await.fence, i64::MAX, "nothing changed");
+
+    // The README's reset ("When a fence reaches the top"), as the tables' owner.
+    let mut tx = db.begin().await.unwrap();
+    sqlx::query("alter table wallet disable trigger wallet_counters_only_grow")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("update wallet set fence = 0 where id = $1")
+        .bind(id.as_str())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("alter table wallet enable trigger wallet_counters_only_grow")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let _: () = env.redis_cmd(&["DEL", &env.fence_key(&name)]).await;
+    let mut lease = leases.acquire(&name).await.unwrap();
+    let read = claim(&db, &mut lease, &id).await.expect("free again");
+    commit(&db, &lease, &id, read, 1).await.unwrap();
+    lease.release().await.unwrap();
+    assert_eq!(books(&db, id.as_str()).await.fence, 1);
+}

@@ -238,3 +238,24 @@ async fn a_lease_that_expires_unreleased_is_taken_at_the_next_poll() {
     assert!(waited < ms(2_000), "took the expired lease after {waited:?}: TTL 300 ms + one 200 ms poll");
     lease.release().await.unwrap();
 }
+
+#[tokio::test]
+async fn the_scripts_run_as_functions_once_loaded_and_as_evalsha_when_the_library_is_gone() {
+    // A Redis of its own: the library is loaded server-wide.
+    let env = TestEnv::with_own_redis();
+    let library = walletlock::lease::load_library(&env.redis_pool().into()).await.unwrap();
+    assert_eq!(library, "walletlock");
+    let leases = env.leases(ms(5_000), ms(100));
+    leases.decide_scripting().await.unwrap();
+    assert_eq!(leases.uses_functions(), Some(true), "the loaded library is called with FCALL");
+    let lease = leases.acquire("w").await.unwrap();
+
+    // A restart without persistence, or an operator, removes the library: EVALSHA takes over.
+    let _: () = env.redis_cmd(&["FUNCTION", "DELETE", "walletlock"]).await;
+    lease.release().await.expect("released through EVALSHA");
+    assert_eq!(leases.uses_functions(), Some(false));
+    leases.acquire("w").await.unwrap().release().await.unwrap();
+    let stats: String = env.redis_cmd(&["INFO", "commandstats"]).await;
+    assert!(stats.contains("cmdstat_fcall:"), "the acquisition was an FCALL: {stats}");
+    assert!(stats.contains("cmdstat_evalsha:"), "the release and what followed, EVALSHA: {stats}");
+}

@@ -348,6 +348,7 @@ impl SentinelSet {
                     && field("num-other-sentinels").as_deref() == Some("2")
             })
         });
+        load_lease_functions(&set.url());
         set
     }
 
@@ -421,6 +422,13 @@ impl ClusterSet {
                 .iter()
                 .all(|(port, _)| redis_cli(*port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"))
         });
+        // On every primary; a replica that takes over has it by replication.
+        load_lease_functions(&set.url());
+        let primaries =
+            set.nodes.iter().filter(|(port, _)| redis_cli(*port, &["ROLE"]).starts_with("master"));
+        for (port, _) in primaries {
+            assert!(redis_cli(*port, &["FUNCTION", "LIST"]).contains("walletlock"), "library on :{port}");
+        }
         set
     }
 
@@ -460,6 +468,15 @@ impl ClusterSet {
         let (_, child) = self.nodes.iter_mut().find(|(p, _)| *p == port).expect("ours");
         child.stop(Signal::SIGKILL, Duration::from_secs(5));
     }
+}
+
+/// The deploy step: loads the lease scripts as Redis Functions through `url` (its topology).
+fn load_lease_functions(url: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_walletlock"))
+        .args(["redis-functions", "--redis-url", url])
+        .output()
+        .expect("walletlock redis-functions");
+    assert!(out.status.success(), "redis-functions: {}", String::from_utf8_lossy(&out.stderr));
 }
 
 pub fn redis_cli(port: u16, args: &[&str]) -> String {
