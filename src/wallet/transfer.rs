@@ -74,7 +74,7 @@ enum Work {
 /// What a committed [`Work`] wrote.
 #[derive(Debug)]
 enum Done {
-    Transfer(Transfer),
+    Transfer(Box<Transfer>),
     Entry(Entry),
 }
 
@@ -162,7 +162,7 @@ impl Wallets {
         let Between { parties, amount, reference } = between;
         let work = Work::Transfer { parties, amount: Some(amount), reference, refunds: None, key };
         match self.run_work(work).await? {
-            Done::Transfer(transfer) => Ok(transfer),
+            Done::Transfer(transfer) => Ok(*transfer),
             Done::Entry(_) => Err(WalletError::internal("a transfer wrote an entry alone")),
         }
     }
@@ -187,7 +187,7 @@ impl Wallets {
             key,
         };
         match self.run_work(work).await? {
-            Done::Transfer(transfer) => Ok(transfer),
+            Done::Transfer(transfer) => Ok(*transfer),
             Done::Entry(_) => Err(WalletError::internal("a transfer wrote an entry alone")),
         }
     }
@@ -311,7 +311,7 @@ impl Wallets {
                     let entry = outcome.as_ref().ok().map(|t| t.from_entry.id);
                     store_response(&mut tx, key, &outcome, entry, self.retention).await?;
                 }
-                outcome.map(Done::Transfer)
+                outcome.map(|transfer| Done::Transfer(Box::new(transfer)))
             }
             Work::PaymentRefund { refund, key } => {
                 let wallet = locked[refund.wallet.as_str()];
