@@ -23,7 +23,7 @@ async fn problem(response: Response) -> (u16, Value) {
 }
 
 async fn transfer_count(app: &TestApp) -> i64 {
-    sqlx::query_scalar("select count(*) from transfer").fetch_one(&app.db).await.unwrap()
+    transfer_count_in(&app.db).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -378,4 +378,39 @@ async fn a_transfer_waits_for_a_wallet_held_elsewhere_and_times_out_holding_noth
     assert!(started.elapsed() < Duration::from_millis(500), "w1 was not left leased");
     holder.release().await.unwrap();
     assert_eq!(transfer_count(&app).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_mid_transfer_applies_it_whole_or_not_at_all_and_the_retry_tells() {
+    for (failpoint, committed) in [("before_commit", false), ("after_commit", true)] {
+        let env = TestEnv::new();
+        let settings = [("WALLETLOCK_FAILPOINT", failpoint), ("LEASE_TTL", "1s")];
+        let mut fleet = Fleet::start(&env, 1, &settings).await;
+        open_wallets(&fleet, &["kill-from", "kill-to"], 100).await;
+        let url = fleet.replicas[0].url("");
+
+        let pair = ("kill-from", "kill-to");
+        let died = crate::support::transfers::transfer(&fleet.client, &url, pair, 40, "k").await;
+        assert!(matches!(died, Outcome::Unknown(_)), "{failpoint}: no answer, the replica died: {died:?}");
+        let recorded = || async { transfer_count_in(&fleet.db).await };
+        assert_eq!(recorded().await, i64::from(committed), "{failpoint}: whole or nothing");
+
+        fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", None);
+        fleet.replicas[0].start();
+        // The dead replica's leases expire within their TTL; the retry with the key settles it.
+        let retried = crate::support::transfers::transfer(&fleet.client, &url, pair, 40, "k").await;
+        assert!(matches!(retried, Outcome::Applied(_)), "{failpoint}: {retried:?}");
+        let again = crate::support::transfers::transfer(&fleet.client, &url, pair, 40, "k").await;
+        assert_eq!(again, retried, "{failpoint}: the same transfer, replayed");
+        assert_eq!(recorded().await, 1, "{failpoint}: moved once");
+        let balances =
+            (books(&fleet.db, "kill-from").await.balance, books(&fleet.db, "kill-to").await.balance);
+        assert_eq!(balances, (60, 140), "{failpoint}");
+        let (ok, report) = audit(&fleet.database_url);
+        assert!(ok, "{failpoint}: {report}");
+    }
+}
+
+async fn transfer_count_in(db: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("select count(*) from transfer").fetch_one(db).await.unwrap()
 }
