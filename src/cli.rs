@@ -117,11 +117,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("{problem}");
             }
             let summary = format!(
-                "{} wallets, {} ledger entries, {} idempotent responses",
-                report.wallets, report.entries, report.keys
+                "{} wallets, {} ledger entries, {} transfers, {} idempotent responses",
+                report.wallets, report.entries, report.transfers, report.keys
             );
             if report.problems.is_empty() {
-                println!("audit OK: {summary}; every balance equals its ledger");
+                println!(
+                    "audit OK: {summary}; every balance equals its ledger, every transfer has its two legs, \
+                     no refund exceeds what it refunds, money is conserved"
+                );
                 Ok(ExitCode::SUCCESS)
             } else {
                 println!("audit FAILED: {} problems in {summary}", report.problems.len());

@@ -83,6 +83,12 @@ impl Scope {
         Self { caller: caller.to_owned(), within: format!("wallet:{id}") }
     }
 
+    /// One caller's transfers, and refunds of transfers: a transfer runs under two wallets' leases,
+    /// so its key is unique across the caller's transfers rather than within one wallet.
+    pub fn transfers(caller: &str) -> Self {
+        Self { caller: caller.to_owned(), within: "transfers".to_owned() }
+    }
+
     /// One caller's wallet creations.
     pub fn wallet_creation(caller: &str) -> Self {
         Self { caller: caller.to_owned(), within: "wallets".to_owned() }

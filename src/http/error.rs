@@ -6,7 +6,7 @@
 
 use crate::idempotency::Prior;
 use crate::ledger::idempotency::StoredResponse;
-use crate::wallet::{InvalidInput, Refusal, WalletError};
+use crate::wallet::{InvalidInput, Refusal, SameWallet, WalletError};
 use axum::{
     extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection},
     http::{HeaderValue, StatusCode, header},
@@ -57,6 +57,10 @@ pub struct ProblemDocument {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false, minimum = 0, example = 8000)]
     balance: Option<i64>,
+    /// With `refund_exceeds_payment`: what is left to refund of the payment or transfer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, minimum = 0, example = 700)]
+    refundable: Option<i64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +68,9 @@ pub enum ApiError {
     /// A field broke its rule (an amount of 0, an id with a slash).
     #[error(transparent)]
     InvalidInput(#[from] InvalidInput),
+    /// A transfer from a wallet to itself.
+    #[error(transparent)]
+    SameWallet(#[from] SameWallet),
     /// The request could not be read: malformed JSON, a wrong type, a missing field.
     #[error("{detail}")]
     BadRequest { code: &'static str, detail: String },
@@ -136,12 +143,22 @@ struct Problem {
     detail: String,
     field: Option<&'static str>,
     balance: Option<i64>,
+    refundable: Option<i64>,
     retry_after: bool,
 }
 
 impl Problem {
     fn new(status: StatusCode, code: &'static str, title: &'static str, detail: impl Into<String>) -> Self {
-        Self { status, code, title, detail: detail.into(), field: None, balance: None, retry_after: false }
+        Self {
+            status,
+            code,
+            title,
+            detail: detail.into(),
+            field: None,
+            balance: None,
+            refundable: None,
+            retry_after: false,
+        }
     }
 
     fn with_field(mut self, field: &'static str) -> Self {
@@ -171,6 +188,9 @@ impl ApiError {
                 invalid.to_string(),
             )
             .with_field(invalid.field),
+            ApiError::SameWallet(same) => {
+                Problem::new(S::BAD_REQUEST, "same_wallet", "Same wallet", same.to_string()).with_field("to")
+            }
             ApiError::BadRequest { code, detail } => {
                 Problem::new(S::BAD_REQUEST, code, "Bad request", detail.clone())
             }
@@ -213,7 +233,9 @@ impl ApiError {
 
 fn invalid_code(field: &str) -> &'static str {
     match field {
-        "id" => "invalid_wallet_id",
+        "id" | "from" | "to" => "invalid_wallet_id",
+        "payment" => "invalid_payment_id",
+        "transfer_id" => "invalid_transfer_id",
         "amount" => "invalid_amount",
         "balance" => "invalid_balance",
         "reference" => "invalid_reference",
@@ -258,6 +280,23 @@ fn wallet_problem(err: &WalletError) -> Problem {
         WalletError::NotFound => {
             Problem::new(S::NOT_FOUND, "wallet_not_found", "Wallet not found", "no wallet has this id")
         }
+        WalletError::PartyNotFound { field } => Problem::new(
+            S::NOT_FOUND,
+            "wallet_not_found",
+            "Wallet not found",
+            format!("no wallet has the id given as `{field}`"),
+        )
+        .with_field(field),
+        WalletError::TransferNotFound => {
+            Problem::new(S::NOT_FOUND, "transfer_not_found", "Transfer not found", "no transfer has this id")
+        }
+        WalletError::PaymentNotFound => Problem::new(
+            S::NOT_FOUND,
+            "payment_not_found",
+            "Payment not found",
+            "this wallet has no payment with this id",
+        )
+        .with_field("payment"),
         WalletError::Exists => Problem::new(
             S::CONFLICT,
             "wallet_exists",
@@ -278,6 +317,16 @@ fn wallet_problem(err: &WalletError) -> Problem {
             format!("the balance of {balance} cannot hold this deposit"),
         )
         .with_balance(*balance),
+        WalletError::Refused(Refusal::RefundExceedsPayment { refundable }) => {
+            let mut problem = Problem::new(
+                S::UNPROCESSABLE_ENTITY,
+                "refund_exceeds_payment",
+                "Refund exceeds payment",
+                format!("only {refundable} is left to refund; nothing was applied"),
+            );
+            problem.refundable = Some(*refundable);
+            problem
+        }
         WalletError::LockTimeout { .. } => Problem::new(
             S::SERVICE_UNAVAILABLE,
             "lock_timeout",
@@ -333,6 +382,7 @@ impl ApiError {
             code: problem.code,
             field: problem.field,
             balance: problem.balance,
+            refundable: problem.refundable,
         };
         StoredResponse {
             status: problem.status.as_u16(),

@@ -5,7 +5,7 @@ use super::ApiContext;
 use super::error::ApiError;
 use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed as KeyedRequest, Prior, Scope};
 use crate::ledger::idempotency::StoredResponse;
-use crate::wallet::{AlreadyExists, MovementOutcome, OpenOutcome, Refusal, WalletError};
+use crate::wallet::{AlreadyExists, MovementOutcome, OpenOutcome, Refusal, TransferOutcome, WalletError};
 use axum::body::Body;
 use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -93,6 +93,14 @@ pub fn render_movement(outcome: &MovementOutcome) -> StoredResponse {
     }
 }
 
+/// A transfer's (or a refund of one's) response: the transfer, or the refusal.
+pub fn render_transfer(outcome: &TransferOutcome) -> StoredResponse {
+    match outcome {
+        Ok(transfer) => json(StatusCode::OK, transfer),
+        Err(refusal) => ApiError::Wallet(WalletError::Refused(*refusal)).render(),
+    }
+}
+
 /// A wallet creation's response: the wallet, or the conflict.
 pub fn render_open(outcome: &OpenOutcome) -> StoredResponse {
     match outcome {
@@ -103,8 +111,22 @@ pub fn render_open(outcome: &OpenOutcome) -> StoredResponse {
 
 /// The live response for a movement, rendered exactly as a replay of it would be.
 pub fn movement_response(result: Result<crate::ledger::Entry, WalletError>) -> Response {
-    let outcome: MovementOutcome = match result {
-        Ok(entry) => Ok(entry),
+    outcome_response(result, render_movement)
+}
+
+/// The live response for a transfer, rendered exactly as a replay of it would be.
+pub fn transfer_response(result: Result<crate::ledger::transfer::Transfer, WalletError>) -> Response {
+    outcome_response(result, render_transfer)
+}
+
+/// The live response for an outcome stored under idempotency keys: what `render` stores, or the
+/// prior use of the key, or the failure (which is not stored).
+fn outcome_response<T>(
+    result: Result<T, WalletError>,
+    render: fn(&Result<T, Refusal>) -> StoredResponse,
+) -> Response {
+    let outcome: Result<T, Refusal> = match result {
+        Ok(done) => Ok(done),
         Err(WalletError::Refused(refusal)) => Err(refusal),
         Err(WalletError::AlreadyRan(prior)) => return prior_response(prior),
         Err(err) => return ApiError::Wallet(err).into_response(),
@@ -112,12 +134,13 @@ pub fn movement_response(result: Result<crate::ledger::Entry, WalletError>) -> R
     if let Err(refusal) = &outcome {
         tracing::Span::current().record("outcome", refusal_code(refusal));
     }
-    into_response(render_movement(&outcome))
+    into_response(render(&outcome))
 }
 
 fn refusal_code(refusal: &Refusal) -> &'static str {
     match refusal {
         Refusal::InsufficientFunds { .. } => "insufficient_funds",
         Refusal::BalanceOverflow { .. } => "balance_overflow",
+        Refusal::RefundExceedsPayment { .. } => "refund_exceeds_payment",
     }
 }

@@ -9,6 +9,7 @@ mod idempotent;
 mod openapi;
 mod probe;
 pub mod server;
+mod transfers;
 mod wallets;
 
 pub use error::ApiError;
@@ -66,7 +67,9 @@ pub fn router(ctx: ApiContext) -> Router {
         .merge(health::router())
         .merge(openapi::router())
         .merge(
-            wallets::router().route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token)),
+            wallets::router()
+                .merge(transfers::router())
+                .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token)),
         )
         .fallback(|| async { ApiError::RouteNotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })

@@ -1,7 +1,7 @@
 //! The API's OpenAPI 3.1 document, generated from the handlers' `#[utoipa::path]` annotations and
 //! the schemas of the types they take and return, served at `GET /openapi.json`.
 
-use super::{ApiContext, health, wallets};
+use super::{ApiContext, health, transfers, wallets};
 use axum::{Router, http::header, response::IntoResponse, routing::get};
 use serde_json::Value;
 use std::sync::LazyLock;
@@ -24,6 +24,10 @@ use utoipa::{Modify, OpenApi};
         wallets::deposit,
         wallets::pay,
         wallets::transactions,
+        transfers::transfer,
+        transfers::get_transfer,
+        transfers::refund_transfer,
+        transfers::refund_payment,
         health::healthz,
         health::readyz,
         health::metrics,
@@ -32,6 +36,7 @@ use utoipa::{Modify, OpenApi};
     modifiers(&BearerAndCommonHeaders),
     tags(
         (name = "wallets", description = "Open, read, deposit, pay, page through the ledger (bearer token)"),
+        (name = "transfers", description = "Money between wallets, and refunds (bearer token)"),
         (name = "operations", description = "Health, readiness, metrics and this document; no token"),
     )
 )]

@@ -199,6 +199,36 @@ impl LeaseClient {
         self.acquire_until(name, Instant::now() + self.settings.wait).await
     }
 
+    /// Takes the leases on all of `names` (a name given twice is taken once), for work that needs
+    /// them together: the multi-lock of bsm/redislock's `ObtainMulti` or Redisson's `MultiLock`.
+    /// Returned in name order, each with its watchdog running.
+    ///
+    /// Never deadlocks: every caller takes its names one at a time in one global order (sorted), so
+    /// no two callers each hold a name the other waits for; and each wait is bounded by the
+    /// configured wait, so no holder waits unboundedly for the next name while holding the earlier
+    /// ones. Each lease's watchdog starts as soon as it is taken, so it does not expire while its
+    /// holder waits for the next. If one is not obtained, those already held are released (waking
+    /// their waiters) before the error is returned.
+    pub async fn acquire_all(&self, names: &[&str]) -> Result<Vec<Lease>, LeaseError> {
+        let mut ordered = names.to_vec();
+        ordered.sort_unstable();
+        ordered.dedup();
+        let mut held: Vec<Lease> = Vec::with_capacity(ordered.len());
+        for name in ordered {
+            match self.acquire(name).await {
+                Ok(mut lease) => {
+                    lease.keep_alive();
+                    held.push(lease);
+                }
+                Err(err) => {
+                    release_all(held).await;
+                    return Err(err);
+                }
+            }
+        }
+        Ok(held)
+    }
+
     /// Takes the lease on `name`, retrying with backoff until `deadline`.
     ///
     /// Redis errors are retried like a busy lease until the deadline, so a Redis restart shorter
@@ -638,6 +668,18 @@ impl Lease {
     fn stop_watchdog(&mut self) {
         if let Some(task) = self.watchdog.take() {
             task.abort();
+        }
+    }
+}
+
+/// Releases every lease of `leases` (as [`LeaseClient::acquire_all`] returned them), each
+/// token-checked. A lease found already gone is only logged: whatever it guarded has been decided
+/// by its fence by now.
+pub async fn release_all(leases: Vec<Lease>) {
+    for lease in leases {
+        let name = lease.name.clone();
+        if let Err(err) = lease.release().await {
+            tracing::debug!(lease = %name, error = %err, "release found the lease gone");
         }
     }
 }

@@ -1,19 +1,34 @@
 //! `walletlock audit`: checks that the books balance.
 //!
-//! For every wallet: its balance equals the signed sum of its ledger and is not negative; its
-//! entries are numbered 1..=version with no gap; each entry's balance follows from the one before;
-//! fences never go down along the ledger, and the wallet's fence is at least the last one used.
+//! For every wallet: its balance equals the signed sum of its ledger (`pay` and `transfer_out`
+//! take money out, every other kind puts it in) and is not negative; its entries are numbered
+//! 1..=version with no gap; each entry's balance follows from the one before; fences never go down
+//! along the ledger, and the wallet's fence is at least the last one used.
+//! For every transfer: exactly two legs, a `transfer_out` of `from` and a `transfer_in` of `to`,
+//! each of the transfer's amount. Refunds never add up to more than what they refund (a payment,
+//! or a transfer), and a `refund` entry refunds a `pay` entry of its own wallet.
+//! For the whole system: money is conserved, so the balances add up to the opening balances plus
+//! deposits minus payments plus refunds of payments (transfers add nothing: their legs cancel).
 //! For every stored idempotent success: it points at exactly one ledger entry, the one its response
-//! reports, in the scope it was made for, so no key was charged twice or without a record.
+//! reports (for a transfer, one of its legs), in the scope it was made for, so no key was charged
+//! twice or without a record.
 
 use super::StoreError;
-use sqlx::PgConnection;
+use sqlx::{PgConnection, Row};
+
+/// What an entry does to its wallet's balance, as SQL over the entry's `kind` and `amount`.
+macro_rules! signed_amount {
+    () => {
+        "case when kind in ('pay', 'transfer_out') then -amount else amount end"
+    };
+}
 
 /// What the audit looked at, and every problem it found.
 #[derive(Debug, Default)]
 pub struct Report {
     pub wallets: i64,
     pub entries: i64,
+    pub transfers: i64,
     pub keys: i64,
     pub problems: Vec<String>,
 }
@@ -21,97 +36,215 @@ pub struct Report {
 pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
     let mut report = Report::default();
 
-    let totals = sqlx::query!(
+    let totals = sqlx::query(
         // language=PostgreSQL
-        r#"select (select count(*) from wallet) as "wallets!",
-                  (select count(*) from ledger_entry) as "entries!",
-                  (select count(*) from idempotency_key where claim is null) as "keys!""#
+        r#"select (select count(*) from wallet) as wallets,
+                  (select count(*) from ledger_entry) as entries,
+                  (select count(*) from transfer) as transfers,
+                  (select count(*) from idempotency_key where claim is null) as keys"#,
     )
     .fetch_one(&mut *conn)
     .await?;
-    (report.wallets, report.entries, report.keys) = (totals.wallets, totals.entries, totals.keys);
+    report.wallets = totals.try_get("wallets")?;
+    report.entries = totals.try_get("entries")?;
+    report.transfers = totals.try_get("transfers")?;
+    report.keys = totals.try_get("keys")?;
 
-    let wallets = sqlx::query!(
+    wallets(conn, &mut report).await?;
+    chains(conn, &mut report).await?;
+    transfers(conn, &mut report).await?;
+    refunds(conn, &mut report).await?;
+    conservation(conn, &mut report).await?;
+    keys(conn, &mut report).await?;
+    Ok(report)
+}
+
+async fn wallets(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
+    let rows = sqlx::query(concat!(
         // language=PostgreSQL
-        r#"select w.id, w.balance, w.version, w.fence,
-                  coalesce(sum(case e.kind when 'pay' then -e.amount else e.amount end), 0)::int8 as "ledger_sum!",
-                  count(e.id) as "entries!",
-                  coalesce(max(e.seq), 0) as "last_seq!",
-                  coalesce(max(e.fence), 0) as "last_fence!"
-           from wallet w left join ledger_entry e on e.wallet_id = w.id
-           group by w.id
-           having w.balance <> coalesce(sum(case e.kind when 'pay' then -e.amount else e.amount end), 0)
-               or w.balance < 0
-               or w.version <> count(e.id)
-               or count(e.id) <> coalesce(max(e.seq), 0)
-               or w.fence < coalesce(max(e.fence), 0)
-           order by w.id"#
+        "select w.id, w.balance, w.version, w.fence,
+                coalesce(sum(",
+        signed_amount!(),
+        "), 0)::int8 as ledger_sum,
+                count(e.id) as entries,
+                coalesce(max(e.seq), 0) as last_seq,
+                coalesce(max(e.fence), 0) as last_fence
+         from wallet w left join ledger_entry e on e.wallet_id = w.id
+         group by w.id
+         having w.balance <> coalesce(sum(",
+        signed_amount!(),
+        "), 0)
+             or w.balance < 0
+             or w.version <> count(e.id)
+             or count(e.id) <> coalesce(max(e.seq), 0)
+             or w.fence < coalesce(max(e.fence), 0)
+         order by w.id"
+    ))
+    .fetch_all(&mut *conn)
+    .await?;
+    for w in rows {
+        let id: String = w.try_get("id")?;
+        let (balance, version, fence): (i64, i64, i64) =
+            (w.try_get("balance")?, w.try_get("version")?, w.try_get("fence")?);
+        let (ledger_sum, entries, last_seq, last_fence): (i64, i64, i64, i64) = (
+            w.try_get("ledger_sum")?,
+            w.try_get("entries")?,
+            w.try_get("last_seq")?,
+            w.try_get("last_fence")?,
+        );
+        if balance != ledger_sum {
+            report
+                .problems
+                .push(format!("wallet {id}: balance {balance} but its ledger sums to {ledger_sum}"));
+        }
+        if balance < 0 {
+            report.problems.push(format!("wallet {id}: negative balance {balance}"));
+        }
+        if version != entries || entries != last_seq {
+            report.problems.push(format!(
+                "wallet {id}: version {version} but {entries} ledger entries numbered up to {last_seq}"
+            ));
+        }
+        if fence < last_fence {
+            report.problems.push(format!("wallet {id}: fence {fence} below its ledger's fence {last_fence}"));
+        }
+    }
+    Ok(())
+}
+
+async fn chains(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
+    let rows = sqlx::query(concat!(
+        // language=PostgreSQL
+        "select wallet_id, seq, kind, amount, balance_after, fence, previous_balance, previous_fence
+         from (select e.*,
+                      lag(balance_after) over w as previous_balance,
+                      lag(fence) over w as previous_fence
+               from ledger_entry e
+               window w as (partition by wallet_id order by seq)) chained
+         where (kind = 'open' and (seq <> 1 or balance_after <> amount))
+            or (kind <> 'open' and balance_after is distinct from previous_balance + ",
+        signed_amount!(),
+        ")
+            or fence < previous_fence
+         order by wallet_id, seq"
+    ))
+    .fetch_all(&mut *conn)
+    .await?;
+    for e in rows {
+        let (wallet, seq, kind): (String, i64, String) =
+            (e.try_get("wallet_id")?, e.try_get("seq")?, e.try_get("kind")?);
+        let (amount, balance_after, fence): (i64, i64, i64) =
+            (e.try_get("amount")?, e.try_get("balance_after")?, e.try_get("fence")?);
+        let previous_balance: Option<i64> = e.try_get("previous_balance")?;
+        let previous_fence: Option<i64> = e.try_get("previous_fence")?;
+        report.problems.push(match previous_fence {
+            Some(previous) if fence < previous => {
+                format!("wallet {wallet} entry {seq}: fence {fence} below the previous entry's {previous}")
+            }
+            _ => format!(
+                "wallet {wallet} entry {seq}: {kind} of {amount} leaves {balance_after}, which does not follow \
+                 from the previous balance {previous_balance:?}"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Each transfer has exactly its two legs, of its amount, on its wallets.
+async fn transfers(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
+    let rows = sqlx::query(
+        // language=PostgreSQL
+        r#"select t.id::text as id, count(e.id) as legs,
+                  count(e.id) filter (where e.kind = 'transfer_out' and e.wallet_id = t.from_wallet
+                                        and e.amount = t.amount) as outs,
+                  count(e.id) filter (where e.kind = 'transfer_in' and e.wallet_id = t.to_wallet
+                                        and e.amount = t.amount) as ins
+           from transfer t left join ledger_entry e on e.transfer_id = t.id
+           group by t.id
+           having count(e.id) <> 2
+               or count(e.id) filter (where e.kind = 'transfer_out' and e.wallet_id = t.from_wallet
+                                        and e.amount = t.amount) <> 1
+               or count(e.id) filter (where e.kind = 'transfer_in' and e.wallet_id = t.to_wallet
+                                        and e.amount = t.amount) <> 1
+           order by t.id"#,
     )
     .fetch_all(&mut *conn)
     .await?;
-    for w in wallets {
-        if w.balance != w.ledger_sum {
-            report.problems.push(format!(
-                "wallet {}: balance {} but its ledger sums to {}",
-                w.id, w.balance, w.ledger_sum
-            ));
-        }
-        if w.balance < 0 {
-            report.problems.push(format!("wallet {}: negative balance {}", w.id, w.balance));
-        }
-        if w.version != w.entries || w.entries != w.last_seq {
-            report.problems.push(format!(
-                "wallet {}: version {} but {} ledger entries numbered up to {}",
-                w.id, w.version, w.entries, w.last_seq
-            ));
-        }
-        if w.fence < w.last_fence {
-            report.problems.push(format!(
-                "wallet {}: fence {} below its ledger's fence {}",
-                w.id, w.fence, w.last_fence
-            ));
-        }
+    for t in rows {
+        let (id, legs, outs, ins): (String, i64, i64, i64) =
+            (t.try_get("id")?, t.try_get("legs")?, t.try_get("outs")?, t.try_get("ins")?);
+        report.problems.push(format!(
+            "transfer {id}: {legs} ledger legs, {outs} matching transfer_out and {ins} matching transfer_in \
+             (want exactly one of each, of its amount, on its wallets)"
+        ));
     }
+    Ok(())
+}
 
-    let entries = sqlx::query!(
+/// Refunds never add up to more than what they refund; a payment's refunds return money to the
+/// wallet it left.
+async fn refunds(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
+    let rows = sqlx::query(
         // language=PostgreSQL
-        r#"select wallet_id as "wallet_id!", seq as "seq!", kind as "kind!", amount as "amount!",
-                  balance_after as "balance_after!", fence as "fence!",
-                  previous_balance, previous_fence
-           from (select e.*,
-                        lag(balance_after) over w as previous_balance,
-                        lag(fence) over w as previous_fence
-                 from ledger_entry e
-                 window w as (partition by wallet_id order by seq)) chained
-           where (kind = 'open' and (seq <> 1 or balance_after <> amount))
-              or (kind <> 'open' and balance_after is distinct from
-                    previous_balance + case kind when 'pay' then -amount else amount end)
-              or fence < previous_fence
-           order by wallet_id, seq"#
+        r#"select 'transfer' as what, t.id::text as id, t.amount, sum(r.amount)::int8 as refunded
+           from transfer t join transfer r on r.refund_of = t.id
+           group by t.id having sum(r.amount) > t.amount
+           union all
+           select 'payment', p.id::text, p.amount, sum(r.amount)::int8
+           from ledger_entry p join ledger_entry r on r.refund_of = p.id
+           group by p.id having sum(r.amount) > p.amount
+           union all
+           select 'refund entry', r.id::text, r.amount, null
+           from ledger_entry r left join ledger_entry p on p.id = r.refund_of
+           where r.kind = 'refund' and (p.id is null or p.kind <> 'pay' or p.wallet_id <> r.wallet_id)
+           order by 1, 2"#,
     )
     .fetch_all(&mut *conn)
     .await?;
-    for e in entries {
-        if e.previous_fence.is_some_and(|previous| e.fence < previous) {
-            report.problems.push(format!(
-                "wallet {} entry {}: fence {} below the previous entry's {}",
-                e.wallet_id,
-                e.seq,
-                e.fence,
-                e.previous_fence.unwrap_or_default()
-            ));
-        } else {
-            report.problems.push(format!(
-                "wallet {} entry {}: {} of {} leaves {}, which does not follow from the previous balance {:?}",
-                e.wallet_id, e.seq, e.kind, e.amount, e.balance_after, e.previous_balance
-            ));
-        }
+    for r in rows {
+        let (what, id, amount): (String, String, i64) =
+            (r.try_get("what")?, r.try_get("id")?, r.try_get("amount")?);
+        report.problems.push(match r.try_get::<Option<i64>, _>("refunded")? {
+            Some(refunded) => {
+                format!("{what} {id}: its refunds add up to {refunded}, more than its {amount}")
+            }
+            None => format!("{what} {id}: does not refund a payment of its own wallet"),
+        });
     }
+    Ok(())
+}
 
-    let keys = sqlx::query!(
+/// The balances add up to what came in and went out of the system; transfers move money inside it.
+async fn conservation(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
+    let row = sqlx::query(
         // language=PostgreSQL
-        r#"select k.scope as "scope!", k.key as "key!", k.status as "status!", k.entry_id,
-                  e.wallet_id as "ledger_wallet?",
+        r#"select (select coalesce(sum(balance), 0) from wallet)::int8 as balances,
+                  coalesce(sum(amount) filter (where kind in ('open', 'deposit', 'refund')), 0)::int8
+                      - coalesce(sum(amount) filter (where kind = 'pay'), 0)::int8 as external,
+                  coalesce(sum(amount) filter (where kind = 'transfer_out'), 0)::int8 as transferred_out,
+                  coalesce(sum(amount) filter (where kind = 'transfer_in'), 0)::int8 as transferred_in
+           from ledger_entry"#,
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    let (balances, external): (i64, i64) = (row.try_get("balances")?, row.try_get("external")?);
+    let (out, into): (i64, i64) = (row.try_get("transferred_out")?, row.try_get("transferred_in")?);
+    if balances != external {
+        report.problems.push(format!(
+            "money not conserved: the balances add up to {balances}, but opening balances plus deposits minus \
+             payments plus refunds are {external}"
+        ));
+    }
+    if out != into {
+        report.problems.push(format!("money not conserved: transfers took out {out} but put in {into}"));
+    }
+    Ok(())
+}
+
+async fn keys(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
+    let rows = sqlx::query(
+        // language=PostgreSQL
+        r#"select k.scope, k.key, k.status, k.entry_id, e.wallet_id as ledger_wallet,
                   convert_from(k.body, 'UTF8')::jsonb ->> 'id' as reported_id
            from idempotency_key k left join ledger_entry e on e.id = k.entry_id
            where k.claim is null and k.status between 200 and 299
@@ -120,19 +253,26 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
                       and (convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.id::text
                            or k.scope <> 'wallet:' || e.wallet_id))
                   or (k.scope = 'wallets'
-                      and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.wallet_id))
-           order by k.scope, k.key"#
+                      and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.wallet_id)
+                  or (k.scope = 'transfers'
+                      and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.transfer_id::text))
+           order by k.scope, k.key"#,
     )
     .fetch_all(&mut *conn)
     .await?;
-    for k in keys {
-        report.problems.push(match k.entry_id {
-            None => format!("idempotency key {:?} in {}: a stored {} with no ledger entry", k.key, k.scope, k.status),
+    for k in rows {
+        let (scope, key, status): (String, String, i16) =
+            (k.try_get("scope")?, k.try_get("key")?, k.try_get("status")?);
+        let entry: Option<uuid::Uuid> = k.try_get("entry_id")?;
+        let reported: Option<String> = k.try_get("reported_id")?;
+        let wallet: Option<String> = k.try_get("ledger_wallet")?;
+        report.problems.push(match entry {
+            None => format!("idempotency key {key:?} in {scope}: a stored {status} with no ledger entry"),
             Some(entry) => format!(
-                "idempotency key {:?} in {}: its response reports {:?} but it records entry {entry} of wallet {:?}",
-                k.key, k.scope, k.reported_id, k.ledger_wallet
+                "idempotency key {key:?} in {scope}: its response reports {reported:?} but it records entry {entry} \
+                 of wallet {wallet:?}"
             ),
         });
     }
-    Ok(report)
+    Ok(())
 }

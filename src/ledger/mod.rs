@@ -26,11 +26,12 @@ pub mod audit;
 pub mod group;
 pub mod idempotency;
 pub mod schema;
+pub mod transfer;
 pub mod unguarded;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::PgConnection;
+use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
 /// Why a store operation failed.
@@ -93,11 +94,17 @@ pub struct Wallet {
 
 /// What an entry did to its wallet's balance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum EntryKind {
     Open,
     Deposit,
     Pay,
+    /// A transfer's leg out of the paying wallet.
+    TransferOut,
+    /// A transfer's leg into the paid wallet.
+    TransferIn,
+    /// Money back into a wallet, for one of its payments.
+    Refund,
 }
 
 impl EntryKind {
@@ -106,7 +113,15 @@ impl EntryKind {
             EntryKind::Open => "open",
             EntryKind::Deposit => "deposit",
             EntryKind::Pay => "pay",
+            EntryKind::TransferOut => "transfer_out",
+            EntryKind::TransferIn => "transfer_in",
+            EntryKind::Refund => "refund",
         }
+    }
+
+    /// Whether the entry takes money out of its wallet (else it puts money in).
+    pub fn is_debit(self) -> bool {
+        matches!(self, EntryKind::Pay | EntryKind::TransferOut)
     }
 
     fn parse(kind: &str) -> Result<Self, sqlx::Error> {
@@ -114,6 +129,9 @@ impl EntryKind {
             "open" => Ok(EntryKind::Open),
             "deposit" => Ok(EntryKind::Deposit),
             "pay" => Ok(EntryKind::Pay),
+            "transfer_out" => Ok(EntryKind::TransferOut),
+            "transfer_in" => Ok(EntryKind::TransferIn),
+            "refund" => Ok(EntryKind::Refund),
             other => Err(sqlx::Error::Decode(format!("unknown ledger entry kind {other:?}").into())),
         }
     }
@@ -142,9 +160,44 @@ pub struct Entry {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false, max_length = 256, example = "order-1001")]
     pub reference: Option<String>,
+    /// The transfer a `transfer_out` or `transfer_in` entry is a leg of; omitted otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub transfer_id: Option<Uuid>,
+    /// The `pay` entry a `refund` entry returns money for; omitted otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub refund_of: Option<Uuid>,
     pub created_at: DateTime<Utc>,
 }
 
+/// The columns [`Entry`]'s `FromRow` reads, as a literal for `concat!`.
+macro_rules! entry_columns {
+    () => {
+        "id, wallet_id, seq, kind, amount, balance_after, fence, reference, transfer_id, refund_of, created_at"
+    };
+}
+pub(crate) use entry_columns;
+
+impl sqlx::FromRow<'_, sqlx::postgres::PgRow> for Entry {
+    fn from_row(row: &sqlx::postgres::PgRow) -> Result<Self, sqlx::Error> {
+        Ok(Entry {
+            id: row.try_get("id")?,
+            wallet_id: row.try_get("wallet_id")?,
+            kind: EntryKind::parse(row.try_get("kind")?)?,
+            amount: row.try_get("amount")?,
+            balance: row.try_get("balance_after")?,
+            version: row.try_get("seq")?,
+            fence: row.try_get("fence")?,
+            reference: row.try_get("reference")?,
+            transfer_id: row.try_get("transfer_id")?,
+            refund_of: row.try_get("refund_of")?,
+            created_at: row.try_get("created_at")?,
+        })
+    }
+}
+
+/// An entry as the statements that write only `open`, `deposit` and `pay` entries return it.
 struct EntryRow {
     id: Uuid,
     wallet_id: String,
@@ -170,6 +223,8 @@ impl TryFrom<EntryRow> for Entry {
             version: row.seq,
             fence: row.fence,
             reference: row.reference,
+            transfer_id: None,
+            refund_of: None,
             created_at: row.created_at,
         })
     }
@@ -183,6 +238,14 @@ pub struct NewEntry {
     pub amount: i64,
     pub balance_after: i64,
     pub reference: Option<String>,
+}
+
+/// The time of entries written now, at Postgres's precision (microseconds), so a response rendered
+/// before the write says exactly what the ledger stores.
+pub fn entry_time() -> DateTime<Utc> {
+    use chrono::{DurationRound, TimeDelta};
+    let now = Utc::now();
+    now.duration_trunc(TimeDelta::microseconds(1)).unwrap_or(now)
 }
 
 /// What a holder read when it claimed a wallet.
@@ -345,19 +408,18 @@ pub async fn entries_page(
     before: Option<i64>,
     limit: i64,
 ) -> Result<Vec<Entry>, StoreError> {
-    let rows = sqlx::query_as!(
-        EntryRow,
+    Ok(sqlx::query_as(concat!(
         // language=PostgreSQL
-        r#"select id, wallet_id, seq, kind, amount, balance_after, fence, reference, created_at
-           from ledger_entry
-           where wallet_id = $1 and seq < coalesce($2, 9223372036854775807)
-           order by seq desc
-           limit $3"#,
-        id,
-        before,
-        limit,
-    )
+        "select ",
+        entry_columns!(),
+        " from ledger_entry
+         where wallet_id = $1 and seq < coalesce($2, 9223372036854775807)
+         order by seq desc
+         limit $3"
+    ))
+    .bind(id)
+    .bind(before)
+    .bind(limit)
     .fetch_all(conn)
-    .await?;
-    Ok(rows.into_iter().map(Entry::try_from).collect::<Result<_, _>>()?)
+    .await?)
 }

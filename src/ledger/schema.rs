@@ -19,8 +19,8 @@ pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
 }
 
 /// Grants `role` exactly what the service needs on the tables of the current schema, and nothing
-/// else: it reads and writes wallets, appends to the ledger (never updates or deletes it), and
-/// manages idempotency keys. Replicas connect as that role; migrations run as the owner. Granting
+/// else: it reads and writes wallets, appends to the ledger and the transfers (never updates or
+/// deletes them), and manages idempotency keys. Replicas connect as that role; migrations run as the owner. Granting
 /// again is harmless, so every `walletlock migrate --app-role` re-applies it.
 pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
     let valid = !role.is_empty()
@@ -34,6 +34,7 @@ pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
         format!(r#"grant usage on schema "{schema}" to {role}"#),
         format!(r#"grant select, insert, update on "{schema}".wallet to {role}"#),
         format!(r#"grant select, insert on "{schema}".ledger_entry to {role}"#),
+        format!(r#"grant select, insert on "{schema}".transfer to {role}"#),
         format!(r#"grant select, insert, update, delete on "{schema}".idempotency_key to {role}"#),
     ] {
         tx.execute(sqlx::AssertSqlSafe(statement)).await?;

@@ -155,6 +155,8 @@ pub fn decide(
                     version: held.version + entries.len() as i64 + 1,
                     fence,
                     reference,
+                    transfer_id: None,
+                    refund_of: None,
                     created_at: now,
                 });
                 decisions.push(Decision::Accepted(entries.len() - 1));

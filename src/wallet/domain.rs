@@ -98,6 +98,40 @@ pub enum Refusal {
     InsufficientFunds { balance: i64 },
     #[error("the deposit would overflow the balance of {balance}")]
     BalanceOverflow { balance: i64 },
+    /// The refunds of a payment or transfer would add up to more than it: only `refundable` is
+    /// left to refund.
+    #[error("only {refundable} is left to refund")]
+    RefundExceedsPayment { refundable: i64 },
+}
+
+/// The two wallets of a transfer, which differ.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parties {
+    pub from: WalletId,
+    pub to: WalletId,
+}
+
+/// A transfer from a wallet to itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("a transfer moves money between two different wallets")]
+pub struct SameWallet;
+
+impl Parties {
+    pub fn new(from: WalletId, to: WalletId) -> Result<Self, SameWallet> {
+        if from == to { Err(SameWallet) } else { Ok(Self { from, to }) }
+    }
+}
+
+/// How much a refund returns: `requested`, or without it all that is left, of a payment or
+/// transfer of `paid` whose refunds so far add up to `refunded`. The refunds of one payment never
+/// add up to more than it.
+pub fn refund_amount(requested: Option<Amount>, paid: i64, refunded: i64) -> Result<Amount, Refusal> {
+    let refundable = paid - refunded;
+    let amount = requested.map_or(refundable, Amount::get);
+    if amount > refundable {
+        return Err(Refusal::RefundExceedsPayment { refundable });
+    }
+    Amount::new(amount).map_err(|_| Refusal::RefundExceedsPayment { refundable })
 }
 
 impl Movement {
@@ -150,6 +184,23 @@ mod tests {
         let pay = |amount| Movement::Pay { amount: Amount::new(amount).unwrap(), reference: None };
         assert_eq!(pay(10).apply_to(10), Ok(0));
         assert_eq!(pay(11).apply_to(10), Err(Refusal::InsufficientFunds { balance: 10 }));
+    }
+
+    #[test]
+    fn refunds_never_add_up_to_more_than_the_payment() {
+        let some = |amount| Some(Amount::new(amount).unwrap());
+        assert_eq!(refund_amount(None, 100, 30), Ok(Amount::new(70).unwrap()), "the rest");
+        assert_eq!(refund_amount(some(70), 100, 30), Ok(Amount::new(70).unwrap()));
+        assert_eq!(refund_amount(some(71), 100, 30), Err(Refusal::RefundExceedsPayment { refundable: 70 }));
+        assert_eq!(refund_amount(None, 100, 100), Err(Refusal::RefundExceedsPayment { refundable: 0 }));
+        assert_eq!(refund_amount(some(1), 100, 100), Err(Refusal::RefundExceedsPayment { refundable: 0 }));
+    }
+
+    #[test]
+    fn a_transfer_needs_two_wallets() {
+        let id = |id| WalletId::parse(id).unwrap();
+        assert_eq!(Parties::new(id("a"), id("a")), Err(SameWallet));
+        assert!(Parties::new(id("a"), id("b")).is_ok());
     }
 
     #[test]

@@ -16,9 +16,11 @@ mod batch;
 pub mod domain;
 mod group;
 mod queue;
+mod transfer;
 
-pub use domain::{Amount, InvalidInput, Movement, Refusal, WalletId};
+pub use domain::{Amount, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId};
 pub use queue::{MAX_BATCH, MAX_HOLD};
+pub use transfer::{Between, Refund, RefundOutcome, TransferOutcome};
 
 use crate::idempotency::{self, KeySettings, Keyed, Prior, Receipt};
 use crate::lease::{Lease, LeaseClient, LeaseError};
@@ -35,6 +37,7 @@ use tracing::Instrument;
 pub fn describe_metrics() {
     use metrics::{Unit, describe_counter, describe_histogram};
     describe_counter!("walletlock_movements_total", "Deposits and payments, by kind and outcome.");
+    transfer::describe_metrics();
     for kind in ["pay", "deposit"] {
         for outcome in ["accepted", "insufficient_funds", "lock_timeout", "lease_lost", "unavailable"] {
             metrics::counter!("walletlock_movements_total", "kind" => kind, "outcome" => outcome).absolute(0);
@@ -74,6 +77,14 @@ pub type SharedError = Arc<dyn std::error::Error + Send + Sync>;
 pub enum WalletError {
     #[error("wallet not found")]
     NotFound,
+    /// One of a transfer's wallets does not exist; `field` says which (`from` or `to`).
+    #[error("the {field} wallet does not exist")]
+    PartyNotFound { field: &'static str },
+    #[error("transfer not found")]
+    TransferNotFound,
+    /// No `pay` entry of the wallet has this id.
+    #[error("payment not found")]
+    PaymentNotFound,
     #[error("wallet already exists")]
     Exists,
     #[error(transparent)]
@@ -116,10 +127,12 @@ impl WalletError {
     /// The `outcome` label of `walletlock_movements_total`.
     fn outcome(&self) -> &'static str {
         match self {
-            WalletError::NotFound => "not_found",
+            WalletError::NotFound | WalletError::PartyNotFound { .. } => "not_found",
+            WalletError::TransferNotFound | WalletError::PaymentNotFound => "not_found",
             WalletError::Exists => "exists",
             WalletError::Refused(Refusal::InsufficientFunds { .. }) => "insufficient_funds",
             WalletError::Refused(Refusal::BalanceOverflow { .. }) => "balance_overflow",
+            WalletError::Refused(Refusal::RefundExceedsPayment { .. }) => "refund_exceeds_payment",
             WalletError::LockTimeout { .. } => "lock_timeout",
             WalletError::LeaseLost => "lease_lost",
             WalletError::FenceExhausted(_) => "fence_exhausted",
@@ -155,6 +168,7 @@ impl From<StoreError> for WalletError {
             StoreError::WalletNotFound => WalletError::NotFound,
             StoreError::WalletExists => WalletError::Exists,
             StoreError::LeaseLost | StoreError::FenceBehind { .. } => WalletError::LeaseLost,
+            err if err.is_lock_timeout() => WalletError::LockTimeout { waited: transfer::ROW_LOCK_TIMEOUT },
             err if err.is_unavailable() => {
                 WalletError::Unavailable { dependency: "postgres", source: Arc::new(err) }
             }
@@ -202,6 +216,9 @@ pub struct Wallets {
     queues: queue::Queues,
     /// Where every movement is written, in rounds across wallets.
     rounds: group::Rounds,
+    /// How long the responses of transfers and refunds are kept for their idempotency keys (the
+    /// rounds keep their own copy for deposits and payments).
+    retention: Duration,
     /// Every movement in progress, every wallet worker and every round runs as a task on this
     /// tracker, so it finishes (commit or roll back, then release) even if the request that
     /// started it is dropped, and so shutdown can wait for all of them.
@@ -213,8 +230,10 @@ impl Wallets {
     /// [`Wallets::with_keys`]). Call within a Tokio runtime: it starts the replica's rounds.
     pub fn new(db: PgPool, leases: LeaseClient) -> Self {
         let in_flight = TaskTracker::new();
-        let rounds = group::Rounds::start(db.clone(), KeySettings::default().retention, in_flight.clone());
-        Self { db, leases, strategy: Strategy::Queue, queues: queue::Queues::default(), rounds, in_flight }
+        let retention = KeySettings::default().retention;
+        let rounds = group::Rounds::start(db.clone(), retention, in_flight.clone());
+        let queues = queue::Queues::default();
+        Self { db, leases, strategy: Strategy::Queue, queues, rounds, retention, in_flight }
     }
 
     pub fn with_strategy(mut self, strategy: Strategy) -> Self {
@@ -225,6 +244,7 @@ impl Wallets {
     /// Stores movements' responses for `keys.retention`.
     pub fn with_keys(mut self, keys: KeySettings) -> Self {
         self.rounds = group::Rounds::start(self.db.clone(), keys.retention, self.in_flight.clone());
+        self.retention = keys.retention;
         self
     }
 

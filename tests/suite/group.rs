@@ -25,6 +25,8 @@ fn payment(id: &WalletId, fence: i64, version: i64, amount: i64, balance: i64) -
         version,
         fence,
         reference: None,
+        transfer_id: None,
+        refund_of: None,
         created_at: chrono::Utc::now(),
     }
 }

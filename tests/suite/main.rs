@@ -20,3 +20,4 @@ mod metrics;
 mod openapi;
 mod redis_loss;
 mod topologies;
+mod transfers;

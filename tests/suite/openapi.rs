@@ -22,6 +22,10 @@ const ROUTES: &[(&str, &str, &[&str])] = &[
     ("post", "/wallets/{id}/deposit", POST_STATUSES),
     ("post", "/wallets/{id}/pay", POST_STATUSES),
     ("get", "/wallets/{id}/transactions", GET_STATUSES),
+    ("post", "/wallets/{id}/refunds", POST_STATUSES),
+    ("post", "/transfers", POST_STATUSES),
+    ("get", "/transfers/{id}", GET_STATUSES),
+    ("post", "/transfers/{id}/refund", POST_STATUSES),
     ("get", "/healthz", &["200"]),
     ("get", "/readyz", &["200", "503"]),
     ("get", "/metrics", &["200"]),
@@ -82,7 +86,9 @@ async fn the_document_describes_every_route_and_status() {
                 );
             }
             let content = response["content"].as_object().unwrap();
-            if status.starts_with(['4', '5']) && path.starts_with("/wallets") {
+            if status.starts_with(['4', '5'])
+                && (path.starts_with("/wallets") || path.starts_with("/transfers"))
+            {
                 assert_eq!(
                     content["application/problem+json"]["schema"]["$ref"], "#/components/schemas/Problem",
                     "{method} {path} {status}"
@@ -117,11 +123,11 @@ async fn the_document_describes_every_route_and_status() {
         }
     }
 
-    // A bearer token on the /wallets operations only.
+    // A bearer token on the /wallets and /transfers operations only.
     assert_eq!(doc["components"]["securitySchemes"]["bearer"], json!({ "type": "http", "scheme": "bearer" }));
     for (method, path, _) in ROUTES {
         let security = &operation(&doc, method, path)["security"];
-        if path.starts_with("/wallets") {
+        if path.starts_with("/wallets") || path.starts_with("/transfers") {
             assert_eq!(*security, json!([{ "bearer": [] }]), "{method} {path}");
             let unauthorized = &operation(&doc, method, path)["responses"]["401"];
             assert_eq!(unauthorized["headers"]["WWW-Authenticate"]["required"], true, "{method} {path}");
@@ -136,9 +142,20 @@ async fn the_document_describes_every_route_and_status() {
     for (method, path, _) in ROUTES.iter().filter(|(_, p, _)| p.contains("{id}")) {
         let id = parameter(operation(&doc, method, path), "id");
         assert_eq!(id["in"], "path");
-        assert_eq!(id["schema"]["pattern"], "^[A-Za-z0-9_-]{1,64}$", "{method} {path}");
+        if path.starts_with("/transfers") {
+            assert_eq!(id["schema"]["format"], "uuid", "{method} {path}");
+        } else {
+            assert_eq!(id["schema"]["pattern"], "^[A-Za-z0-9_-]{1,64}$", "{method} {path}");
+        }
     }
-    for path in ["/wallets", "/wallets/{id}/deposit", "/wallets/{id}/pay"] {
+    for path in [
+        "/wallets",
+        "/wallets/{id}/deposit",
+        "/wallets/{id}/pay",
+        "/wallets/{id}/refunds",
+        "/transfers",
+        "/transfers/{id}/refund",
+    ] {
         let post = operation(&doc, "post", path);
         let key = parameter(post, "Idempotency-Key");
         assert_eq!((&key["in"], &key["required"]), (&json!("header"), &json!(false)), "{path}");
@@ -152,10 +169,10 @@ async fn the_document_describes_every_route_and_status() {
     assert_eq!(parameter(page, "before")["schema"]["type"], "string");
 
     // Bodies: unknown fields refused, amounts bounded.
-    for name in ["OpenWallet", "Deposit", "Pay"] {
+    for name in ["OpenWallet", "Deposit", "Pay", "NewTransfer", "TransferRefund", "PaymentRefund"] {
         assert_eq!(schema(&doc, name)["additionalProperties"], false, "{name}");
     }
-    for name in ["Deposit", "Pay"] {
+    for name in ["Deposit", "Pay", "NewTransfer", "TransferRefund", "PaymentRefund"] {
         let amount = &schema(&doc, name)["properties"]["amount"];
         assert_eq!((&amount["minimum"], &amount["maximum"]), (&json!(1), &json!(1_000_000_000_000_i64)));
     }
@@ -170,7 +187,15 @@ async fn the_document_describes_every_route_and_status() {
     assert_eq!(entry["properties"]["id"]["format"], "uuid");
     assert_eq!(entry["properties"]["created_at"]["format"], "date-time");
     assert_eq!(entry["properties"]["reference"]["type"], "string", "omitted when none, never null");
-    assert_eq!(schema(&doc, "EntryKind")["enum"], json!(["open", "deposit", "pay"]));
+    assert_eq!(
+        schema(&doc, "EntryKind")["enum"],
+        json!(["open", "deposit", "pay", "transfer_out", "transfer_in", "refund"])
+    );
+    let transfer = schema(&doc, "Transfer");
+    let required: BTreeSet<&str> =
+        transfer["required"].as_array().unwrap().iter().map(|f| f.as_str().unwrap()).collect();
+    let fields = ["id", "from", "to", "amount", "reference", "from_entry", "to_entry", "created_at"];
+    assert_eq!(required, fields.into_iter().collect());
     assert_eq!(schema(&doc, "Page")["required"], json!(["transactions", "next_cursor"]));
     assert_eq!(schema(&doc, "Page")["properties"]["next_cursor"]["type"], json!(["string", "null"]));
     assert_eq!(schema(&doc, "Problem")["required"], json!(["type", "title", "status", "detail", "code"]));

@@ -10,6 +10,7 @@ pub mod app;
 pub mod fleet;
 pub mod load;
 pub mod servers;
+pub mod transfers;
 
 use servers::{PostgresServer, RedisServer};
 use sqlx::PgPool;
@@ -200,7 +201,7 @@ pub async fn books(db: &PgPool, wallet: &str) -> Books {
     // One statement, so balance and ledger are read from the same snapshot.
     let (balance, fence, ledger_sum, pays): (i64, i64, i64, i64) = sqlx::query_as(
         "select w.balance, w.fence,
-                coalesce(sum(case e.kind when 'pay' then -e.amount else e.amount end), 0)::int8,
+                coalesce(sum(case when e.kind in ('pay', 'transfer_out') then -e.amount else e.amount end), 0)::int8,
                 count(e.id) filter (where e.kind = 'pay')
          from wallet w left join ledger_entry e on e.wallet_id = w.id
          where w.id = $1

@@ -1,0 +1,275 @@
+//! `/transfers` and `/wallets/{id}/refunds`: money between wallets, and back.
+
+use super::ApiContext;
+use super::auth::Caller;
+use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
+use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
+use super::idempotent::{self, Keyed, render_movement, render_transfer};
+use crate::idempotency::Scope;
+use crate::ledger::Entry;
+use crate::ledger::transfer::Transfer;
+use crate::wallet::{Amount, Between, InvalidInput, Parties, Refund, WalletId, domain};
+use axum::{
+    Json, Router,
+    extract::{Extension, FromRequestParts, Path, State},
+    http::{Uri, request::Parts},
+    response::Response,
+    routing::{get, post},
+};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+// Response descriptions shared by the operations' documentation.
+const UNAUTHORIZED: &str = "`unauthorized`: no known bearer token";
+const TOO_LARGE: &str = "`payload_too_large`: the body is over 16 KiB";
+const NOT_JSON: &str = "`unsupported_media_type`: the body is not `application/json`";
+const UNAVAILABLE: &str = "`lock_timeout`, `dependency_unavailable`, `request_timeout`, `outcome_unknown`: \
+                           retry after `Retry-After`";
+const CONFLICT: &str =
+    "`lease_lost` (nothing applied, retry); `idempotency_key_in_flight` (with `Retry-After`)";
+
+pub fn router() -> Router<ApiContext> {
+    Router::new()
+        .route("/transfers", post(transfer))
+        .route("/transfers/{id}", get(get_transfer))
+        .route("/transfers/{id}/refund", post(refund_transfer))
+        .route("/wallets/{id}/refunds", post(refund_payment))
+}
+
+/// The `{id}` segment of a transfer route: a UUID.
+#[derive(Debug, utoipa::IntoParams)]
+#[into_params(names("id"), parameter_in = Path)]
+pub struct TransferPath(
+    /// The transfer's id.
+    #[param(value_type = String, format = Uuid)]
+    pub Uuid,
+);
+
+impl<S: Send + Sync> FromRequestParts<S> for TransferPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let Path(id) = Path::<String>::from_request_parts(parts, state).await?;
+        let id = Uuid::parse_str(&id).map_err(|_| InvalidInput { field: "transfer_id", rule: "a UUID" })?;
+        Ok(Self(id))
+    }
+}
+
+/// Money from one wallet to another. Unknown fields are refused.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct NewTransfer {
+    /// The paying wallet.
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
+    from: String,
+    /// The paid wallet; not `from`.
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "bob")]
+    to: String,
+    /// Minor units.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 2500)]
+    amount: i64,
+    /// The caller's own note: at most 256 characters, no NUL.
+    #[schema(max_length = 256, pattern = "^[^\\x00]*$", example = "invoice-77")]
+    reference: Option<String>,
+}
+
+/// Moves money from one wallet to another: both legs in one transaction, under both wallets'
+/// leases, or nothing.
+#[utoipa::path(
+    post,
+    path = "/transfers",
+    tag = "transfers",
+    security(("bearer" = [])),
+    params(IdempotencyHeader),
+    request_body(content = NewTransfer, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The transfer, with its two ledger entries", body = Transfer,
+            headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
+            links(("GetTransfer" = (operation_id = "get_transfer", parameters(("id" = "$response.body#/id")))))),
+        (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`same_wallet`, `invalid_wallet_id` (`field`: `from` or `to`), `invalid_amount`, \
+                           `invalid_reference`, `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`wallet_not_found` (`field`: `from` or `to`)"),
+        (status = 409, description = CONFLICT, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        (status = 413, description = TOO_LARGE, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 415, description = NOT_JSON, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 422, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`insufficient_funds` (`balance` of `from`), `balance_overflow` (`balance` of `to`); \
+                           nothing applied; `idempotency_key_reused`",
+            headers(("Idempotent-Replayed" = String))),
+        (status = 503, description = UNAVAILABLE, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
+async fn transfer(
+    State(ctx): State<ApiContext>,
+    Extension(caller): Extension<Caller>,
+    IdempotencyHeader(key): IdempotencyHeader,
+    uri: Uri,
+    body: JsonBody<NewTransfer>,
+) -> Result<Response, ApiError> {
+    let NewTransfer { from, to, amount, reference } = &body.value;
+    let party = |id: &str, field| WalletId::parse(id).map_err(|invalid| InvalidInput { field, ..invalid });
+    let parties = Parties::new(party(from, "from")?, party(to, "to")?)?;
+    tracing::Span::current().record("wallet_id", parties.from.as_str());
+    let between =
+        Between { parties, amount: Amount::new(*amount)?, reference: domain::reference(reference.clone())? };
+    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    let key = idempotent::keyed(Scope::transfers(&caller.0), keyed, render_transfer);
+    Ok(idempotent::transfer_response(ctx.wallets.transfer(between, key).await))
+}
+
+/// A transfer and what has been refunded of it.
+#[derive(Debug, Serialize, ToSchema)]
+struct TransferState {
+    #[serde(flatten)]
+    transfer: Transfer,
+    /// What the refunds of this transfer add up to so far (at most its amount).
+    #[schema(minimum = 0, example = 0)]
+    refunded: i64,
+}
+
+/// Reads a transfer, with its two ledger entries and what has been refunded of it.
+#[utoipa::path(
+    get,
+    path = "/transfers/{id}",
+    tag = "transfers",
+    security(("bearer" = [])),
+    params(TransferPath),
+    responses(
+        (status = 200, description = "The transfer", body = TransferState),
+        (status = 400, description = "`invalid_transfer_id`", body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, description = "`transfer_not_found`", body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 503, description = "`dependency_unavailable`, `request_timeout`: retry after `Retry-After`",
+            body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
+async fn get_transfer(
+    State(ctx): State<ApiContext>,
+    TransferPath(id): TransferPath,
+) -> Result<Json<TransferState>, ApiError> {
+    let found = ctx.wallets.find_transfer(id).await?;
+    Ok(Json(TransferState { transfer: found.transfer, refunded: found.refunded }))
+}
+
+/// How much of a transfer to move back. Unknown fields are refused.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct TransferRefund {
+    /// Minor units; without it (or with null), all that is not yet refunded.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 500)]
+    amount: Option<i64>,
+}
+
+/// Moves money of a transfer back, from its `to` to its `from`, as a transfer of its own (with
+/// `refund_of`). The refunds of one transfer never add up to more than it.
+#[utoipa::path(
+    post,
+    path = "/transfers/{id}/refund",
+    tag = "transfers",
+    security(("bearer" = [])),
+    params(TransferPath, IdempotencyHeader),
+    request_body(content = TransferRefund, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The refund: a transfer from the original's `to` to its `from`",
+            body = Transfer,
+            headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
+        (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`invalid_transfer_id`, `invalid_amount`, `invalid_idempotency_key`, \
+                           `malformed_json`, `invalid_body`"),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, description = "`transfer_not_found`", body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 409, description = CONFLICT, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        (status = 413, description = TOO_LARGE, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 415, description = NOT_JSON, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 422, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`refund_exceeds_payment` (with `refundable`), `insufficient_funds` (the payee \
+                           no longer has it), `balance_overflow`; nothing applied; `idempotency_key_reused`",
+            headers(("Idempotent-Replayed" = String))),
+        (status = 503, description = UNAVAILABLE, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
+async fn refund_transfer(
+    State(ctx): State<ApiContext>,
+    Extension(caller): Extension<Caller>,
+    TransferPath(id): TransferPath,
+    IdempotencyHeader(key): IdempotencyHeader,
+    uri: Uri,
+    body: JsonBody<TransferRefund>,
+) -> Result<Response, ApiError> {
+    let amount = body.value.amount.map(Amount::new).transpose()?;
+    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    let key = idempotent::keyed(Scope::transfers(&caller.0), keyed, render_transfer);
+    Ok(idempotent::transfer_response(ctx.wallets.refund_transfer(id, amount, key).await))
+}
+
+/// Money back into a wallet for one of its payments. Unknown fields are refused.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct PaymentRefund {
+    /// The id of a `pay` entry of this wallet.
+    #[schema(format = Uuid)]
+    payment: String,
+    /// Minor units; without it (or with null), all that is not yet refunded.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 500)]
+    amount: Option<i64>,
+}
+
+/// Puts money back into the wallet for one of its payments, as a `refund` entry that names it
+/// (`refund_of`). The refunds of one payment never add up to more than it.
+#[utoipa::path(
+    post,
+    path = "/wallets/{id}/refunds",
+    tag = "transfers",
+    security(("bearer" = [])),
+    params(WalletPath, IdempotencyHeader),
+    request_body(content = PaymentRefund, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The refund's ledger entry", body = Entry,
+            headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
+        (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`invalid_wallet_id`, `invalid_payment_id`, `invalid_amount`, \
+                           `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`wallet_not_found`; `payment_not_found` (no `pay` entry of this wallet has this id)"),
+        (status = 409, description = CONFLICT, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        (status = 413, description = TOO_LARGE, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 415, description = NOT_JSON, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 422, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`refund_exceeds_payment` (with `refundable`), `balance_overflow`; nothing \
+                           applied; `idempotency_key_reused`",
+            headers(("Idempotent-Replayed" = String))),
+        (status = 503, description = UNAVAILABLE, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
+async fn refund_payment(
+    State(ctx): State<ApiContext>,
+    Extension(caller): Extension<Caller>,
+    WalletPath(id): WalletPath,
+    IdempotencyHeader(key): IdempotencyHeader,
+    uri: Uri,
+    body: JsonBody<PaymentRefund>,
+) -> Result<Response, ApiError> {
+    let payment = Uuid::parse_str(&body.value.payment)
+        .map_err(|_| InvalidInput { field: "payment", rule: "the id of a pay entry (a UUID)" })?;
+    let amount = body.value.amount.map(Amount::new).transpose()?;
+    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    let key = idempotent::keyed(Scope::wallet(&caller.0, &id), keyed, render_movement);
+    let refund = Refund { wallet: id, payment, amount };
+    Ok(idempotent::movement_response(ctx.wallets.refund_payment(refund, key).await))
+}

@@ -1,0 +1,325 @@
+//! The SQL of movements that need more than one statement's view of the books: transfers between
+//! two wallets, and refunds (back into the wallet a payment left, or a transfer undone).
+//!
+//! Each runs as one transaction of the caller's (see `crate::wallet::transfer`): [`lock_wallets`]
+//! locks every wallet it touches in id order (`FOR UPDATE`, bounded by a local `lock_timeout`), so
+//! two transactions over the same wallets never deadlock; what it reads is then the truth until
+//! commit, and [`write_wallets`] writes each row conditionally on its own lease's fence and the
+//! version read. The entries, the transfer row and the idempotent response are written in the same
+//! transaction, so a transfer is both legs and its record, or nothing.
+
+use super::group::FoundKey;
+use super::idempotency::{KeyRef, StoredResponse};
+use super::{Entry, StoreError, entry_columns};
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{PgConnection, Row};
+use std::collections::HashMap;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// A wallet row as locked by [`lock_wallets`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LockedWallet {
+    pub balance: i64,
+    pub version: i64,
+    /// The highest fence any holder has claimed the row with.
+    pub fence: i64,
+}
+
+/// Locks the rows of `ids` in id order until the transaction ends, waiting at most `lock_timeout`
+/// for a row another statement holds (then Postgres answers `55P03`, see
+/// [`StoreError::is_lock_timeout`]). Wallets that do not exist are missing from the answer.
+pub async fn lock_wallets(
+    tx: &mut PgConnection,
+    ids: &[&str],
+    lock_timeout: Duration,
+) -> Result<HashMap<String, LockedWallet>, StoreError> {
+    // language=PostgreSQL
+    sqlx::query("select set_config('lock_timeout', $1, true)")
+        .bind(format!("{}ms", lock_timeout.as_millis().max(1)))
+        .execute(&mut *tx)
+        .await?;
+    let rows = sqlx::query(
+        // language=PostgreSQL
+        "select id, balance, version, fence from wallet where id = any($1) order by id for update",
+    )
+    .bind(ids)
+    .fetch_all(&mut *tx)
+    .await?;
+    rows.iter()
+        .map(|row| {
+            let locked = LockedWallet {
+                balance: row.try_get("balance")?,
+                version: row.try_get("version")?,
+                fence: row.try_get("fence")?,
+            };
+            Ok((row.try_get("id")?, locked))
+        })
+        .collect()
+}
+
+/// One wallet's write: claimed for the lease holding `fence` (which must be above the row's) and
+/// moved from `read_version` to `version` and `balance`.
+#[derive(Debug, Clone, Copy)]
+pub struct WalletWrite<'a> {
+    pub id: &'a str,
+    pub fence: i64,
+    pub read_version: i64,
+    pub balance: i64,
+    pub version: i64,
+}
+
+/// Writes `writes` in one statement; returns how many rows matched their fence and version. The
+/// caller locked the rows ([`lock_wallets`]), so fewer than all means a bug or a holder it did not
+/// know of: it must roll back.
+pub async fn write_wallets(tx: &mut PgConnection, writes: &[WalletWrite<'_>]) -> Result<usize, StoreError> {
+    let written = sqlx::query(
+        // language=PostgreSQL
+        r#"update wallet w
+           set fence = c.fence, balance = c.balance, version = c.version, updated_at = now()
+           from unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[])
+               as c(id, fence, read_version, balance, version)
+           where w.id = c.id and w.fence < c.fence and w.version = c.read_version"#,
+    )
+    .bind(writes.iter().map(|w| w.id).collect::<Vec<_>>())
+    .bind(writes.iter().map(|w| w.fence).collect::<Vec<_>>())
+    .bind(writes.iter().map(|w| w.read_version).collect::<Vec<_>>())
+    .bind(writes.iter().map(|w| w.balance).collect::<Vec<_>>())
+    .bind(writes.iter().map(|w| w.version).collect::<Vec<_>>())
+    .execute(tx)
+    .await?;
+    Ok(written.rows_affected() as usize)
+}
+
+/// Appends `entries` (each with its wallet, version, fence, links and time) to the ledger.
+pub async fn insert_entries(tx: &mut PgConnection, entries: &[&Entry]) -> Result<(), StoreError> {
+    sqlx::query(
+        // language=PostgreSQL
+        r#"insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence,
+                                     reference, transfer_id, refund_of, created_at)
+           select * from unnest($1::uuid[], $2::text[], $3::int8[], $4::text[], $5::int8[],
+                                $6::int8[], $7::int8[], $8::text[], $9::uuid[], $10::uuid[],
+                                $11::timestamptz[])"#,
+    )
+    .bind(entries.iter().map(|e| e.id).collect::<Vec<_>>())
+    .bind(entries.iter().map(|e| e.wallet_id.as_str()).collect::<Vec<_>>())
+    .bind(entries.iter().map(|e| e.version).collect::<Vec<_>>())
+    .bind(entries.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>())
+    .bind(entries.iter().map(|e| e.amount).collect::<Vec<_>>())
+    .bind(entries.iter().map(|e| e.balance).collect::<Vec<_>>())
+    .bind(entries.iter().map(|e| e.fence).collect::<Vec<_>>())
+    .bind(entries.iter().map(|e| e.reference.as_deref()).collect::<Vec<_>>())
+    .bind(entries.iter().map(|e| e.transfer_id).collect::<Vec<_>>())
+    .bind(entries.iter().map(|e| e.refund_of).collect::<Vec<_>>())
+    .bind(entries.iter().map(|e| e.created_at).collect::<Vec<_>>())
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
+/// Money from one wallet to another, as stored: the transfer and its two legs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct Transfer {
+    pub id: Uuid,
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
+    pub from: String,
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "bob")]
+    pub to: String,
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 2500)]
+    pub amount: i64,
+    /// The caller's own note, or null.
+    #[schema(required = true, max_length = 256, example = "invoice-77")]
+    pub reference: Option<String>,
+    /// The transfer this one refunds (it moves money back from that one's `to` to its `from`);
+    /// omitted when it refunds none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub refund_of: Option<Uuid>,
+    /// The `transfer_out` entry of `from`.
+    pub from_entry: Entry,
+    /// The `transfer_in` entry of `to`.
+    pub to_entry: Entry,
+    pub created_at: DateTime<Utc>,
+}
+
+/// Records `transfer` (before its legs, which reference it).
+pub async fn insert_transfer(tx: &mut PgConnection, transfer: &Transfer) -> Result<(), StoreError> {
+    sqlx::query(
+        // language=PostgreSQL
+        r#"insert into transfer (id, from_wallet, to_wallet, amount, reference, refund_of, created_at)
+           values ($1, $2, $3, $4, $5, $6, $7)"#,
+    )
+    .bind(transfer.id)
+    .bind(&transfer.from)
+    .bind(&transfer.to)
+    .bind(transfer.amount)
+    .bind(&transfer.reference)
+    .bind(transfer.refund_of)
+    .bind(transfer.created_at)
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
+/// A transfer and how much of it has been refunded so far.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoundTransfer {
+    pub transfer: Transfer,
+    pub refunded: i64,
+}
+
+/// The transfer `id`, with its legs and what its refunds add up to.
+pub async fn find_transfer(conn: &mut PgConnection, id: Uuid) -> Result<Option<FoundTransfer>, StoreError> {
+    let Some(row) = sqlx::query(
+        // language=PostgreSQL
+        r#"select t.id, t.from_wallet, t.to_wallet, t.amount, t.reference, t.refund_of, t.created_at,
+                  (select coalesce(sum(r.amount), 0)::int8 from transfer r where r.refund_of = t.id)
+                      as refunded
+           from transfer t where t.id = $1"#,
+    )
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?
+    else {
+        return Ok(None);
+    };
+    let legs: Vec<Entry> = sqlx::query_as(concat!(
+        // language=PostgreSQL
+        "select ",
+        entry_columns!(),
+        " from ledger_entry where transfer_id = $1"
+    ))
+    .bind(id)
+    .fetch_all(&mut *conn)
+    .await?;
+    let leg = |kind: super::EntryKind| {
+        legs.iter().find(|e| e.kind == kind).cloned().ok_or_else(|| {
+            StoreError::Database(sqlx::Error::Decode(
+                format!("transfer {id} has no {} leg", kind.as_str()).into(),
+            ))
+        })
+    };
+    let transfer = Transfer {
+        id: row.try_get("id")?,
+        from: row.try_get("from_wallet")?,
+        to: row.try_get("to_wallet")?,
+        amount: row.try_get("amount")?,
+        reference: row.try_get("reference")?,
+        refund_of: row.try_get("refund_of")?,
+        from_entry: leg(super::EntryKind::TransferOut)?,
+        to_entry: leg(super::EntryKind::TransferIn)?,
+        created_at: row.try_get("created_at")?,
+    };
+    Ok(Some(FoundTransfer { transfer, refunded: row.try_get("refunded")? }))
+}
+
+/// What the refunds of transfer `id` add up to. Call with both of its wallets locked: every refund
+/// of it locks them too, so the sum cannot change until this transaction ends.
+pub async fn refunded_of_transfer(tx: &mut PgConnection, id: Uuid) -> Result<i64, StoreError> {
+    Ok(sqlx::query_scalar(
+        // language=PostgreSQL
+        "select coalesce(sum(amount), 0)::int8 from transfer where refund_of = $1",
+    )
+    .bind(id)
+    .fetch_one(tx)
+    .await?)
+}
+
+/// The `pay` entry `id` of wallet `wallet`, and what its refunds add up to. Call with the wallet
+/// locked: every refund of the payment locks it too, so the sum cannot change until this
+/// transaction ends.
+pub async fn find_payment(
+    tx: &mut PgConnection,
+    wallet: &str,
+    id: Uuid,
+) -> Result<Option<(Entry, i64)>, StoreError> {
+    let Some(payment) = sqlx::query_as::<_, Entry>(concat!(
+        // language=PostgreSQL
+        "select ",
+        entry_columns!(),
+        " from ledger_entry where id = $1 and wallet_id = $2 and kind = 'pay'"
+    ))
+    .bind(id)
+    .bind(wallet)
+    .fetch_optional(&mut *tx)
+    .await?
+    else {
+        return Ok(None);
+    };
+    let refunded: i64 = sqlx::query_scalar(
+        // language=PostgreSQL
+        "select coalesce(sum(amount), 0)::int8 from ledger_entry where refund_of = $1",
+    )
+    .bind(id)
+    .fetch_one(&mut *tx)
+    .await?;
+    Ok(Some((payment, refunded)))
+}
+
+/// The key at `at`, if stored and within its retention (one past it is deleted: it behaves as new).
+pub async fn find_key(tx: &mut PgConnection, at: KeyRef<'_>) -> Result<Option<FoundKey>, StoreError> {
+    let row = sqlx::query(
+        // language=PostgreSQL
+        r#"with expired as (
+               delete from idempotency_key
+               where caller = $1 and scope = $2 and key = $3 and expires_at < now()
+           )
+           select fingerprint, status, content_type, body from idempotency_key
+           where caller = $1 and scope = $2 and key = $3 and expires_at >= now()"#,
+    )
+    .bind(at.caller)
+    .bind(at.scope)
+    .bind(at.key)
+    .fetch_optional(tx)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let status: Option<i16> = row.try_get("status")?;
+    let content_type: Option<String> = row.try_get("content_type")?;
+    let body: Option<Vec<u8>> = row.try_get("body")?;
+    let response = match (status, content_type, body) {
+        (Some(status), Some(content_type), Some(body)) => {
+            Some(StoredResponse { status: status as u16, content_type, body })
+        }
+        _ => None,
+    };
+    Ok(Some(FoundKey { fingerprint: row.try_get("fingerprint")?, response }))
+}
+
+/// Stores `response` for the key at `at`, pointing at `entry_id` when it reports moved money.
+/// Fails with a unique violation ([`StoreError::is_key_conflict`]) if another request stored the
+/// key since [`find_key`] looked: roll back and look again.
+pub async fn store_key(
+    tx: &mut PgConnection,
+    at: KeyRef<'_>,
+    fingerprint: &[u8],
+    response: &StoredResponse,
+    entry_id: Option<Uuid>,
+    retention: Duration,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        // language=PostgreSQL
+        r#"insert into idempotency_key (caller, scope, key, fingerprint, status, content_type, body,
+                                        entry_id, expires_at)
+           values ($1, $2, $3, $4, $5, $6, $7, $8, now() + make_interval(secs => $9))"#,
+    )
+    .bind(at.caller)
+    .bind(at.scope)
+    .bind(at.key)
+    .bind(fingerprint)
+    .bind(response.status as i16)
+    .bind(&response.content_type)
+    .bind(&response.body)
+    .bind(entry_id)
+    .bind(retention.as_secs_f64())
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
+impl StoreError {
+    /// A row stayed locked by another statement for the whole `lock_timeout` (`55P03`).
+    pub fn is_lock_timeout(&self) -> bool {
+        matches!(self, StoreError::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03"))
+    }
+}

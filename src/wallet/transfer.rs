@@ -1,0 +1,448 @@
+//! Money between wallets, and back: transfers, refunds of transfers, and refunds of payments.
+//!
+//! Each runs on its own path, beside the per-wallet queues and rounds that carry deposits and
+//! payments: take the leases of every wallet whose balance changes (both, for a transfer) through
+//! [`crate::lease::LeaseClient::acquire_all`], which takes them one at a time in wallet-id order with
+//! a bounded wait each, so concurrent A→B and B→A transfers (and longer cycles) never deadlock;
+//! then one Postgres transaction locks the wallet rows in id order (bounded by
+//! [`ROW_LOCK_TIMEOUT`]), checks that each row's fence is below its lease's, looks up the
+//! idempotency key, decides, and writes each wallet conditionally on its own lease's fence and the
+//! version read, with the ledger entries, the transfer row and the stored response. A stale holder
+//! of either lease writes nothing.
+//!
+//! A refund runs under the lease of every wallet whose money moves (the payer's, for a payment;
+//! both, for a transfer) and sums the refunds so far in the same transaction, with those wallet
+//! rows locked. Every refund of one payment or transfer locks the same rows, so two refunds racing
+//! on two replicas take turns and never add up to more than what they refund.
+//!
+//! The known cost: on one replica, a wallet's queue worker may hold that wallet's lease while a
+//! transfer waits for it, as another replica would (bounded by the lease wait); the worker hands
+//! the lease over after its current batch, because the transfer marks it contended.
+
+use super::domain::{self, Parties};
+use super::{Amount, Movement, MovementOutcome, Refusal, WalletError, WalletId, Wallets, lease_name};
+use crate::idempotency::{Keyed, Prior};
+use crate::lease::{self, Lease};
+use crate::ledger::transfer::{self as store, FoundTransfer, LockedWallet, Transfer, WalletWrite};
+use crate::ledger::{Entry, EntryKind, StoreError};
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+use uuid::Uuid;
+
+/// The longest a transfer's transaction waits for a wallet row another statement holds (a round
+/// holds rows for one statement; longer is an operator's session or a stalled holder).
+pub(super) const ROW_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How a transfer (or a refund of one) ended, as stored for its idempotency key.
+pub type TransferOutcome = Result<Transfer, Refusal>;
+
+/// How a refund of a payment ended, as stored for its idempotency key: its `refund` entry.
+pub type RefundOutcome = MovementOutcome;
+
+/// A transfer to make.
+#[derive(Debug, Clone)]
+pub struct Between {
+    pub parties: Parties,
+    pub amount: Amount,
+    pub reference: Option<String>,
+}
+
+/// A refund of one of a wallet's payments: `amount`, or all that is left without it.
+#[derive(Debug, Clone)]
+pub struct Refund {
+    pub wallet: WalletId,
+    pub payment: Uuid,
+    pub amount: Option<Amount>,
+}
+
+/// What one transaction under the leases does.
+#[derive(Debug)]
+enum Work {
+    /// Money from `parties.from` to `parties.to`. A refund of a transfer names it and the amount it
+    /// moved (`refunds`), and may leave `amount` to be the rest.
+    Transfer {
+        parties: Parties,
+        amount: Option<Amount>,
+        reference: Option<String>,
+        refunds: Option<(Uuid, i64)>,
+        key: Option<Keyed<TransferOutcome>>,
+    },
+    /// Money back into a wallet, for one of its payments.
+    PaymentRefund { refund: Refund, key: Option<Keyed<RefundOutcome>> },
+}
+
+/// What a committed [`Work`] wrote.
+#[derive(Debug)]
+enum Done {
+    Transfer(Box<Transfer>),
+    Entry(Entry),
+}
+
+/// Why one transaction attempt did not commit.
+#[derive(Debug)]
+enum Failure {
+    /// A wallet's row has seen a fence at least as high as its lease's: lift the lease's fence
+    /// above `seen` (token-checked) and try again, once per wallet.
+    FenceBehind {
+        wallet: WalletId,
+        seen: i64,
+    },
+    /// Another request stored this request's idempotency key after we looked: look again.
+    KeyConflict,
+    Wallet(WalletError),
+}
+
+impl<E: Into<WalletError>> From<E> for Failure {
+    fn from(err: E) -> Self {
+        Failure::Wallet(err.into())
+    }
+}
+
+impl Work {
+    /// The wallets whose balances change.
+    fn wallets(&self) -> Vec<&WalletId> {
+        match self {
+            Work::Transfer { parties, .. } => vec![&parties.from, &parties.to],
+            Work::PaymentRefund { refund, .. } => vec![&refund.wallet],
+        }
+    }
+
+    /// The answer when `wallet` does not exist.
+    fn missing(&self, wallet: &WalletId) -> WalletError {
+        match self {
+            Work::Transfer { parties, .. } => {
+                WalletError::PartyNotFound { field: if *wallet == parties.from { "from" } else { "to" } }
+            }
+            Work::PaymentRefund { .. } => WalletError::NotFound,
+        }
+    }
+
+    /// The key's prior use, if it had one.
+    async fn prior(&self, tx: &mut sqlx::PgConnection) -> Result<Option<Prior>, StoreError> {
+        let (at, fingerprint) = match self {
+            Work::Transfer { key: Some(key), .. } => (key.at(), &key.fingerprint),
+            Work::PaymentRefund { key: Some(key), .. } => (key.at(), &key.fingerprint),
+            _ => return Ok(None),
+        };
+        Ok(store::find_key(tx, at).await?.map(|found| Prior::of(&found, fingerprint)))
+    }
+
+    /// The metric's `kind` label.
+    fn kind(&self) -> &'static str {
+        match self {
+            Work::Transfer { refunds: None, .. } => "transfer",
+            Work::Transfer { refunds: Some(_), .. } => "transfer_refund",
+            Work::PaymentRefund { .. } => "payment_refund",
+        }
+    }
+}
+
+/// Describes the metrics this module records, and registers the common ones at zero.
+pub(super) fn describe_metrics() {
+    metrics::describe_counter!(
+        "walletlock_transfers_total",
+        "Transfers, refunds of transfers and refunds of payments, by kind and outcome."
+    );
+    for kind in ["transfer", "transfer_refund", "payment_refund"] {
+        for outcome in ["accepted", "insufficient_funds", "lock_timeout", "lease_lost", "unavailable"] {
+            metrics::counter!("walletlock_transfers_total", "kind" => kind, "outcome" => outcome).absolute(0);
+        }
+    }
+}
+
+impl Wallets {
+    /// Moves money from one wallet to another: both legs in one transaction, under both leases.
+    /// With a key, a key used before answers [`WalletError::AlreadyRan`] and moves nothing; a new
+    /// key's outcome is stored in the transaction that moves the money.
+    pub async fn transfer(
+        &self,
+        between: Between,
+        key: Option<Keyed<TransferOutcome>>,
+    ) -> Result<Transfer, WalletError> {
+        let Between { parties, amount, reference } = between;
+        let work = Work::Transfer { parties, amount: Some(amount), reference, refunds: None, key };
+        match self.run_work(work).await? {
+            Done::Transfer(transfer) => Ok(*transfer),
+            Done::Entry(_) => Err(WalletError::internal("a transfer wrote an entry alone")),
+        }
+    }
+
+    /// Moves `amount` (without it: all not yet refunded) of transfer `id` back, from its `to` to its
+    /// `from`, as a transfer of its own that names it. Its refunds never add up to more than it
+    /// ([`Refusal::RefundExceedsPayment`]).
+    pub async fn refund_transfer(
+        &self,
+        id: Uuid,
+        amount: Option<Amount>,
+        key: Option<Keyed<TransferOutcome>>,
+    ) -> Result<Transfer, WalletError> {
+        let original = self.find_transfer(id).await?.transfer;
+        let wallet = |id: &str| WalletId::parse(id).map_err(|_| WalletError::internal("a stored wallet id"));
+        let parties = Parties { from: wallet(&original.to)?, to: wallet(&original.from)? };
+        let work = Work::Transfer {
+            parties,
+            amount,
+            reference: None,
+            refunds: Some((original.id, original.amount)),
+            key,
+        };
+        match self.run_work(work).await? {
+            Done::Transfer(transfer) => Ok(*transfer),
+            Done::Entry(_) => Err(WalletError::internal("a transfer wrote an entry alone")),
+        }
+    }
+
+    /// Puts money back into a wallet for one of its payments: a `refund` entry that names the
+    /// payment. Its refunds never add up to more than it ([`Refusal::RefundExceedsPayment`]).
+    pub async fn refund_payment(
+        &self,
+        refund: Refund,
+        key: Option<Keyed<RefundOutcome>>,
+    ) -> Result<Entry, WalletError> {
+        match self.run_work(Work::PaymentRefund { refund, key }).await? {
+            Done::Entry(entry) => Ok(entry),
+            Done::Transfer(_) => Err(WalletError::internal("a payment refund wrote a transfer")),
+        }
+    }
+
+    /// The transfer `id` and what has been refunded of it.
+    pub async fn find_transfer(&self, id: Uuid) -> Result<FoundTransfer, WalletError> {
+        let mut conn = self.connection().await?;
+        store::find_transfer(&mut conn, id).await?.ok_or(WalletError::TransferNotFound)
+    }
+
+    /// Runs `work` to its end (even if the client hangs up) and counts its outcome.
+    async fn run_work(&self, work: Work) -> Result<Done, WalletError> {
+        let kind = work.kind();
+        let this = self.clone();
+        let result = self.run_to_end(None, async move { this.under_leases(work).await }).await;
+        let outcome = result.as_ref().map_or_else(WalletError::outcome, |_| "accepted");
+        metrics::counter!("walletlock_transfers_total", "kind" => kind, "outcome" => outcome).increment(1);
+        if matches!(result, Err(WalletError::LeaseLost)) {
+            metrics::counter!("walletlock_fence_refusals_total").increment(1);
+        }
+        result
+    }
+
+    /// Takes the leases of `work`'s wallets, commits it, releases them.
+    async fn under_leases(&self, work: Work) -> Result<Done, WalletError> {
+        let names: Vec<String> = work.wallets().into_iter().map(lease_name).collect();
+        let mut leases =
+            self.leases.acquire_all(&names.iter().map(String::as_str).collect::<Vec<_>>()).await?;
+        let waited = leases.iter().map(Lease::waited).sum::<Duration>();
+        tracing::Span::current().record("lease_wait_ms", waited.as_secs_f64() * 1e3);
+        let started = std::time::Instant::now();
+        let result = self.commit_work(&work, &mut leases).await;
+        tracing::Span::current().record("db_ms", started.elapsed().as_secs_f64() * 1e3);
+        lease::release_all(leases).await;
+        result
+    }
+
+    /// Commits `work` under `leases`, trying again after a fence lifted or a key found stored.
+    async fn commit_work(&self, work: &Work, leases: &mut [Lease]) -> Result<Done, WalletError> {
+        let mut resynced: HashSet<WalletId> = HashSet::new();
+        let mut looked_again = false;
+        loop {
+            if leases.iter().any(Lease::is_lost) {
+                return Err(WalletError::LeaseLost);
+            }
+            let fences: HashMap<String, i64> =
+                leases.iter().map(|lease| (lease.name().to_owned(), lease.fence())).collect();
+            match self.attempt(work, &fences).await {
+                Ok(done) => return Ok(done),
+                Err(Failure::Wallet(err)) => return Err(err),
+                Err(Failure::FenceBehind { wallet, seen }) => {
+                    // After one lift our fence is above every fence the row has seen, unless
+                    // another holder claimed meanwhile, which only a lost lease lets happen.
+                    let name = lease_name(&wallet);
+                    let Some(lease) = leases.iter_mut().find(|lease| lease.name() == name) else {
+                        return Err(WalletError::internal("a fence behind for a wallet without a lease"));
+                    };
+                    if !resynced.insert(wallet) {
+                        return Err(WalletError::LeaseLost);
+                    }
+                    lease.advance_fence(seen).await?;
+                }
+                Err(Failure::KeyConflict) if !looked_again => looked_again = true,
+                Err(Failure::KeyConflict) => {
+                    return Err(WalletError::internal("an idempotency key conflicted twice"));
+                }
+            }
+        }
+    }
+
+    /// One transaction: lock the wallets in id order, check each fence, look the key up, decide,
+    /// write, store the response, commit.
+    async fn attempt(&self, work: &Work, fences: &HashMap<String, i64>) -> Result<Done, Failure> {
+        let wallets = work.wallets();
+        let ids: Vec<&str> = wallets.iter().map(|id| id.as_str()).collect();
+        let mut tx = self.db.begin().await?;
+        let locked = store::lock_wallets(&mut tx, &ids, ROW_LOCK_TIMEOUT).await?;
+        for wallet in &wallets {
+            let Some(row) = locked.get(wallet.as_str()) else { return Err(work.missing(wallet).into()) };
+            let fence = fences.get(&lease_name(wallet)).copied().unwrap_or_default();
+            if row.fence >= fence {
+                return Err(Failure::FenceBehind { wallet: (*wallet).clone(), seen: row.fence });
+            }
+        }
+        if let Some(prior) = work.prior(&mut tx).await? {
+            return Err(WalletError::AlreadyRan(prior).into());
+        }
+        let now = crate::ledger::entry_time();
+        let fence_of = |id: &WalletId| fences.get(&lease_name(id)).copied().unwrap_or_default();
+        let outcome: Result<Done, Refusal> = match work {
+            Work::Transfer { parties, amount, reference, refunds, key } => {
+                let amount = match refunds {
+                    Some((original, paid)) => {
+                        let refunded = store::refunded_of_transfer(&mut tx, *original).await?;
+                        domain::refund_amount(*amount, *paid, refunded)
+                    }
+                    None => amount.ok_or(Refusal::RefundExceedsPayment { refundable: 0 }),
+                };
+                let from = (&parties.from, locked[parties.from.as_str()], fence_of(&parties.from));
+                let to = (&parties.to, locked[parties.to.as_str()], fence_of(&parties.to));
+                let outcome = amount.and_then(|amount| {
+                    plan_transfer(from, to, amount, reference.clone(), refunds.map(|(id, _)| id), now)
+                });
+                if let Ok(transfer) = &outcome {
+                    write_transfer(&mut tx, transfer, [from, to]).await?;
+                }
+                if let Some(key) = key {
+                    let entry = outcome.as_ref().ok().map(|t| t.from_entry.id);
+                    store_response(&mut tx, key, &outcome, entry, self.retention).await?;
+                }
+                outcome.map(|transfer| Done::Transfer(Box::new(transfer)))
+            }
+            Work::PaymentRefund { refund, key } => {
+                let wallet = locked[refund.wallet.as_str()];
+                let Some((payment, refunded)) =
+                    store::find_payment(&mut tx, refund.wallet.as_str(), refund.payment).await?
+                else {
+                    return Err(WalletError::PaymentNotFound.into());
+                };
+                let fence = fence_of(&refund.wallet);
+                let outcome =
+                    domain::refund_amount(refund.amount, payment.amount, refunded).and_then(|amount| {
+                        let balance = Movement::Deposit { amount }.apply_to(wallet.balance)?;
+                        Ok(Entry {
+                            id: Uuid::new_v4(),
+                            wallet_id: refund.wallet.as_str().to_owned(),
+                            kind: EntryKind::Refund,
+                            amount: amount.get(),
+                            balance,
+                            version: wallet.version + 1,
+                            fence,
+                            reference: None,
+                            transfer_id: None,
+                            refund_of: Some(payment.id),
+                            created_at: now,
+                        })
+                    });
+                if let Ok(entry) = &outcome {
+                    let write = WalletWrite {
+                        id: &entry.wallet_id,
+                        fence,
+                        read_version: wallet.version,
+                        balance: entry.balance,
+                        version: entry.version,
+                    };
+                    if store::write_wallets(&mut tx, &[write]).await? != 1 {
+                        return Err(WalletError::LeaseLost.into());
+                    }
+                    store::insert_entries(&mut tx, &[entry]).await?;
+                }
+                if let Some(key) = key {
+                    let entry = outcome.as_ref().ok().map(|e| e.id);
+                    store_response(&mut tx, key, &outcome, entry, self.retention).await?;
+                }
+                outcome.map(Done::Entry)
+            }
+        };
+        crate::failpoint::hit("before_commit");
+        super::commit(tx).await?;
+        crate::failpoint::hit("after_commit");
+        outcome.map_err(|refusal| WalletError::Refused(refusal).into())
+    }
+}
+
+type Side<'a> = (&'a WalletId, LockedWallet, i64);
+
+/// Decides a transfer of `amount` from `from` to `to` (each: its id, its locked row, its lease's
+/// fence): the payer's balance must cover it and the payee's must hold it.
+fn plan_transfer(
+    from: Side<'_>,
+    to: Side<'_>,
+    amount: Amount,
+    reference: Option<String>,
+    refund_of: Option<Uuid>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<Transfer, Refusal> {
+    let from_balance = Movement::Pay { amount, reference: None }.apply_to(from.1.balance)?;
+    let to_balance = Movement::Deposit { amount }.apply_to(to.1.balance)?;
+    let id = Uuid::new_v4();
+    let leg = |(wallet, row, fence): Side<'_>, kind, balance| Entry {
+        id: Uuid::new_v4(),
+        wallet_id: wallet.as_str().to_owned(),
+        kind,
+        amount: amount.get(),
+        balance,
+        version: row.version + 1,
+        fence,
+        reference: reference.clone(),
+        transfer_id: Some(id),
+        refund_of: None,
+        created_at: now,
+    };
+    Ok(Transfer {
+        id,
+        from: from.0.as_str().to_owned(),
+        to: to.0.as_str().to_owned(),
+        amount: amount.get(),
+        reference: reference.clone(),
+        refund_of,
+        from_entry: leg(from, EntryKind::TransferOut, from_balance),
+        to_entry: leg(to, EntryKind::TransferIn, to_balance),
+        created_at: now,
+    })
+}
+
+/// Writes both wallets (each conditional on its lease's fence and the version read), the transfer
+/// row and its legs.
+async fn write_transfer(
+    tx: &mut sqlx::PgConnection,
+    transfer: &Transfer,
+    sides: [Side<'_>; 2],
+) -> Result<(), Failure> {
+    let writes: Vec<WalletWrite<'_>> = sides
+        .iter()
+        .zip([&transfer.from_entry, &transfer.to_entry])
+        .map(|((wallet, row, fence), entry)| WalletWrite {
+            id: wallet.as_str(),
+            fence: *fence,
+            read_version: row.version,
+            balance: entry.balance,
+            version: entry.version,
+        })
+        .collect();
+    if store::write_wallets(tx, &writes).await? != writes.len() {
+        return Err(WalletError::LeaseLost.into());
+    }
+    store::insert_transfer(tx, transfer).await?;
+    store::insert_entries(tx, &[&transfer.from_entry, &transfer.to_entry]).await?;
+    Ok(())
+}
+
+/// Stores the rendered `outcome` for `key`, in the transaction that moves the money.
+async fn store_response<T>(
+    tx: &mut sqlx::PgConnection,
+    key: &Keyed<Result<T, Refusal>>,
+    outcome: &Result<T, Refusal>,
+    entry: Option<Uuid>,
+    retention: Duration,
+) -> Result<(), Failure> {
+    let response = (key.render)(outcome);
+    match store::store_key(tx, key.at(), &key.fingerprint, &response, entry, retention).await {
+        Err(err) if err.is_key_conflict() => Err(Failure::KeyConflict),
+        other => Ok(other?),
+    }
+}

@@ -1,0 +1,245 @@
+//! Concurrent transfers through the fleet, remembering what each client was told, and the bank
+//! check generalized to transfers: after every unknown outcome has been settled by retrying with
+//! its idempotency key, the transfers acknowledged are exactly those recorded, each once, with one
+//! leg in each wallet's ledger; every balance equals its opening balance minus what it sent plus
+//! what it received, equals its ledger, is not negative; money is conserved; `walletlock audit`
+//! agrees.
+
+use super::fleet::{Fleet, audit};
+use rand::Rng;
+use serde_json::{Value, json};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// What a client learned from one transfer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// 200: this transfer.
+    Applied(uuid::Uuid),
+    /// A definite "nothing was applied" (insufficient funds, lock timeout, lease lost, ...).
+    NotApplied(String),
+    /// No answer, or one that leaves it open (502, 504, request_timeout, outcome_unknown, in flight).
+    Unknown(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct TransferAttempt {
+    pub from: String,
+    pub to: String,
+    pub amount: i64,
+    pub key: String,
+    pub outcome: Outcome,
+    pub took: Duration,
+}
+
+/// Sends one keyed transfer through `url` and classifies the answer.
+pub async fn transfer(
+    client: &reqwest::Client,
+    url: &str,
+    (from, to): (&str, &str),
+    amount: i64,
+    key: &str,
+) -> Outcome {
+    let request = client
+        .post(format!("{url}/transfers"))
+        .header("idempotency-key", key)
+        .json(&json!({ "from": from, "to": to, "amount": amount }))
+        .timeout(Duration::from_secs(15));
+    let response = match request.send().await {
+        Ok(response) => response,
+        Err(err) => return Outcome::Unknown(format!("no answer: {err}")),
+    };
+    let status = response.status().as_u16();
+    let body: Value = response.json().await.unwrap_or(Value::Null);
+    let code = body["code"].as_str().unwrap_or("").to_owned();
+    match (status, code.as_str()) {
+        (200, _) => {
+            Outcome::Applied(body["id"].as_str().and_then(|id| id.parse().ok()).expect("a transfer id"))
+        }
+        (422, "insufficient_funds")
+        | (409, "lease_lost")
+        | (503, "lock_timeout" | "dependency_unavailable")
+        | (429, _) => Outcome::NotApplied(code),
+        (409, "idempotency_key_in_flight")
+        | (503, "request_timeout" | "outcome_unknown")
+        | (502, "bad_gateway")
+        | (504, "gateway_timeout") => Outcome::Unknown(format!("{status} {code}")),
+        _ => panic!("an answer the API does not give: {status} {body}"),
+    }
+}
+
+/// One keyed transfer, timed.
+pub async fn transfer_one(
+    client: &reqwest::Client,
+    url: &str,
+    pair: (&str, &str),
+    amount: i64,
+) -> TransferAttempt {
+    let key = uuid::Uuid::new_v4().to_string();
+    let sent = Instant::now();
+    let outcome = transfer(client, url, pair, amount, &key).await;
+    TransferAttempt {
+        from: pair.0.to_owned(),
+        to: pair.1.to_owned(),
+        amount,
+        key,
+        outcome,
+        took: sent.elapsed(),
+    }
+}
+
+/// Clients transferring among `wallets` until stopped: client 0, 3, 6... always from the first
+/// wallet to the second, client 1, 4, 7... always back, the others between random pairs; amounts
+/// from 1 to 50, each transfer with its own key.
+pub struct TransferLoad {
+    stop: Arc<AtomicBool>,
+    clients: Vec<tokio::task::JoinHandle<Vec<TransferAttempt>>>,
+}
+
+impl TransferLoad {
+    pub fn start(fleet: &Fleet, wallets: &[&str], clients: usize) -> Self {
+        assert!(wallets.len() >= 2);
+        let stop = Arc::new(AtomicBool::new(false));
+        let clients = (0..clients)
+            .map(|n| {
+                let (client, url, stop) = (fleet.client.clone(), fleet.url(""), stop.clone());
+                let wallets: Vec<String> = wallets.iter().map(|w| w.to_string()).collect();
+                tokio::spawn(async move {
+                    let mut attempts = Vec::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        let (from, to, amount) = {
+                            let mut rng = rand::rng();
+                            let (from, to) = match n % 3 {
+                                0 => (0, 1),
+                                1 => (1, 0),
+                                _ => {
+                                    let from = rng.random_range(0..wallets.len());
+                                    let to = (from + rng.random_range(1..wallets.len())) % wallets.len();
+                                    (from, to)
+                                }
+                            };
+                            (from, to, rng.random_range(1..=50))
+                        };
+                        let pair = (wallets[from].as_str(), wallets[to].as_str());
+                        attempts.push(transfer_one(&client, &url, pair, amount).await);
+                    }
+                    attempts
+                })
+            })
+            .collect();
+        Self { stop, clients }
+    }
+
+    pub async fn finish(self) -> Vec<TransferAttempt> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut attempts = Vec::new();
+        for client in self.clients {
+            attempts.extend(client.await.expect("a transfer client"));
+        }
+        attempts
+    }
+}
+
+/// Retries every unknown outcome with its key until the answer is definite.
+pub async fn settle(fleet: &Fleet, attempts: &mut [TransferAttempt]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for attempt in attempts.iter_mut() {
+        while let Outcome::Unknown(_) = attempt.outcome {
+            assert!(Instant::now() < deadline, "could not settle {attempt:?}");
+            let pair = (attempt.from.as_str(), attempt.to.as_str());
+            attempt.outcome =
+                transfer(&fleet.client, &fleet.url(""), pair, attempt.amount, &attempt.key).await;
+            if matches!(attempt.outcome, Outcome::Unknown(_)) {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+/// How many attempts ended each way, by code.
+pub fn tally(attempts: &[TransferAttempt]) -> std::collections::BTreeMap<String, usize> {
+    let mut tally = std::collections::BTreeMap::new();
+    for attempt in attempts {
+        let label = match &attempt.outcome {
+            Outcome::Applied(_) => "applied".to_owned(),
+            Outcome::NotApplied(code) => code.clone(),
+            Outcome::Unknown(what) => format!("unknown {what}"),
+        };
+        *tally.entry(label).or_default() += 1;
+    }
+    tally
+}
+
+/// The bank check, after [`settle`]: `opening` is each wallet's opening balance, and the wallets
+/// see no other movement than `attempts`.
+pub async fn check_books(fleet: &Fleet, opening: &[(&str, i64)], attempts: &[TransferAttempt]) {
+    let applied: Vec<(uuid::Uuid, &TransferAttempt)> = attempts
+        .iter()
+        .filter_map(|a| match a.outcome {
+            Outcome::Applied(id) => Some((id, a)),
+            Outcome::NotApplied(_) => None,
+            Outcome::Unknown(_) => panic!("settle the attempts first: {a:?}"),
+        })
+        .collect();
+    let acknowledged: HashSet<uuid::Uuid> = applied.iter().map(|(id, _)| *id).collect();
+    assert_eq!(acknowledged.len(), applied.len(), "two keys were answered with one transfer");
+
+    let wallets: Vec<String> = opening.iter().map(|(w, _)| w.to_string()).collect();
+    let recorded: Vec<(uuid::Uuid, String, String, i64)> = sqlx::query_as(
+        "select id, from_wallet, to_wallet, amount from transfer
+         where from_wallet = any($1) or to_wallet = any($1)",
+    )
+    .bind(&wallets)
+    .fetch_all(&fleet.db)
+    .await
+    .unwrap();
+    let in_books: HashSet<uuid::Uuid> = recorded.iter().map(|(id, ..)| *id).collect();
+    let lost: Vec<_> = acknowledged.difference(&in_books).collect();
+    let unacknowledged: Vec<_> = in_books.difference(&acknowledged).collect();
+    assert!(lost.is_empty(), "acknowledged transfers missing from the books: {lost:?}");
+    assert!(unacknowledged.is_empty(), "transfers recorded that no client was told of: {unacknowledged:?}");
+    for (id, from, to, amount) in &recorded {
+        let (_, attempt) = applied.iter().find(|(applied, _)| applied == id).expect("acknowledged");
+        assert_eq!((from, to, *amount), (&attempt.from, &attempt.to, attempt.amount), "transfer {id}");
+    }
+
+    // Each acknowledged transfer is in both ledgers exactly once: one leg out of `from`, one into
+    // `to`, of its amount.
+    let legs: Vec<(uuid::Uuid, String, String, i64)> = sqlx::query_as(
+        "select transfer_id, wallet_id, kind, amount from ledger_entry where wallet_id = any($1) and transfer_id is not null",
+    )
+    .bind(&wallets)
+    .fetch_all(&fleet.db)
+    .await
+    .unwrap();
+    let mut legs_of: HashMap<uuid::Uuid, Vec<(String, String, i64)>> = HashMap::new();
+    for (transfer, wallet, kind, amount) in legs {
+        legs_of.entry(transfer).or_default().push((kind, wallet, amount));
+    }
+    for (id, attempt) in &applied {
+        let mut legs = legs_of.remove(id).unwrap_or_default();
+        legs.sort();
+        let want = vec![
+            ("transfer_in".to_owned(), attempt.to.clone(), attempt.amount),
+            ("transfer_out".to_owned(), attempt.from.clone(), attempt.amount),
+        ];
+        assert_eq!(legs, want, "transfer {id}: one leg in each ledger");
+    }
+    assert!(legs_of.is_empty(), "legs of transfers no client was told of: {legs_of:?}");
+
+    let mut total = (0, 0);
+    for (wallet, opening) in opening {
+        let sent: i64 = applied.iter().filter(|(_, a)| a.from == *wallet).map(|(_, a)| a.amount).sum();
+        let received: i64 = applied.iter().filter(|(_, a)| a.to == *wallet).map(|(_, a)| a.amount).sum();
+        let books = super::books(&fleet.db, wallet).await;
+        assert_eq!(books.balance, opening - sent + received, "{wallet}: balance = opening - sent + received");
+        assert_eq!(books.balance, books.ledger_sum, "{wallet}: balance = ledger");
+        assert!(books.balance >= 0, "{wallet}: negative");
+        total = (total.0 + opening, total.1 + books.balance);
+    }
+    assert_eq!(total.0, total.1, "money is conserved among the wallets");
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "walletlock audit: {report}");
+}

@@ -1,0 +1,416 @@
+//! Money between wallets: transfers under two leases that never deadlock, and refunds that never
+//! add up to more than what they refund.
+
+use crate::support::app::{TestApp, spawn_app};
+use crate::support::fleet::{Fleet, audit};
+use crate::support::load::open_wallets;
+use crate::support::transfers::{Outcome, TransferLoad, check_books, settle, tally, transfer_one};
+use crate::support::{TestEnv, books};
+use reqwest::Response;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Barrier;
+
+async fn problem(response: Response) -> (u16, Value) {
+    let status = response.status().as_u16();
+    assert_eq!(
+        response.headers().get("content-type").and_then(|v| v.to_str().ok()),
+        Some("application/problem+json"),
+        "a {status} is a problem document"
+    );
+    (status, response.json().await.unwrap())
+}
+
+async fn transfer_count(app: &TestApp) -> i64 {
+    transfer_count_in(&app.db).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_clients_transferring_both_ways_never_deadlock_and_the_books_balance() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 3, &[]).await;
+    let wallets = ["ta", "tb", "tc", "td", "te"];
+    let opening = 2_000;
+    open_wallets(&fleet, &wallets, opening).await;
+
+    let load = TransferLoad::start(&fleet, &wallets, 16);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut attempts = load.finish().await;
+    settle(&fleet, &mut attempts).await;
+    let counts = tally(&attempts);
+    eprintln!("16 clients, 4 s: {counts:?}");
+    let applied = counts.get("applied").copied().unwrap_or(0);
+    assert!(applied >= 100, "transfers kept going both ways: {counts:?}");
+    // A transfer that waited a whole lease wait for a wallet gives up holding nothing (`lock_timeout`,
+    // nothing applied, retry): bounded, and rare, never a stall.
+    let timed_out = counts.get("lock_timeout").copied().unwrap_or(0);
+    assert!(timed_out * 20 <= attempts.len(), "more than 5% timed out: {counts:?}");
+    for code in counts.keys() {
+        assert!(
+            ["applied", "insufficient_funds", "lock_timeout"].contains(&code.as_str()),
+            "a transfer neither applied nor refused on its merits nor timed out: {counts:?}"
+        );
+    }
+    let opening: Vec<(&str, i64)> = wallets.iter().map(|w| (*w, opening)).collect();
+    check_books(&fleet, &opening, &attempts).await;
+
+    // Nothing is wedged: a transfer right after goes through at once.
+    let after = transfer_one(&fleet.client, &fleet.url(""), ("ta", "tb"), 1).await;
+    let after = match after.outcome {
+        Outcome::Applied(_) => after,
+        _ => transfer_one(&fleet.client, &fleet.url(""), ("tb", "ta"), 1).await,
+    };
+    assert!(matches!(after.outcome, Outcome::Applied(_)), "{after:?}");
+    assert!(after.took < Duration::from_millis(500), "the transfer after took {:?}", after.took);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_moves_money_between_two_wallets_in_both_ledgers() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    app.open_wallet("alice", 1_000).await;
+    app.open_wallet("bob", 10).await;
+
+    let response = app
+        .post_json("/transfers", json!({ "from": "alice", "to": "bob", "amount": 250, "reference": "inv-7" }))
+        .await;
+    assert_eq!(response.status(), 200);
+    let transfer: Value = response.json().await.unwrap();
+    let id = transfer["id"].as_str().unwrap();
+    assert_eq!((transfer["from"].as_str(), transfer["to"].as_str()), (Some("alice"), Some("bob")));
+    assert_eq!((transfer["amount"].as_i64(), transfer["reference"].as_str()), (Some(250), Some("inv-7")));
+    let (out, into) = (&transfer["from_entry"], &transfer["to_entry"]);
+    assert_eq!((out["kind"].as_str(), out["wallet_id"].as_str()), (Some("transfer_out"), Some("alice")));
+    assert_eq!((into["kind"].as_str(), into["wallet_id"].as_str()), (Some("transfer_in"), Some("bob")));
+    assert_eq!((out["balance"].as_i64(), into["balance"].as_i64()), (Some(750), Some(260)));
+    assert_eq!((out["version"].as_i64(), into["version"].as_i64()), (Some(2), Some(2)));
+    assert_eq!((out["transfer_id"].as_str(), into["transfer_id"].as_str()), (Some(id), Some(id)));
+    assert!(out["fence"].as_i64().unwrap() >= 1 && into["fence"].as_i64().unwrap() >= 1);
+
+    let read: Value = app.get(&format!("/transfers/{id}")).await.json().await.unwrap();
+    assert_eq!(read["from_entry"], transfer["from_entry"], "GET returns what POST did");
+    assert_eq!(read["refunded"], 0);
+    let history: Value = app.get("/wallets/bob/transactions").await.json().await.unwrap();
+    assert_eq!(history["transactions"][0], transfer["to_entry"], "the leg is in bob's ledger");
+    assert_eq!((books(&app.db, "alice").await.balance, books(&app.db, "bob").await.balance), (750, 260));
+    let (ok, report) = audit(&app._schema.url);
+    assert!(ok, "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_refused_transfer_has_its_code_and_changes_nothing() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    app.open_wallet("payer", 1_000).await;
+    app.open_wallet("payee", 0).await;
+    app.open_wallet("full", 0).await;
+    // A balance one deposit cannot grow, set by hand: no API reaches it in a test's time.
+    sqlx::query("update wallet set balance = 9223372036854775000 where id = 'full'")
+        .execute(&app.db)
+        .await
+        .unwrap();
+
+    let cases: Vec<(Value, u16, &str, Option<&str>)> = vec![
+        (json!({ "from": "payer", "to": "payer", "amount": 1 }), 400, "same_wallet", Some("to")),
+        (json!({ "from": "ghost", "to": "payee", "amount": 1 }), 404, "wallet_not_found", Some("from")),
+        (json!({ "from": "payer", "to": "ghost", "amount": 1 }), 404, "wallet_not_found", Some("to")),
+        (json!({ "from": "payer", "to": "payee", "amount": 1_001 }), 422, "insufficient_funds", None),
+        (json!({ "from": "payer", "to": "full", "amount": 900 }), 422, "balance_overflow", None),
+        (json!({ "from": "a/b", "to": "payee", "amount": 1 }), 400, "invalid_wallet_id", Some("from")),
+        (json!({ "from": "payer", "to": "", "amount": 1 }), 400, "invalid_wallet_id", Some("to")),
+        (json!({ "from": "payer", "to": "payee", "amount": 0 }), 400, "invalid_amount", Some("amount")),
+        (json!({ "from": "payer", "to": "payee", "amount": -5 }), 400, "invalid_amount", Some("amount")),
+        (
+            json!({ "from": "payer", "to": "payee", "amount": 1, "reference": "x".repeat(257) }),
+            400,
+            "invalid_reference",
+            Some("reference"),
+        ),
+        (json!({ "from": "payer", "to": "payee", "amount": 1.5 }), 400, "invalid_body", None),
+        (json!({ "from": "payer", "to": "payee", "amount": "1" }), 400, "invalid_body", None),
+        (json!({ "from": "payer", "amount": 1 }), 400, "invalid_body", None),
+        (json!({ "from": "payer", "to": "payee", "amount": 1, "extra": true }), 400, "invalid_body", None),
+    ];
+    for (body, status, code, field) in cases {
+        let (got, problem) = problem(app.post_json("/transfers", body.clone()).await).await;
+        assert_eq!((got, problem["code"].as_str()), (status, Some(code)), "{body}");
+        assert_eq!(problem["status"], status);
+        assert_eq!(problem["field"].as_str(), field, "{body}");
+    }
+    let (_, insufficient) = problem(
+        app.post_json("/transfers", json!({ "from": "payer", "to": "payee", "amount": 1_001 })).await,
+    )
+    .await;
+    assert_eq!(insufficient["balance"], 1_000, "insufficient_funds says what `from` has");
+
+    let malformed = app
+        .client
+        .post(app.url("/transfers"))
+        .header("content-type", "application/json")
+        .body("{\"from\":")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(problem(malformed).await.1["code"], "malformed_json");
+    let not_json = app.client.post(app.url("/transfers")).body("from=payer").send().await.unwrap();
+    let (status, not_json) = problem(not_json).await;
+    assert_eq!((status, not_json["code"].as_str()), (415, Some("unsupported_media_type")));
+    let anonymous = reqwest::Client::new()
+        .post(app.url("/transfers"))
+        .json(&json!({ "from": "payer", "to": "payee", "amount": 1 }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status(), 401);
+    assert!(anonymous.headers().contains_key("www-authenticate"));
+    let bad_key = app
+        .client
+        .post(app.url("/transfers"))
+        .header("idempotency-key", "")
+        .json(&json!({ "from": "payer", "to": "payee", "amount": 1 }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(problem(bad_key).await.1["code"], "invalid_idempotency_key");
+
+    let (status, missing) = problem(app.get(&format!("/transfers/{}", uuid::Uuid::new_v4())).await).await;
+    assert_eq!((status, missing["code"].as_str()), (404, Some("transfer_not_found")));
+    let (status, bad) = problem(app.get("/transfers/not-a-uuid").await).await;
+    assert_eq!((status, bad["code"].as_str()), (400, Some("invalid_transfer_id")));
+
+    assert_eq!(transfer_count(&app).await, 0, "nothing was recorded");
+    assert_eq!((books(&app.db, "payer").await.balance, books(&app.db, "payee").await.balance), (1_000, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_retried_with_its_key_moves_money_once() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    app.open_wallet("kfrom", 100).await;
+    app.open_wallet("kto", 0).await;
+    let send = |body: Value, key: &'static str| {
+        app.client.post(app.url("/transfers")).header("idempotency-key", key).json(&body).send()
+    };
+    let body = json!({ "from": "kfrom", "to": "kto", "amount": 30 });
+
+    let first = send(body.clone(), "move-1").await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    let first = first.bytes().await.unwrap();
+    // The retry, with the body rebuilt in another key order.
+    let retry = send(json!({ "amount": 30, "to": "kto", "from": "kfrom" }), "move-1").await.unwrap();
+    assert_eq!(retry.status(), 200);
+    assert_eq!(retry.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap()), Some("true"));
+    assert_eq!(retry.bytes().await.unwrap(), first, "byte for byte the same response");
+
+    let reused = send(json!({ "from": "kfrom", "to": "kto", "amount": 31 }), "move-1").await.unwrap();
+    assert_eq!(problem(reused).await.1["code"], "idempotency_key_reused");
+
+    // A refusal is stored and replayed too, even once the money is there.
+    let refused = send(json!({ "from": "kfrom", "to": "kto", "amount": 500 }), "move-2").await.unwrap();
+    assert_eq!(problem(refused).await.1["code"], "insufficient_funds");
+    let deposited = app.post_json("/wallets/kfrom/deposit", json!({ "amount": 1_000 })).await;
+    assert_eq!(deposited.status(), 200);
+    let replayed = send(json!({ "from": "kfrom", "to": "kto", "amount": 500 }), "move-2").await.unwrap();
+    assert_eq!(replayed.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap()), Some("true"));
+    assert_eq!(problem(replayed).await.1["code"], "insufficient_funds");
+
+    assert_eq!(transfer_count(&app).await, 1, "moved once");
+    assert_eq!((books(&app.db, "kfrom").await.balance, books(&app.db, "kto").await.balance), (1_070, 30));
+    let (ok, report) = audit(&app._schema.url);
+    assert!(ok, "{report}");
+}
+
+/// Sends `count` refunds of `amount` at once, alternating between the two replicas.
+async fn race(fleet: &Fleet, path: &str, body: Value, count: usize) -> Vec<(u16, Value)> {
+    let start = Arc::new(Barrier::new(count));
+    let requests: Vec<_> = (0..count)
+        .map(|n| {
+            let (client, url, body, start) =
+                (fleet.client.clone(), fleet.replicas[n % 2].url(path), body.clone(), start.clone());
+            tokio::spawn(async move {
+                start.wait().await;
+                let response = client.post(url).json(&body).send().await.unwrap();
+                (response.status().as_u16(), response.json::<Value>().await.unwrap())
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for request in requests {
+        answers.push(request.await.unwrap());
+    }
+    answers
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refunds_racing_on_two_replicas_never_exceed_the_payment() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 2, &[]).await;
+    open_wallets(&fleet, &["shopper", "merchant"], 1_000).await;
+    let paid: Value = fleet
+        .client
+        .post(fleet.url("/wallets/shopper/pay"))
+        .json(&json!({ "amount": 100 }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let payment = paid["id"].as_str().unwrap();
+
+    let answers =
+        race(&fleet, "/wallets/shopper/refunds", json!({ "payment": payment, "amount": 30 }), 12).await;
+    let accepted: Vec<_> = answers.iter().filter(|(status, _)| *status == 200).collect();
+    assert_eq!(accepted.len(), 3, "3 refunds of 30 fit in 100: {answers:?}");
+    for (_, entry) in &accepted {
+        assert_eq!((entry["kind"].as_str(), entry["refund_of"].as_str()), (Some("refund"), Some(payment)));
+    }
+    for (status, body) in answers.iter().filter(|(status, _)| *status != 200) {
+        assert_eq!((*status, body["code"].as_str()), (422, Some("refund_exceeds_payment")), "{body}");
+        assert_eq!(body["refundable"], 10);
+    }
+    // Without an amount: the rest, then nothing.
+    let rest: Value = fleet
+        .client
+        .post(fleet.url("/wallets/shopper/refunds"))
+        .json(&json!({ "payment": payment }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!((rest["amount"].as_i64(), rest["balance"].as_i64()), (Some(10), Some(1_000)));
+    let none = fleet
+        .client
+        .post(fleet.url("/wallets/shopper/refunds"))
+        .json(&json!({ "payment": payment }))
+        .send()
+        .await
+        .unwrap();
+    let (status, none) = problem(none).await;
+    assert_eq!(
+        (status, none["code"].as_str(), none["refundable"].as_i64()),
+        (422, Some("refund_exceeds_payment"), Some(0))
+    );
+    // Only a payment of this wallet can be refunded here.
+    let elsewhere = fleet
+        .client
+        .post(fleet.url("/wallets/merchant/refunds"))
+        .json(&json!({ "payment": payment }))
+        .send()
+        .await
+        .unwrap();
+    let (status, elsewhere) = problem(elsewhere).await;
+    assert_eq!((status, elsewhere["code"].as_str()), (404, Some("payment_not_found")));
+    let malformed = fleet
+        .client
+        .post(fleet.url("/wallets/shopper/refunds"))
+        .json(&json!({ "payment": "nope" }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(problem(malformed).await.1["code"], "invalid_payment_id");
+
+    // A transfer's refunds race the same way: money moves back from `to` to `from`.
+    let moved: Value = fleet
+        .client
+        .post(fleet.url("/transfers"))
+        .json(&json!({ "from": "shopper", "to": "merchant", "amount": 100 }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let transfer = moved["id"].as_str().unwrap();
+    let path = format!("/transfers/{transfer}/refund");
+    let answers = race(&fleet, &path, json!({ "amount": 30 }), 12).await;
+    let accepted: Vec<_> = answers.iter().filter(|(status, _)| *status == 200).collect();
+    assert_eq!(accepted.len(), 3, "3 refunds of 30 fit in 100: {answers:?}");
+    for (_, refund) in &accepted {
+        assert_eq!((refund["from"].as_str(), refund["to"].as_str()), (Some("merchant"), Some("shopper")));
+        assert_eq!(refund["refund_of"].as_str(), Some(transfer));
+    }
+    for (status, body) in answers.iter().filter(|(status, _)| *status != 200) {
+        assert_eq!((*status, body["code"].as_str()), (422, Some("refund_exceeds_payment")), "{body}");
+    }
+    let state: Value = fleet
+        .client
+        .get(fleet.url(&format!("/transfers/{transfer}")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(state["refunded"], 90);
+
+    assert_eq!(
+        (books(&fleet.db, "shopper").await.balance, books(&fleet.db, "merchant").await.balance),
+        (990, 1_010)
+    );
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_waits_for_a_wallet_held_elsewhere_and_times_out_holding_nothing() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    app.open_wallet("w1", 100).await;
+    app.open_wallet("w2", 100).await;
+    // Another holder keeps `w2` for longer than the lease wait (2 s in test replicas).
+    let holder =
+        env.leases(Duration::from_secs(10), Duration::from_secs(1)).acquire("wallet:w2").await.unwrap();
+    let started = Instant::now();
+    let response = app.post_json("/transfers", json!({ "from": "w1", "to": "w2", "amount": 1 })).await;
+    let waited = started.elapsed();
+    let (status, body) = problem(response).await;
+    assert_eq!((status, body["code"].as_str()), (503, Some("lock_timeout")));
+    assert!(waited < Duration::from_secs(4), "bounded by the lease wait: {waited:?}");
+    // `w1`'s lease was released on the way out: a payment from it goes through at once.
+    let started = Instant::now();
+    let paid = app.post_json("/wallets/w1/pay", json!({ "amount": 1 })).await;
+    assert_eq!(paid.status(), 200);
+    assert!(started.elapsed() < Duration::from_millis(500), "w1 was not left leased");
+    holder.release().await.unwrap();
+    assert_eq!(transfer_count(&app).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_mid_transfer_applies_it_whole_or_not_at_all_and_the_retry_tells() {
+    for (failpoint, committed) in [("before_commit", false), ("after_commit", true)] {
+        let env = TestEnv::new();
+        let settings = [("WALLETLOCK_FAILPOINT", failpoint), ("LEASE_TTL", "1s")];
+        let mut fleet = Fleet::start(&env, 1, &settings).await;
+        open_wallets(&fleet, &["kill-from", "kill-to"], 100).await;
+        let url = fleet.replicas[0].url("");
+
+        let pair = ("kill-from", "kill-to");
+        let died = crate::support::transfers::transfer(&fleet.client, &url, pair, 40, "k").await;
+        assert!(matches!(died, Outcome::Unknown(_)), "{failpoint}: no answer, the replica died: {died:?}");
+        let recorded = || async { transfer_count_in(&fleet.db).await };
+        assert_eq!(recorded().await, i64::from(committed), "{failpoint}: whole or nothing");
+
+        fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", None);
+        fleet.replicas[0].start();
+        // The dead replica's leases expire within their TTL; the retry with the key settles it.
+        let retried = crate::support::transfers::transfer(&fleet.client, &url, pair, 40, "k").await;
+        assert!(matches!(retried, Outcome::Applied(_)), "{failpoint}: {retried:?}");
+        let again = crate::support::transfers::transfer(&fleet.client, &url, pair, 40, "k").await;
+        assert_eq!(again, retried, "{failpoint}: the same transfer, replayed");
+        assert_eq!(recorded().await, 1, "{failpoint}: moved once");
+        let balances =
+            (books(&fleet.db, "kill-from").await.balance, books(&fleet.db, "kill-to").await.balance);
+        assert_eq!(balances, (60, 140), "{failpoint}");
+        let (ok, report) = audit(&fleet.database_url);
+        assert!(ok, "{failpoint}: {report}");
+    }
+}
+
+async fn transfer_count_in(db: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("select count(*) from transfer").fetch_one(db).await.unwrap()
+}
