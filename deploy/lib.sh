@@ -280,6 +280,8 @@ wl_nginx_prepare() {
   {
     echo "# Written by deploy/lib.sh (wl_nginx_prepare): the local replicas."
     echo "upstream walletlock {"
+    echo "    # One replica per wallet while it is up (see \$walletlock_route in nginx.conf)."
+    echo "    hash \$walletlock_route consistent;"
     local port
     for port in "$@"; do
       # One failed connection takes a replica out of rotation for 1 s (passive health check).
