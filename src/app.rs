@@ -3,8 +3,10 @@
 use crate::config::ServeArgs;
 use crate::http::{self, ApiContext, Draining};
 use crate::wallet::Wallets;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 /// How often each replica deletes idempotency keys past their retention. Replicas may purge at
@@ -39,9 +41,9 @@ impl Application {
         let leases = args.lease.client(&args.redis)?;
         let wallets = Wallets::new(args.database.pool()?, leases)
             .with_strategy(args.lease.strategy())
-            .with_keys(args.key_settings());
-        let listener = TcpListener::bind(args.listen)
-            .await
+            .with_keys(args.key_settings())
+            .with_queue_limit(args.wallet_queue_limit as usize);
+        let listener = http::server::bind(args.listen, args.listen_backlog)
             .map_err(|err| anyhow::anyhow!("cannot listen on {}: {err}", args.listen))?;
         let port = listener.local_addr()?.port();
         let replica = args.replica_name(port);
@@ -55,6 +57,7 @@ impl Application {
             request_timeout: args.request_timeout,
             keys: args.key_settings(),
             callers,
+            in_flight: Arc::new(Semaphore::new(args.max_in_flight as usize)),
         };
         Ok(Self { listener, ctx, grace: args.shutdown_grace })
     }

@@ -18,5 +18,6 @@ mod idempotency;
 mod lease;
 mod metrics;
 mod openapi;
+mod overload;
 mod redis_loss;
 mod topologies;
