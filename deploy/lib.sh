@@ -269,23 +269,29 @@ wl_start_redis() {
 # wl_nginx_prepare DIR LISTEN PORT...: DIR gets a verbatim copy of the top-level nginx.conf and
 # the files it includes: listen.conf (LISTEN, e.g. 127.0.0.1:8080), status_listen.conf (loopback,
 # port WALLETLOCK_NGINX_STATUS_PORT, 8090 by default) and upstream.conf (one replica per PORT on
-# 127.0.0.1).
+# 127.0.0.1, each taking at most WALLETLOCK_NGINX_MAX_CONNS connections, 512 by default: see
+# nginx.conf's "no live upstreams").
 wl_nginx_prepare() {
   local dir=$1 listen=$2; shift 2
   local root; root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   mkdir -p "$dir"
   cp "$root/nginx.conf" "$dir/nginx.conf"
-  printf 'listen %s;\n' "$listen" >"$dir/listen.conf"
+  # A flood's connections wait in the accept queue, not refused (the kernel caps it at somaxconn).
+  printf 'listen %s backlog=4096;\n' "$listen" >"$dir/listen.conf"
   printf 'listen 127.0.0.1:%s;\n' "${WALLETLOCK_NGINX_STATUS_PORT:-8090}" >"$dir/status_listen.conf"
   {
     echo "# Written by deploy/lib.sh (wl_nginx_prepare): the local replicas."
     echo "upstream walletlock {"
     echo "    # One replica per wallet while it is up (see \$walletlock_route in nginx.conf)."
     echo "    hash \$walletlock_route consistent;"
-    local port
+    echo "    # Shared by the workers, so max_conns bounds each replica's connections in total."
+    echo "    zone walletlock 64k;"
+    local port max_conns=${WALLETLOCK_NGINX_MAX_CONNS:-512}
     for port in "$@"; do
       # One failed connection takes a replica out of rotation for 1 s (passive health check).
-      echo "    server 127.0.0.1:$port max_fails=1 fail_timeout=1s;"
+      # max_conns: above the replica's MAX_IN_FLIGHT (256), so the replica sheds first, and low
+      # enough that its connections' buffers stay within its memory (README, Overload).
+      echo "    server 127.0.0.1:$port max_fails=1 fail_timeout=1s max_conns=$max_conns;"
     done
     echo "    keepalive 64;"
     echo "    # Below the replicas' 30 s idle timeout: nginx, not the replica, closes idle connections,"

@@ -154,7 +154,7 @@ def settle(client, ops, deadline_s=60):
             if 400 <= status < 500 and code != "idempotency_key_in_flight":
                 record.update(s=status, code=code, settled=True)
                 break
-            if status == 503 and code in ("lock_timeout", "dependency_unavailable"):
+            if status == 503 and code in ("lock_timeout", "overloaded", "dependency_unavailable"):
                 # Nothing applied; a client that gives up here leaves it unapplied.
                 record.update(s=status, code=code, settled=True)
                 break

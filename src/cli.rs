@@ -26,7 +26,8 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve the HTTP API (one replica). Stops on SIGTERM or SIGINT after draining.
-    Serve(ServeArgs),
+    // Boxed: its settings make this variant many times larger than the others.
+    Serve(Box<ServeArgs>),
     /// Apply the database migrations (safe to run from several replicas at once). Run it as the
     /// tables' owner; with --app-role, also grant that role what the replicas need, and no more.
     Migrate {

@@ -17,6 +17,9 @@
 //! | `LEASE_STRATEGY` | `queue` | `queue`: per-wallet queues, wake-ups, group commit; `tutorial`: every request polls the lease every 5-15 ms (the benchmark's baseline) |
 //! | `SHUTDOWN_GRACE` | `10s` | how long shutdown waits for open connections and payments in flight |
 //! | `REQUEST_TIMEOUT` | `8s` | bound on one request (503 past it); above `LEASE_WAIT`, below nginx's read timeout |
+//! | `MAX_IN_FLIGHT` | `256` | `/wallets` requests one replica handles at once; past it 503 `overloaded` at once, nothing read |
+//! | `WALLET_QUEUE_LIMIT` | `128` | movements one wallet may have queued on one replica; past it 503 `overloaded` |
+//! | `LISTEN_BACKLOG` | `4096` | the listening socket's accept queue (the kernel caps it at `net.core.somaxconn`) |
 //! | `IDEMPOTENCY_RETENTION` | `24h` | how long a stored response is replayed for its key |
 //! | `IDEMPOTENCY_STALE_AFTER` | `10s` | when an in-flight key counts as abandoned by a dead replica |
 //! | `API_TOKENS` | (one of the two required) | `caller:token` entries, comma-separated; secret, never logged |
@@ -309,6 +312,19 @@ pub struct ServeArgs {
     /// above LEASE_WAIT and below nginx's proxy_read_timeout.
     #[arg(long, env = "REQUEST_TIMEOUT", default_value = "8s", value_parser = duration)]
     pub request_timeout: Duration,
+    /// How many `/wallets` requests this replica handles at once. One more is answered 503
+    /// `overloaded` (with Retry-After) before its body is read or anything else is done, so a
+    /// flood costs the replica a bounded amount of memory and work.
+    #[arg(long, env = "MAX_IN_FLIGHT", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_in_flight: u32,
+    /// How many deposits and payments one wallet may have queued on this replica. One more is
+    /// answered 503 `overloaded` at once: it could not be served within LEASE_WAIT anyway.
+    #[arg(long, env = "WALLET_QUEUE_LIMIT", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    pub wallet_queue_limit: u32,
+    /// The listening socket's backlog: connections the kernel completes before the replica accepts
+    /// them (capped by net.core.somaxconn). Room for a burst from nginx's connections.
+    #[arg(long, env = "LISTEN_BACKLOG", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub listen_backlog: u32,
     /// How long a stored response is replayed for its Idempotency-Key before the key is purged.
     #[arg(long, env = "IDEMPOTENCY_RETENTION", default_value = "24h", value_parser = duration)]
     pub idempotency_retention: Duration,

@@ -10,6 +10,7 @@
 //! | `walletlock_http_requests_total{method,route,status}` | counter | requests answered |
 //! | `walletlock_http_request_duration_seconds{method,route}` | histogram | time to answer |
 //! | `walletlock_movements_total{kind,outcome}` | counter | deposits and payments by outcome (`accepted`, `insufficient_funds`, `lock_timeout`, `lease_lost`, ...) |
+//! | `walletlock_requests_shed_total{reason}` | counter | requests answered 503 `overloaded` before any work: `in_flight` (`MAX_IN_FLIGHT` reached), `wallet_queue` (`WALLET_QUEUE_LIMIT` reached) |
 //! | `walletlock_lease_acquisitions_total` | counter | leases taken |
 //! | `walletlock_lease_acquire_wait_seconds` | histogram | wait for each lease taken |
 //! | `walletlock_lease_timeouts_total` | counter | leases not obtained within the wait |
@@ -29,6 +30,10 @@
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 
+/// The counter of requests refused before any work because the replica was full (label
+/// `reason`: `in_flight` for `MAX_IN_FLIGHT`, recorded by `crate::http`; `wallet_queue` for
+/// `WALLET_QUEUE_LIMIT`, recorded by `crate::wallet`).
+pub const REQUESTS_SHED: &str = "walletlock_requests_shed_total";
 /// The histogram of group-commit sizes per wallet (recorded by `crate::wallet`).
 pub const BATCH_SIZE: &str = "walletlock_batch_movements";
 /// The histogram of wallets per round (one statement, one WAL flush; recorded by `crate::wallet`).
@@ -73,6 +78,13 @@ fn describe() {
         metrics::Unit::Seconds,
         "Time to answer an HTTP request."
     );
+    metrics::describe_counter!(
+        REQUESTS_SHED,
+        "Requests answered 503 overloaded before any work: the replica's in-flight bound or the wallet's queue was full."
+    );
+    for reason in ["in_flight", "wallet_queue"] {
+        metrics::counter!(REQUESTS_SHED, "reason" => reason).absolute(0);
+    }
     metrics::describe_gauge!("walletlock_replica_info", "Always 1; labels name the replica and its version.");
     metrics::describe_gauge!("process_resident_memory_bytes", metrics::Unit::Bytes, "Resident memory.");
     metrics::describe_gauge!(

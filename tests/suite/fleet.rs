@@ -111,6 +111,9 @@ fn help_lists_every_setting_with_its_environment_variable_and_default() {
         "LOG_FORMAT",
         "SHUTDOWN_GRACE",
         "REQUEST_TIMEOUT",
+        "MAX_IN_FLIGHT",
+        "WALLET_QUEUE_LIMIT",
+        "LISTEN_BACKLOG",
     ] {
         assert!(help.contains(&format!("env: {var}")), "{var} missing from --help");
     }

@@ -139,6 +139,17 @@ pub struct Fleet {
 impl Fleet {
     /// `count` replicas on one fresh schema, and nginx in front of them.
     pub async fn start(env: &TestEnv, count: usize, settings: &[(&str, &str)]) -> Fleet {
+        Self::start_behind(env, count, settings, &[]).await
+    }
+
+    /// As [`Fleet::start`], with nginx prepared under `nginx_settings` (deploy/lib.sh's
+    /// `WALLETLOCK_NGINX_*` variables, e.g. `WALLETLOCK_NGINX_MAX_CONNS`).
+    pub async fn start_behind(
+        env: &TestEnv,
+        count: usize,
+        settings: &[(&str, &str)],
+        nginx_settings: &[(&str, &str)],
+    ) -> Fleet {
         let (schema, db) = env.database(4).await;
         let dir = TempDir::new().expect("temp dir");
         std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))
@@ -169,8 +180,9 @@ impl Fleet {
         let nginx_port = free_port();
         let nginx_dir = dir.path().join("nginx");
         let ports: Vec<String> = replicas.iter().map(|r| r.port.to_string()).collect();
+        let nginx_env: String = nginx_settings.iter().map(|(k, v)| format!("{k}={v} ")).collect();
         lib_sh(&format!(
-            "WALLETLOCK_NGINX_STATUS_PORT={} wl_nginx_prepare {} 127.0.0.1:{nginx_port} {}",
+            "{nginx_env}WALLETLOCK_NGINX_STATUS_PORT={} wl_nginx_prepare {} 127.0.0.1:{nginx_port} {}",
             free_port(),
             nginx_dir.display(),
             ports.join(" ")
