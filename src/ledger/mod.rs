@@ -31,7 +31,7 @@ pub mod unguarded;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgConnection, Row};
+use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 /// Why a store operation failed.
@@ -49,6 +49,12 @@ pub enum StoreError {
     LeaseLost,
     #[error(transparent)]
     Database(#[from] sqlx::Error),
+}
+
+/// Whether Postgres answers a trivial query.
+pub async fn ping(db: &PgPool) -> Result<(), StoreError> {
+    sqlx::query("select 1").execute(db).await?;
+    Ok(())
 }
 
 impl StoreError {

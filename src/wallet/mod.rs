@@ -284,6 +284,43 @@ impl Wallets {
         &self.leases
     }
 
+    /// Whether Redis and Postgres each answer within `limit`: (redis, postgres).
+    pub async fn dependencies_answer(&self, limit: Duration) -> (bool, bool) {
+        let (redis, postgres) = tokio::join!(
+            tokio::time::timeout(limit, self.leases.ping()),
+            tokio::time::timeout(limit, ledger::ping(&self.db)),
+        );
+        (matches!(redis, Ok(Ok(()))), matches!(postgres, Ok(Ok(()))))
+    }
+
+    /// Sets the gauges of both connection pools to what they hold now.
+    pub fn sample_pool_metrics(&self) {
+        let idle = self.db.num_idle() as f64;
+        metrics::gauge!("walletlock_pg_pool_connections", "state" => "idle").set(idle);
+        metrics::gauge!("walletlock_pg_pool_connections", "state" => "in_use")
+            .set(f64::from(self.db.size()) - idle);
+        metrics::gauge!("walletlock_pg_pool_max_connections")
+            .set(f64::from(self.db.options().get_max_connections()));
+        let redis = self.leases.pool().status();
+        metrics::gauge!("walletlock_redis_pool_connections", "state" => "idle").set(redis.available as f64);
+        metrics::gauge!("walletlock_redis_pool_connections", "state" => "in_use")
+            .set(redis.size.saturating_sub(redis.available) as f64);
+        metrics::gauge!("walletlock_redis_pool_max_connections").set(redis.max_size as f64);
+        metrics::gauge!("walletlock_redis_pool_waiting").set(redis.waiting as f64);
+    }
+
+    /// Claims `key` for a request that stores its outcome after it ran (wallet creation), or
+    /// finds what an earlier request with it left (see [`idempotency::begin`]).
+    pub async fn begin_keyed(
+        &self,
+        settings: KeySettings,
+        scope: idempotency::Scope,
+        key: idempotency::IdempotencyKey,
+        fingerprint: [u8; 32],
+    ) -> Result<idempotency::Begin, WalletError> {
+        Ok(idempotency::begin(&self.db, settings, scope, key, fingerprint).await?)
+    }
+
     /// Opens a wallet with an opening balance (recorded as its `open` entry). With a receipt, the
     /// outcome is stored for its idempotency key in the same transaction.
     pub async fn open(
