@@ -70,7 +70,7 @@ impl Application {
                 }
             }
         });
-        let wallets = Wallets::new(args.database.pool()?, leases)
+        let wallets = Wallets::new(args.database.serving_pool()?, leases)
             .with_strategy(args.lease.strategy())
             .with_keys(args.key_settings())
             .with_queue_limit(args.wallet_queue_limit as usize);

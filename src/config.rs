@@ -8,6 +8,7 @@
 //! | `DATABASE_URL` | (required) | Postgres; secret, never logged |
 //! | `PG_POOL_SIZE` | `10` | connections per replica; replicas × this must stay under Postgres's `max_connections` |
 //! | `PG_ACQUIRE_TIMEOUT` | `1s` | wait for a pooled connection before answering 503 |
+//! | (fixed) | | each replica session: `idle_in_transaction_session_timeout` 2s, `statement_timeout` 5s, TCP keepalives after 5s idle (every 2s, 3 probes), `tcp_user_timeout` 10s (see `SESSION_BOUNDS`) |
 //! | `REDIS_URL` | `redis://127.0.0.1:6379` | Redis; secret (may hold a password), never logged |
 //! | `REDIS_POOL_SIZE` | `16` | Redis connections per replica |
 //! | `REDIS_KEY_PREFIX` | `walletlock` | namespaces every lease key |
@@ -55,9 +56,37 @@ pub struct DatabaseArgs {
     pub pg_acquire_timeout: Duration,
 }
 
+/// Bounds on what a replica's Postgres session may hold, sent as session settings when each
+/// connection opens. A replica that stalls or is cut off in the middle of a transaction (a transfer,
+/// a wallet's creation) must not keep its rows locked past about one lease: the server ends the
+/// session once it sits idle in a transaction for [`IDLE_IN_TRANSACTION_LIMIT`], and notices a peer
+/// that vanished (no RST: a partition, a frozen VM) by TCP keepalives and the user timeout within
+/// about ten seconds even outside one. A statement that runs past [`STATEMENT_LIMIT`] (below
+/// `REQUEST_TIMEOUT`) is cancelled, so nothing a request started outlives it by much. Rounds hold no
+/// transaction open and never wait for a row (`SKIP LOCKED`), so they meet none of these limits.
+const IDLE_IN_TRANSACTION_LIMIT: &str = "2s";
+const STATEMENT_LIMIT: &str = "5s";
+const SESSION_BOUNDS: [(&str, &str); 6] = [
+    ("idle_in_transaction_session_timeout", IDLE_IN_TRANSACTION_LIMIT),
+    ("statement_timeout", STATEMENT_LIMIT),
+    ("tcp_keepalives_idle", "5"),
+    ("tcp_keepalives_interval", "2"),
+    ("tcp_keepalives_count", "3"),
+    ("tcp_user_timeout", "10000"),
+];
+
 impl DatabaseArgs {
+    /// The replica's pool: [`DatabaseArgs::pool`], every session bounded by [`SESSION_BOUNDS`].
+    pub fn serving_pool(&self) -> anyhow::Result<PgPool> {
+        let pool = self.pool()?;
+        let options = pool.connect_options().as_ref().clone().options(SESSION_BOUNDS);
+        pool.set_connect_options(options);
+        Ok(pool)
+    }
+
     /// A pool that connects on first use, so a replica starts (and reports not ready) while
-    /// Postgres is still down.
+    /// Postgres is still down. Its sessions have no time limits: `migrate` and `audit` use it
+    /// as they are, for as long as they need.
     pub fn pool(&self) -> anyhow::Result<PgPool> {
         let options = PgConnectOptions::from_str(self.database_url.expose_secret())
             .map_err(|err| anyhow::anyhow!("DATABASE_URL is not a Postgres URL: {err}"))?

@@ -71,12 +71,17 @@ impl StoreError {
             | sqlx::Error::Protocol(_) => true,
             sqlx::Error::Database(db) => db.code().is_some_and(|code| {
                 // Class 08: connection exception; 57P0x: the server is shutting down or starting;
-                // 53300: too many connections; 40001/40P01: serialization failure or deadlock.
+                // 53300: too many connections; 40001/40P01: serialization failure or deadlock;
+                // 25P03/57014: the server ended the session idle in its transaction, or cancelled a
+                // statement, past the replica's session bounds (`config::SESSION_BOUNDS`): rolled
+                // back, so nothing of it was applied.
                 code.starts_with("08")
                     || code.starts_with("57P0")
                     || code == "53300"
                     || code == "40001"
                     || code == "40P01"
+                    || code == "25P03"
+                    || code == "57014"
             }),
             _ => false,
         }
