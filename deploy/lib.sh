@@ -26,7 +26,7 @@ wl_apt_install() {
 # wl_pg_bindir: the newest installed Postgres's server programs (Debian keeps them off PATH).
 wl_pg_bindir() {
   local dir
-  dir=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+  dir=$(printf '%s\n' /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
   [ -n "$dir" ] && [ -x "$dir/postgres" ] && printf '%s\n' "$dir"
 }
 
