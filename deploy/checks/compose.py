@@ -20,6 +20,9 @@ import sys
 
 from common import Problems, env_file, load_yaml, read, seconds
 
+SENTINELS = ("redis-sentinel-1", "redis-sentinel-2", "redis-sentinel-3")
+REDIS_REPLICAS = ("redis-replica-1", "redis-replica-2")
+
 
 def mounts(service):
     """{target: (source, read_only)} for every volume of a service, short or long syntax."""
@@ -52,26 +55,22 @@ def published(service):
             for p in service.get("ports", [])]
 
 
-def check(config, sentinel_config, defaults):
-    problems = Problems()
-    need = problems.need
-    services = config["services"]
-    sentinels = ("redis-sentinel-1", "redis-sentinel-2", "redis-sentinel-3")
-    replicas = ("redis-replica-1", "redis-replica-2")
+def check_services(services, need):
+    """Which services there are, which publish a port, which have a health check."""
     need(set(services) == {"secrets", "postgres", "redis", "redis-functions", "migrate", "app", "nginx", "k6", "prometheus", "nginx-exporter",
-                           "grafana", *replicas, *sentinels},
+                           "grafana", *REDIS_REPLICAS, *SENTINELS},
          f"services are {sorted(services)}")
     for name, service in services.items():
         if name not in ("nginx", "prometheus", "grafana"):
             need(not service.get("ports"), f"{name} publishes a port; only nginx may (and Prometheus/Grafana on loopback)")
-    for name in ("postgres", "redis", "app", *replicas, *sentinels):
+    for name in ("postgres", "redis", "app", *REDIS_REPLICAS, *SENTINELS):
         need("healthcheck" in services[name], f"{name} has no healthcheck")
 
-    secrets, pg, redis, migrate, app, nginx, k6 = (services[n] for n in ("secrets", "postgres", "redis", "migrate", "app", "nginx", "k6"))
-    env = app["environment"]
 
-    # The secrets step: a one-shot shell that runs deploy/compose/secrets.sh on the `secrets` volume.
-    secrets_script = read("deploy/compose/secrets.sh")
+def check_secrets(services, need, secrets_script, uid):
+    """The secrets step: a one-shot shell that runs deploy/compose/secrets.sh on the `secrets` volume."""
+    secrets = services["secrets"]
+    env = services["app"]["environment"]
     secrets_mounts = mounts(secrets)
     script_at = next((t for t, (src, ro) in secrets_mounts.items() if src.endswith("/deploy/compose/secrets.sh") and ro), None)
     need(script_at is not None and secrets.get("command") == ["sh", script_at],
@@ -85,11 +84,14 @@ def check(config, sentinel_config, defaults):
          "secrets must get both Redis passwords (it writes the ACL)")
     need(secrets["environment"].get("REDIS_KEY_PREFIX") == env.get("REDIS_KEY_PREFIX"),
          "secrets must write the ACL for the replicas' REDIS_KEY_PREFIX")
-    uid = re.search(r"^USER (\d+):", read("deploy/Dockerfile"), re.MULTILINE)
     need(uid and re.search(rf"^app_uid={uid.group(1)}\b", secrets_script, re.MULTILINE),
          "secrets.sh must hand the token file to the image's USER uid")
 
-    # The replicas: the token file from the secrets volume, after the secrets step.
+
+def check_tokens(services, need, secrets_script):
+    """The replicas: the token file from the secrets volume, after the secrets step."""
+    app = services["app"]
+    env = app["environment"]
     tokens_file = env.get("API_TOKENS_FILE", "")
     app_mounts = mounts(app)
     need(tokens_file and any(tokens_file.startswith(t.rstrip("/") + "/") and src == "secrets" and ro
@@ -101,7 +103,11 @@ def check(config, sentinel_config, defaults):
     need(app["depends_on"].get("secrets", {}).get("condition") == "service_completed_successfully",
          "app must wait for the secrets step")
 
-    # Postgres: the owner migrates and grants; the replicas log in as the app role, made by the init script.
+
+def check_postgres(services, need):
+    """Postgres: the owner migrates and grants; the replicas log in as the app role, made by the init script."""
+    pg, migrate, app = (services[n] for n in ("postgres", "migrate", "app"))
+    env = app["environment"]
     need(pg["environment"].get("POSTGRES_PASSWORD") == "check-pg-secret", "POSTGRES_PASSWORD does not come from WALLETLOCK_PG_PASSWORD")
     need(pg["environment"].get("WALLETLOCK_APP_PG_PASSWORD") == "check-app-pg-secret",
          "postgres's init script does not get WALLETLOCK_APP_PG_PASSWORD")
@@ -128,7 +134,11 @@ def check(config, sentinel_config, defaults):
     need(env.get("DATABASE_URL") == "postgres://walletlock_app:check-app-pg-secret@postgres:5432/walletlock",
          "app's DATABASE_URL must log in as walletlock_app with WALLETLOCK_APP_PG_PASSWORD")
 
-    # Redis: the ACL from the secrets volume (no requirepass, no default user), as deploy/local's.
+
+def check_redis(services, need, secrets_script):
+    """Redis: the ACL from the secrets volume (no requirepass, no default user), as deploy/local's."""
+    redis, app = services["redis"], services["app"]
+    env = app["environment"]
     lib = read("deploy/lib.sh")
     for user in ("default", "admin", "walletlock"):
         ours = [acl_rules(l) for l in acl_lines(secrets_script, rf"^\s*echo \"user {user} ")]
@@ -138,7 +148,7 @@ def check(config, sentinel_config, defaults):
          and re.search(r"user admin on #\$\(sha256 \"\$WALLETLOCK_REDIS_ADMIN_PASSWORD\"\)", secrets_script),
          "secrets.sh must give walletlock and admin the hashes of their passwords")
     acl_file = None
-    for name in ("redis", *replicas):
+    for name in ("redis", *REDIS_REPLICAS):
         node = services[name]
         command = node.get("command", [])
         acl = flag(command, "--aclfile") or ""
@@ -157,7 +167,7 @@ def check(config, sentinel_config, defaults):
     need(redis["depends_on"].get("secrets", {}).get("condition") == "service_completed_successfully", "redis must wait for the secrets step (the ACL)")
     need(not redis.get("profiles") and "--replicaof" not in redis["command"], "redis is the default stack's primary")
     need(env.get("REDIS_URL") == "redis://walletlock:check-redis-secret@redis:6379", f"app's REDIS_URL {env.get('REDIS_URL')!r}")
-    for name in ("redis", *replicas):
+    for name in ("redis", *REDIS_REPLICAS):
         need(flag(services[name].get("command", []), "--busy-reply-threshold") == "500",
              f"{name}: --busy-reply-threshold 500 bounds how long a script holds Redis")
     functions = services["redis-functions"]
@@ -170,8 +180,10 @@ def check(config, sentinel_config, defaults):
     need(app["depends_on"].get("redis-functions", {}).get("condition") == "service_completed_successfully",
          "app must wait for the lease scripts to be loaded")
 
-    # The sentinel profile: two replicas of redis and three Sentinels, nothing published.
-    for name in replicas:
+
+def check_sentinel(services, need, sentinel_config):
+    """The sentinel profile: two replicas of redis and three Sentinels, nothing published."""
+    for name in REDIS_REPLICAS:
         node = services[name]
         need(node.get("profiles") == ["sentinel"], f"{name} must be in the sentinel profile only")
         command = node.get("command", [])
@@ -191,7 +203,7 @@ def check(config, sentinel_config, defaults):
     need(re.search(r"^exec docker-entrypoint\.sh redis-server \"\$conf\" --sentinel$", sentinel_script, re.MULTILINE)
          and re.search(r"^conf=/data/", sentinel_script, re.MULTILINE) and 'if [ ! -s "$conf" ]' in sentinel_script,
          "sentinel.sh must write its config once into /data (writable: Sentinel rewrites it) and run redis-server ... --sentinel")
-    for name in sentinels:
+    for name in SENTINELS:
         node = services[name]
         need(node.get("profiles") == ["sentinel"], f"{name} must be in the sentinel profile only")
         need(str(node.get("image", "")).startswith("redis:"), f"{name} must run the redis image")
@@ -202,10 +214,15 @@ def check(config, sentinel_config, defaults):
         need(node["depends_on"].get("redis", {}).get("condition") == "service_healthy", f"{name} must wait for a healthy redis")
     sentinel_url = sentinel_config["services"]["app"]["environment"].get("REDIS_URL", "")
     m = re.fullmatch(r"redis\+sentinel://walletlock:check-redis-secret@([^/]+)/(\w+)", sentinel_url)
-    need(m and sorted(h.rsplit(":", 1)[0] for h in m.group(1).split(",")) == sorted(sentinels)
+    need(m and sorted(h.rsplit(":", 1)[0] for h in m.group(1).split(",")) == sorted(SENTINELS)
          and all(h.endswith(":26379") for h in m.group(1).split(",")) and m.group(2) == master,
          f"the documented sentinel variables make REDIS_URL {sentinel_url!r}, not redis+sentinel://walletlock:<pw>@<the 3 sentinels>:26379/{master}")
 
+
+def check_app(services, need, defaults):
+    """The replicas' settings, health check, dependencies and grace period."""
+    app = services["app"]
+    env = app["environment"]
     need(env.get("LISTEN_ADDR") == "0.0.0.0:8080", "app's LISTEN_ADDR")
     need(env.get("LOG_FORMAT") == "json", "app's LOG_FORMAT")
     need("REPLICA_NAME" not in env, "REPLICA_NAME must stay unset (each container names itself)")
@@ -220,6 +237,10 @@ def check(config, sentinel_config, defaults):
     need(seconds(app.get("stop_grace_period", "10s")) > drain,
          f"app's stop_grace_period must exceed 2 x SHUTDOWN_GRACE + LEASE_TTL = {drain:g}s")
 
+
+def check_nginx(services, need):
+    """nginx: an image new enough for upstream `resolve`, the only published port, its files read-only."""
+    nginx = services["nginx"]
     tag = nginx["image"].split(":", 1)[1] if ":" in nginx["image"] else "latest"
     version = tuple(int(n) for n in re.findall(r"\d+", tag.split("-")[0]))
     need(nginx["image"].startswith("nginx:") and version >= (1, 27, 3), f"nginx image {nginx['image']}: needs >= 1.27.3 for upstream `resolve`")
@@ -235,7 +256,11 @@ def check(config, sentinel_config, defaults):
         need(volume.split(":")[0].endswith(source) and volume.endswith(":ro"), f"nginx must mount .{source} at {target} read-only")
     need(nginx["depends_on"].get("app", {}).get("condition") == "service_healthy", "nginx must wait for healthy replicas")
 
-    need(k6.get("profiles") == ["loadtest"], "k6 must be in the loadtest profile only")
+
+def check_k6(services, need, uid):
+    """k6, in the loadtest profile, with the replicas' token."""
+    k6 = services["k6"]
+    tokens_file = services["app"]["environment"].get("API_TOKENS_FILE", "")
     need(k6.get("command") == ["run", "/loadtest/pay.js"], "k6's command")
     need(k6["environment"].get("BASE_URL") == "http://nginx:8080", "k6's BASE_URL")
     need(k6["environment"].get("SCENARIO") == "hot", "k6's SCENARIO does not come from $SCENARIO")
@@ -245,8 +270,10 @@ def check(config, sentinel_config, defaults):
          and any(src == "secrets" and ro for src, ro in mounts(k6).values()),
          "k6 must read the token file (as the replicas' uid, the secrets volume read-only) into API_TOKEN")
 
-    # The observability profile: Prometheus, Grafana and the nginx exporter, none of them in the default
-    # stack, published on the host's loopback only.
+
+def check_observability(services, need):
+    """The observability profile: Prometheus, Grafana and the nginx exporter, none of them in the default
+    stack, published on the host's loopback only."""
     prom, grafana, exporter = (services[n] for n in ("prometheus", "grafana", "nginx-exporter"))
     for name in ("prometheus", "grafana", "nginx-exporter"):
         need(services[name].get("profiles") == ["observability"], f"{name} must be in the observability profile only")
@@ -284,6 +311,24 @@ def check(config, sentinel_config, defaults):
     datasources = load_yaml("deploy/grafana/provisioning/datasources/prometheus.yml")["datasources"]
     need(any(d.get("type") == "prometheus" and d.get("url") == "http://prometheus:9090" and d.get("uid") for d in datasources),
          "the provisioned datasource must be the compose prometheus (http://prometheus:9090), with a uid")
+
+
+def check(config, sentinel_config, defaults):
+    problems = Problems()
+    need = problems.need
+    services = config["services"]
+    secrets_script = read("deploy/compose/secrets.sh")
+    uid = re.search(r"^USER (\d+):", read("deploy/Dockerfile"), re.MULTILINE)
+    check_services(services, need)
+    check_secrets(services, need, secrets_script, uid)
+    check_tokens(services, need, secrets_script)
+    check_postgres(services, need)
+    check_redis(services, need, secrets_script)
+    check_sentinel(services, need, sentinel_config)
+    check_app(services, need, defaults)
+    check_nginx(services, need)
+    check_k6(services, need, uid)
+    check_observability(services, need)
     return problems
 
 
