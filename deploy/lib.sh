@@ -26,7 +26,7 @@ wl_apt_install() {
 # wl_pg_bindir: the newest installed Postgres's server programs (Debian keeps them off PATH).
 wl_pg_bindir() {
   local dir
-  dir=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+  dir=$(printf '%s\n' /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
   [ -n "$dir" ] && [ -x "$dir/postgres" ] && printf '%s\n' "$dir"
 }
 
@@ -78,13 +78,19 @@ wl_pip_module() {
   fi
 }
 
+# wl_random_hex BYTES: BYTES random bytes from the kernel's CSPRNG, as 2 x BYTES lowercase hex
+# digits (od and tr are in coreutils, on every Debian).
+wl_random_hex() {
+  od -An -v -N "$1" -tx1 /dev/urandom | tr -d ' \n'
+}
+
 # wl_secret FILE: the secret kept in FILE, made (256 random bits, hex) on first use; readable by
 # its owner only.
 wl_secret() {
   local file=$1
   if [ ! -s "$file" ]; then
     mkdir -p "$(dirname "$file")"
-    (umask 077 && python3 -c 'import secrets; print(secrets.token_hex(32))' >"$file")
+    (umask 077 && printf '%s\n' "$(wl_random_hex 32)" >"$file")
   fi
   cat "$file"
 }
@@ -140,33 +146,14 @@ EOF
   wl_wait_for "sentinel on :$port" 15 wl_redis_answers "$port"
 }
 
-# wl_free_port: a TCP port nothing listens on right now.
+# wl_free_port: a TCP port nothing listens on right now (deploy/free_port.py).
 wl_free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+  python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py"
 }
 
 # wl_free_ports N: the first of N consecutive ports on 127.0.0.1 that are free now.
 wl_free_ports() {
-  python3 - "$1" <<'PY'
-import random, socket, sys
-n = int(sys.argv[1])
-for _ in range(200):
-    base = random.randrange(20000, 60000 - n)
-    socks = []
-    try:
-        for port in range(base, base + n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", port))
-            socks.append(s)
-    except OSError:
-        continue
-    finally:
-        for s in socks:
-            s.close()
-    print(base)
-    sys.exit(0)
-sys.exit("no free range of %d ports" % n)
-PY
+  python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py" "$1"
 }
 
 # wl_wait_for WHAT SECONDS COMMAND...: runs COMMAND every 50 ms until it succeeds.
