@@ -1,8 +1,10 @@
 //! One replica: build it from its settings, run it until a shutdown signal, drain.
 
 use crate::config::ServeArgs;
+use crate::http::auth::Callers;
 use crate::http::{self, ApiContext, Draining};
 use crate::wallet::Wallets;
+use secrecy::ExposeSecret;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -58,7 +60,10 @@ impl Application {
     /// Binds the listener and sets up the pools. Connects to nothing yet: a replica starts (and
     /// reports not ready) while Redis or Postgres is still down.
     pub async fn build(args: &ServeArgs) -> anyhow::Result<Self> {
-        let callers = args.callers()?;
+        // A replica without any caller refuses to start.
+        let callers = Callers::parse(args.api_tokens()?.expose_secret()).map_err(|err| {
+            anyhow::anyhow!("API_TOKENS / API_TOKENS_FILE: {err} (`walletlock token` makes a token)")
+        })?;
         let leases = args.lease.client(&args.redis)?;
         // Logs whether the lease scripts go as Redis Functions or EVALSHA; a Redis still down
         // leaves it to the first payment.
@@ -78,7 +83,11 @@ impl Application {
             .map_err(|err| anyhow::anyhow!("cannot listen on {}: {err}", args.listen))?;
         let port = listener.local_addr()?.port();
         let replica = args.replica_name(port);
-        let metrics = crate::telemetry::metrics::install();
+        let metrics = crate::telemetry::metrics::install(&[
+            crate::lease::describe_metrics,
+            crate::wallet::describe_metrics,
+            crate::idempotency::describe_metrics,
+        ]);
         crate::telemetry::metrics::set_replica(&replica);
         let ctx = ApiContext {
             wallets,

@@ -1,10 +1,11 @@
 //! The `walletlock` command line: one subcommand per job.
 
 use crate::app::Application;
-use crate::config::{DatabaseArgs, LogFormat, RedisArgs, ServeArgs};
+use crate::config::{DatabaseArgs, RedisArgs, ServeArgs};
 use crate::demo::{self, Demo, Sandbox};
 use crate::http::server::shutdown_signal;
 use crate::ledger::schema;
+use crate::telemetry::LogFormat;
 use clap::{Parser, Subcommand};
 use secrecy::ExposeSecret;
 use std::process::ExitCode;

@@ -324,12 +324,6 @@ impl LeaseArgs {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Pretty,
-    Json,
-}
-
 /// `walletlock serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
@@ -382,8 +376,9 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
-    /// Every configured caller and token; a replica without any refuses to start.
-    pub fn callers(&self) -> anyhow::Result<crate::http::auth::Callers> {
+    /// Every configured `caller:token` entry, from `API_TOKENS` and `API_TOKENS_FILE`, for
+    /// [`crate::http::auth::Callers::parse`].
+    pub fn api_tokens(&self) -> anyhow::Result<SecretString> {
         let mut spec = self.api_tokens.as_ref().map(|t| t.expose_secret().to_owned()).unwrap_or_default();
         if let Some(path) = &self.api_tokens_file {
             let file = std::fs::read_to_string(path)
@@ -391,9 +386,7 @@ impl ServeArgs {
             spec.push('\n');
             spec.push_str(&file);
         }
-        crate::http::auth::Callers::parse(&spec).map_err(|err| {
-            anyhow::anyhow!("API_TOKENS / API_TOKENS_FILE: {err} (`walletlock token` makes a token)")
-        })
+        Ok(SecretString::from(spec))
     }
 
     pub fn key_settings(&self) -> crate::idempotency::KeySettings {

@@ -442,7 +442,7 @@ impl IntoResponse for ApiError {
             tracing::error!(code = problem.code, error = %SourceChain(&self), "request failed");
         }
         tracing::Span::current().record("outcome", problem.code);
-        let mut response = super::idempotent::into_response(rendered);
+        let mut response = rendered.into_response();
         if problem.retry_after {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
         }
@@ -452,5 +452,16 @@ impl IntoResponse for ApiError {
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(r#"Bearer realm="walletlock""#));
         }
         response
+    }
+}
+
+/// A response as stored for an idempotency key (or about to be), sent as it is: the same bytes now
+/// and on every replay.
+impl IntoResponse for StoredResponse {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let content_type =
+            HeaderValue::from_str(&self.content_type).unwrap_or(HeaderValue::from_static("application/json"));
+        (status, [(header::CONTENT_TYPE, content_type)], axum::body::Body::from(self.body)).into_response()
     }
 }

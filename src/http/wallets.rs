@@ -5,14 +5,15 @@ use super::auth::Caller;
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, QueryParams, WalletPath};
 use super::idempotent::{self, Keyed, render_movement, render_open};
+use crate::domain;
 use crate::idempotency::{Receipt, Scope};
 use crate::ledger::{Entry, Wallet};
-use crate::wallet::{AlreadyExists, Amount, InvalidInput, Movement, WalletError, WalletId, domain};
+use crate::wallet::{AlreadyExists, Amount, InvalidInput, Movement, WalletError, WalletId};
 use axum::{
     Json, Router,
     extract::{Extension, State},
     http::Uri,
-    response::Response,
+    response::{IntoResponse, Response},
     routing::{get, post},
 };
 use serde::{Deserialize, Serialize};
@@ -114,7 +115,7 @@ async fn open_wallet(
         Err(WalletError::Exists) => Err(AlreadyExists),
         Err(err) => return Err(err.into()),
     };
-    Ok(idempotent::into_response(render_open(&outcome)))
+    Ok(render_open(&outcome).into_response())
 }
 
 /// Reads a wallet's balance and version.

@@ -1,7 +1,8 @@
 //! Prometheus metrics, served by every replica at `GET /metrics`.
 //!
-//! Each module describes the metrics it records ([`crate::lease::describe_metrics`],
-//! [`crate::wallet::describe_metrics`], ...); this module installs the recorder once per process,
+//! Each module describes the metrics it records (`lease::describe_metrics`,
+//! `wallet::describe_metrics`, ...; the replica passes them to [`install`], so this module, at the
+//! bottom, calls up into none of them); this module installs the recorder once per process,
 //! registers every metric at zero so a dashboard sees all of them from the first scrape, and
 //! samples the gauges (pools, process) at scrape time.
 //!
@@ -47,8 +48,8 @@ const BUCKETS: &[f64] =
 const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
 /// Installs the process-wide recorder (once; later calls return the same handle) and registers
-/// every metric at zero.
-pub fn install() -> PrometheusHandle {
+/// every metric at zero: this module's own, then each of `describe_others`.
+pub fn install(describe_others: &[fn()]) -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
@@ -63,6 +64,9 @@ pub fn install() -> PrometheusHandle {
                 tracing::warn!("a metrics recorder was already installed; /metrics will be empty");
             }
             describe();
+            for describe in describe_others {
+                describe();
+            }
             handle
         })
         .clone()
@@ -101,9 +105,6 @@ fn describe() {
     ] {
         metrics::describe_gauge!(name, help);
     }
-    crate::lease::describe_metrics();
-    crate::wallet::describe_metrics();
-    crate::idempotency::describe_metrics();
 }
 
 /// Labels this process's metrics with the replica's name.

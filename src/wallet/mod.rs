@@ -13,12 +13,11 @@
 //! the benchmark's baseline.
 
 mod batch;
-pub mod domain;
 mod group;
 mod queue;
 mod transfer;
 
-pub use domain::{Amount, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId};
+pub use crate::domain::{Amount, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId};
 pub use queue::{MAX_BATCH, MAX_HOLD};
 pub use transfer::{Between, Refund, RefundOutcome, TransferOutcome};
 
