@@ -76,7 +76,7 @@ const SESSION_BOUNDS: [(&str, &str); 6] = [
 ];
 
 impl DatabaseArgs {
-    /// The replica's pool: [`DatabaseArgs::pool`], every session bounded by [`SESSION_BOUNDS`].
+    /// The replica's pool: [`DatabaseArgs::pool`], every session bounded by `SESSION_BOUNDS`.
     pub fn serving_pool(&self) -> anyhow::Result<PgPool> {
         let pool = self.pool()?;
         let options = pool.connect_options().as_ref().clone().options(SESSION_BOUNDS);
