@@ -140,6 +140,67 @@ EOF
   wl_wait_for "sentinel on :$port" 15 wl_redis_answers "$port"
 }
 
+# wl_tls_ca DIR: a throwaway certificate authority in DIR (ca.pem, its key ca.key), made on first
+# use: ECDSA P-256, valid 90 days, DIR owner-only. For local runs and tests only: it signs what
+# wl_tls_issue makes, and the replicas and clients trust it through its ca.pem.
+wl_tls_ca() {
+  local dir=$1
+  command -v openssl >/dev/null || wl_apt_install openssl
+  mkdir -p "$dir" && chmod 700 "$dir"
+  [ -s "$dir/ca.pem" ] && [ -s "$dir/ca.key" ] && return 0
+  (
+    umask 077
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 90 \
+      -subj "/CN=walletlock local CA" -keyout "$dir/ca.key" -out "$dir/ca.pem" \
+      -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+      2>/dev/null
+  ) || wl_die "openssl could not make the local CA in $dir"
+}
+
+# wl_tls_issue DIR NAME SAN: NAME.pem and NAME.key in DIR, a certificate signed by DIR's CA (see
+# wl_tls_ca) for SAN (e.g. "IP:127.0.0.1,DNS:localhost"), good for a server and a client (Redis
+# nodes present theirs both ways), valid 30 days; made on first use, the key owner-only.
+wl_tls_issue() {
+  local dir=$1 name=$2 san=$3
+  [ -s "$dir/$name.pem" ] && [ -s "$dir/$name.key" ] && return 0
+  (
+    umask 077
+    openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+      -subj "/CN=$name" -keyout "$dir/$name.key" -out "$dir/$name.csr" 2>/dev/null &&
+      openssl x509 -req -in "$dir/$name.csr" -CA "$dir/ca.pem" -CAkey "$dir/ca.key" \
+        -CAcreateserial -CAserial "$dir/ca.srl" -days 30 -out "$dir/$name.pem" \
+        -extfile <(printf 'subjectAltName=%s\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n' "$san") \
+        2>/dev/null
+  ) || wl_die "openssl could not issue $name for $san"
+  rm -f "$dir/$name.csr"
+}
+
+# wl_redis_tls_args DIR NAME: the redis-server arguments that make it speak TLS only, with NAME's
+# certificate from DIR: the plain port off, clients must present a certificate of DIR's CA, and
+# replication (and a Sentinel's links, a Cluster's bus) over TLS too. Put them after --port.
+wl_redis_tls_args() {
+  local dir=$1 name=$2
+  printf '%s\n' --port 0 --tls-cert-file "$dir/$name.pem" --tls-key-file "$dir/$name.key" \
+    --tls-ca-cert-file "$dir/ca.pem" --tls-auth-clients yes --tls-replication yes --tls-cluster yes
+}
+
+# wl_postgres_tls_settings DIR CADIR NAME: the Postgres settings (one SETTING=VALUE a line, for
+# wl_start_postgres) that make the cluster in DIR take TCP connections over TLS only, with NAME's
+# certificate from CADIR: copies of the certificate and key in DIR/tls (the key owner-only and
+# owned by the server's user, as Postgres demands) and an hba file with `hostssl` lines only, so a
+# plaintext connection finds no entry and is refused. TCP authentication: WALLETLOCK_PG_HOST_AUTH.
+wl_postgres_tls_settings() {
+  local dir=$1 ca=$2 name=$3
+  mkdir -p "$dir/tls"
+  install -m 600 "$ca/$name.pem" "$dir/tls/server.pem"
+  install -m 600 "$ca/$name.key" "$dir/tls/server.key"
+  printf '%s\n' "local all all trust" \
+    "hostssl all all 127.0.0.1/32 ${WALLETLOCK_PG_HOST_AUTH:-trust}" >"$dir/tls/pg_hba.conf"
+  if [ "$(id -u)" -eq 0 ]; then chown -R postgres: "$dir/tls"; fi
+  printf '%s\n' ssl=on "ssl_cert_file=$dir/tls/server.pem" "ssl_key_file=$dir/tls/server.key" \
+    ssl_min_protocol_version=TLSv1.2 "hba_file=$dir/tls/pg_hba.conf"
+}
+
 # wl_free_port: a TCP port nothing listens on right now.
 wl_free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
