@@ -330,13 +330,22 @@ wl_start_redis() {
 # wl_nginx_prepare DIR LISTEN PORT...: DIR gets a verbatim copy of the top-level nginx.conf and
 # the files it includes: listen.conf (LISTEN, e.g. 127.0.0.1:8080), status_listen.conf (loopback,
 # port WALLETLOCK_NGINX_STATUS_PORT, 8090 by default) and upstream.conf (one replica per PORT on
-# 127.0.0.1).
+# 127.0.0.1). With WALLETLOCK_NGINX_HTTPS (an address, e.g. 127.0.0.1:8443) and
+# WALLETLOCK_NGINX_TLS_DIR (holding nginx.pem and nginx.key, see wl_tls_issue), listen.conf also
+# gets an HTTPS listener (HTTP/2 allowed) with the TLS settings of the top-level nginx-tls.conf.
 wl_nginx_prepare() {
   local dir=$1 listen=$2; shift 2
   local root; root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   mkdir -p "$dir"
   cp "$root/nginx.conf" "$dir/nginx.conf"
   printf 'listen %s;\n' "$listen" >"$dir/listen.conf"
+  if [ -n "${WALLETLOCK_NGINX_HTTPS:-}" ]; then
+    local tls=${WALLETLOCK_NGINX_TLS_DIR:?WALLETLOCK_NGINX_TLS_DIR holds nginx.pem and nginx.key}
+    cp "$root/nginx-tls.conf" "$dir/tls.conf"
+    # `http2` on the listen line: nginx 1.22 has no `http2 on;` yet (later ones accept both).
+    printf '%s\n' "listen $WALLETLOCK_NGINX_HTTPS ssl http2;" "ssl_certificate $tls/nginx.pem;" \
+      "ssl_certificate_key $tls/nginx.key;" "include tls.conf;" >>"$dir/listen.conf"
+  fi
   printf 'listen 127.0.0.1:%s;\n' "${WALLETLOCK_NGINX_STATUS_PORT:-8090}" >"$dir/status_listen.conf"
   {
     echo "# Written by deploy/lib.sh (wl_nginx_prepare): the local replicas."

@@ -296,7 +296,7 @@ impl RedisArgs {
                     .runtime(Runtime::Tokio1)
                     .build()
                     .map_err(|err| unusable(&err))?;
-                (RedisPool::Single(pool), WakeSource::Node(client))
+                (RedisPool::Single(pool), client.into())
             }
             RedisTarget::Sentinel { sentinels, master, username, password } => {
                 let sentinel_client = || -> redis::RedisResult<redis::sentinel::SentinelClient> {
@@ -382,6 +382,45 @@ mod tests {
                 nodes: vec!["redis://app:pw@n1:7000".into(), "redis://app:pw@n2:7001".into()]
             })
         );
+        assert!(!RedisTarget::parse("redis+cluster://n1:7000").unwrap().tls());
+    }
+
+    #[test]
+    fn tls_urls_are_the_same_forms_with_rediss_and_never_skip_verification() {
+        let node = RedisTarget::parse("rediss://:pw@redis.internal:6380").unwrap();
+        assert!(node.tls());
+        let sentinel = RedisTarget::parse("rediss+sentinel://app:pw@s1:26380,s2:26380/walletlock").unwrap();
+        assert_eq!(
+            sentinel,
+            RedisTarget::Sentinel {
+                sentinels: vec!["rediss://s1:26380".into(), "rediss://s2:26380".into()],
+                master: "walletlock".into(),
+                username: Some("app".into()),
+                password: Some("pw".into()),
+            }
+        );
+        assert!(sentinel.tls());
+        let cluster = RedisTarget::parse("rediss+cluster://app:pw@n1:7000,n2:7001").unwrap();
+        assert_eq!(
+            cluster,
+            RedisTarget::Cluster {
+                nodes: vec!["rediss://app:pw@n1:7000".into(), "rediss://app:pw@n2:7001".into()]
+            }
+        );
+        assert!(cluster.tls());
+        assert!(RedisTarget::parse("rediss://h:6380/#insecure").is_err());
+    }
+
+    #[test]
+    fn url_parameters_are_found_and_percent_decoded() {
+        let url = "postgres://u@h/db?sslmode=verify-full&sslrootcert=/etc/ssl/my%20ca.pem";
+        assert_eq!(super::url_parameter(url, &["sslrootcert"]).as_deref(), Some("/etc/ssl/my ca.pem"));
+        assert_eq!(super::url_parameter(url, &["sslcert"]), None);
+        assert_eq!(super::url_parameter("postgres://u@h/db", &["sslrootcert"]), None);
+    }
+
+    #[test]
+    fn redis_urls_that_are_none_of_the_forms_are_refused() {
         for bad in ["http://x", "redis+sentinel://h:1", "redis+sentinel://h:1/", "redis+cluster://"] {
             assert!(RedisTarget::parse(bad).is_err(), "{bad}");
         }

@@ -211,8 +211,8 @@ impl ConnectionLike for SharedConnection {
 
 #[derive(Clone)]
 pub enum WakeSource {
-    /// The one node.
-    Node(redis::Client),
+    /// The one node (boxed: a client with TLS settings is large).
+    Node(Box<redis::Client>),
     /// Whichever node Sentinel names primary now (asked again on every reconnect).
     Sentinel(Arc<tokio::sync::Mutex<redis::sentinel::SentinelClient>>),
     /// Any node of a Cluster: a PUBLISH reaches every node, so one subscription anywhere hears
@@ -222,7 +222,7 @@ pub enum WakeSource {
 
 impl From<redis::Client> for WakeSource {
     fn from(client: redis::Client) -> Self {
-        WakeSource::Node(client)
+        WakeSource::Node(Box::new(client))
     }
 }
 

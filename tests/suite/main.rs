@@ -19,5 +19,6 @@ mod lease;
 mod metrics;
 mod openapi;
 mod redis_loss;
+mod tls;
 mod topologies;
 mod transfers;
