@@ -111,18 +111,23 @@ wl_redis_acl() {
   )
 }
 
-# wl_start_sentinel DIR PORT MASTER PRIMARY_PORT ADMIN_PASSWORD: a Redis Sentinel on
+# wl_start_sentinel DIR PORT MASTER PRIMARY_PORT ADMIN_PASSWORD [TLS_DIR]: a Redis Sentinel on
 # 127.0.0.1:PORT watching the primary MASTER at 127.0.0.1:PRIMARY_PORT (authenticating to the data
 # nodes as `admin`), with its config and pid in DIR. It fails over 5 s after the primary stops
-# answering.
+# answering. With TLS_DIR, it speaks TLS only, to clients and to the data nodes (server
+# certificate `server`, see wl_redis_tls_args).
 wl_start_sentinel() {
-  local dir=$1 port=$2 master=$3 primary=$4 admin=$5
+  local dir=$1 port=$2 master=$3 primary=$4 admin=$5 tls=${6:-}
   mkdir -p "$dir"
   if [ ! -s "$dir/sentinel.conf" ]; then
+    local listen="port $port"
+    if [ -n "$tls" ]; then
+      listen=$(wl_redis_tls_conf "$tls" server; echo "tls-port $port")
+    fi
     (
       umask 077
       cat >"$dir/sentinel.conf" <<EOF
-port $port
+$listen
 bind 127.0.0.1
 dir $dir
 sentinel monitor $master 127.0.0.1 $primary 2
@@ -182,6 +187,12 @@ wl_redis_tls_args() {
   local dir=$1 name=$2
   printf '%s\n' --port 0 --tls-cert-file "$dir/$name.pem" --tls-key-file "$dir/$name.key" \
     --tls-ca-cert-file "$dir/ca.pem" --tls-auth-clients yes --tls-replication yes --tls-cluster yes
+}
+
+# wl_redis_tls_conf DIR NAME: the same settings as wl_redis_tls_args, as config file lines (for
+# a Sentinel's config).
+wl_redis_tls_conf() {
+  wl_redis_tls_args "$1" "$2" | paste -d' ' - - | sed 's/^--//'
 }
 
 # wl_postgres_tls_settings DIR CADIR NAME: the Postgres settings (one SETTING=VALUE a line, for
@@ -312,9 +323,23 @@ wl_start_postgres() {
     || { tail -n 20 "$dir/postgres.log" >&2; return 1; }
 }
 
+# wl_redis_cli ARG...: redis-cli, over TLS when WALLETLOCK_REDIS_CLI_TLS holds its TLS arguments
+# (see wl_redis_cli_tls).
+wl_redis_cli() {
+  local tls=()
+  [ -n "${WALLETLOCK_REDIS_CLI_TLS:-}" ] && read -r -a tls <<<"$WALLETLOCK_REDIS_CLI_TLS"
+  redis-cli "${tls[@]}" "$@"
+}
+
+# wl_redis_cli_tls DIR: redis-cli's arguments to reach a node of DIR's CA (see wl_tls_ca) with the
+# client certificate `replica`, for WALLETLOCK_REDIS_CLI_TLS.
+wl_redis_cli_tls() {
+  echo "--tls --cacert $1/ca.pem --cert $1/replica.pem --key $1/replica.key"
+}
+
 # wl_redis_answers PORT: a redis-server answers on PORT (a refusal for want of a password counts).
 wl_redis_answers() {
-  redis-cli -p "$1" ping 2>&1 | grep -qE 'PONG|NOAUTH'
+  wl_redis_cli -p "$1" ping 2>&1 | grep -qE 'PONG|NOAUTH'
 }
 
 # wl_start_redis DIR PORT [ARG...]: a redis-server on 127.0.0.1:PORT with its files in DIR.
@@ -340,11 +365,11 @@ wl_nginx_prepare() {
   cp "$root/nginx.conf" "$dir/nginx.conf"
   printf 'listen %s;\n' "$listen" >"$dir/listen.conf"
   if [ -n "${WALLETLOCK_NGINX_HTTPS:-}" ]; then
-    local tls=${WALLETLOCK_NGINX_TLS_DIR:?WALLETLOCK_NGINX_TLS_DIR holds nginx.pem and nginx.key}
+    local certs=${WALLETLOCK_NGINX_TLS_DIR:?WALLETLOCK_NGINX_TLS_DIR holds nginx.pem and nginx.key}
     cp "$root/nginx-tls.conf" "$dir/tls.conf"
     # `http2` on the listen line: nginx 1.22 has no `http2 on;` yet (later ones accept both).
-    printf '%s\n' "listen $WALLETLOCK_NGINX_HTTPS ssl http2;" "ssl_certificate $tls/nginx.pem;" \
-      "ssl_certificate_key $tls/nginx.key;" "include tls.conf;" >>"$dir/listen.conf"
+    printf '%s\n' "listen $WALLETLOCK_NGINX_HTTPS ssl http2;" "ssl_certificate $certs/nginx.pem;" \
+      "ssl_certificate_key $certs/nginx.key;" "include tls.conf;" >>"$dir/listen.conf"
   fi
   printf 'listen 127.0.0.1:%s;\n' "${WALLETLOCK_NGINX_STATUS_PORT:-8090}" >"$dir/status_listen.conf"
   {

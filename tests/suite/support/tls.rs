@@ -52,8 +52,8 @@ impl TestCa {
 
     /// The same settings as lines of a Sentinel's config file.
     pub fn sentinel_config(&self, port: u16) -> String {
-        let args = self.redis_args(port);
-        args.chunks(2).map(|pair| format!("{} {}\n", pair[0].trim_start_matches("--"), pair[1])).collect()
+        let lines = lib_sh(&format!("wl_redis_tls_conf {} server", self.dir.path().display()));
+        format!("{lines}tls-port {port}\n")
     }
 
     /// `redis-cli` arguments to reach a node of this CA, with the replicas' client certificate.
