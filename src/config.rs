@@ -5,10 +5,12 @@
 //! |---|---|---|
 //! | `LISTEN_ADDR` | `127.0.0.1:8080` | where a replica listens |
 //! | `REPLICA_NAME` | `<hostname>-<port>` | sent as `X-Served-By` and in every log line |
-//! | `DATABASE_URL` | (required) | Postgres; secret, never logged |
+//! | `DATABASE_URL` | (required) | Postgres; secret, never logged; `sslmode=verify-full&sslrootcert=<file>` for verified TLS (a missing or empty `sslrootcert` file stops the process) |
 //! | `PG_POOL_SIZE` | `10` | connections per replica; replicas × this must stay under Postgres's `max_connections` |
 //! | `PG_ACQUIRE_TIMEOUT` | `1s` | wait for a pooled connection before answering 503 |
-//! | `REDIS_URL` | `redis://127.0.0.1:6379` | Redis; secret (may hold a password), never logged |
+//! | `REDIS_URL` | `redis://127.0.0.1:6379` | Redis; secret (may hold a password), never logged; `rediss://`, `rediss+sentinel://`, `rediss+cluster://` for TLS, always verified |
+//! | `REDIS_TLS_CA_FILE` | (the system's roots) | with a TLS `REDIS_URL`: PEM file of the CAs that sign the servers' certificates |
+//! | `REDIS_TLS_CERT_FILE`, `REDIS_TLS_KEY_FILE` | | with a TLS `REDIS_URL`: the client certificate and key (PEM), for mutual TLS |
 //! | `REDIS_POOL_SIZE` | `16` | Redis connections per replica |
 //! | `REDIS_KEY_PREFIX` | `walletlock` | namespaces every lease key |
 //! | `REDIS_TIMEOUT` | `500ms` | bound on any single Redis call |
