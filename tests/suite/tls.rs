@@ -54,6 +54,12 @@ async fn payments_over_https_reach_redis_and_postgres_over_verified_tls() {
     let read = fleet.client.get(fleet.https_url("/wallets/tls-a")).send().await.expect("an HTTPS answer");
     assert_eq!(read.status(), 200);
     assert_eq!(read.version(), reqwest::Version::HTTP_2, "nginx offers HTTP/2 over TLS");
+    // Plain HTTP sent to the HTTPS port is nginx's own 400, in problem+json like its other errors.
+    let plain = format!("http://127.0.0.1:{}/wallets/tls-a", fleet.https_port.expect("https"));
+    let refused = fleet.client.get(plain).send().await.expect("an answer");
+    assert_eq!(refused.status(), 400);
+    let problem: Value = refused.json().await.expect("problem+json");
+    assert_eq!(problem["code"], "bad_request", "{problem}");
 
     let load = Load::start_at(&fleet, &[fleet.https_url("")], &wallets, 8);
     tokio::time::sleep(Duration::from_secs(3)).await;
