@@ -9,9 +9,9 @@ use crate::support::fleet::{Fleet, repo};
 use crate::support::load::{
     Load, Outcome, check_books, open_wallets, pay_one, settle, tally, time_to_recover,
 };
-use crate::support::servers::{SentinelSet, redis_cli};
+use crate::support::servers::{ClusterSet, SentinelSet, redis_cli};
 use crate::support::tls::TestCa;
-use crate::topologies::sentinel_failover_mid_load;
+use crate::topologies::{cluster_primary_lost_mid_load, sentinel_failover_mid_load};
 use serde_json::{Value, json};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -273,4 +273,13 @@ async fn a_sentinel_failover_over_tls_loses_nothing() {
     let mut env = TestEnv::with_tls(&ca);
     env.redis_url = sentinels.url();
     sentinel_failover_mid_load(sentinels, env).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_primary_lost_over_tls_loses_nothing() {
+    let ca = TestCa::new();
+    let cluster = ClusterSet::start_tls(&ca);
+    let mut env = TestEnv::with_tls(&ca);
+    env.redis_url = cluster.url();
+    cluster_primary_lost_mid_load(cluster, env).await;
 }

@@ -460,11 +460,26 @@ impl Drop for SentinelSet {
 pub struct ClusterSet {
     _dir: TempDir,
     nodes: Vec<(u16, OwnedChild)>,
+    /// `redis-cli`'s TLS arguments, when the cluster speaks TLS.
+    cli_tls: Vec<String>,
+    /// A replica's Redis TLS settings, when the cluster speaks TLS (see [`TestCa::replica_env`]).
+    pub replica_env: Vec<(String, String)>,
 }
 
 impl ClusterSet {
     pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// Every node on TLS only, with `ca`'s certificates (the cluster bus and replication too).
+    pub fn start_tls(ca: &TestCa) -> Self {
+        Self::start_with(Some(ca))
+    }
+
+    fn start_with(tls: Option<&TestCa>) -> Self {
         let dir = TempDir::new().expect("temp dir");
+        let cli_tls = tls.map(TestCa::redis_cli_args).unwrap_or_default();
+        let replica_env = tls.map(TestCa::replica_env).unwrap_or_default();
         let mut nodes = Vec::new();
         for _ in 0..6 {
             let port = free_port();
@@ -473,6 +488,7 @@ impl ClusterSet {
                 // Replicas sync at once (not after the default 5 s), so a failover finds them ready.
                 .args(["--repl-diskless-sync-delay", "0"])
                 .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
+                .args(tls.map(|ca| ca.redis_args(port)).unwrap_or_default())
                 .stdout(Stdio::null())
                 .spawn()
                 .expect("redis-server");
@@ -481,6 +497,7 @@ impl ClusterSet {
         }
         let addresses: Vec<String> = nodes.iter().map(|(port, _)| format!("127.0.0.1:{port}")).collect();
         let out = Command::new("redis-cli")
+            .args(&cli_tls)
             .arg("--cluster")
             .arg("create")
             .args(&addresses)
@@ -488,34 +505,40 @@ impl ClusterSet {
             .output()
             .expect("redis-cli --cluster create");
         assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
-        let set = Self { _dir: dir, nodes };
+        let set = Self { _dir: dir, nodes, cli_tls, replica_env };
         wait_until("the cluster is ok", Duration::from_secs(30), || {
             set.nodes
                 .iter()
-                .all(|(port, _)| redis_cli(*port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+                .all(|(port, _)| set.cli(*port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"))
         });
         // On every primary; a replica that takes over has it by replication.
-        load_lease_functions(&set.url(), &[]);
-        let primaries =
-            set.nodes.iter().filter(|(port, _)| redis_cli(*port, &["ROLE"]).starts_with("master"));
+        load_lease_functions(&set.url(), &set.replica_env);
+        let primaries = set.nodes.iter().filter(|(port, _)| set.cli(*port, &["ROLE"]).starts_with("master"));
         for (port, _) in primaries {
-            assert!(redis_cli(*port, &["FUNCTION", "LIST"]).contains("walletlock"), "library on :{port}");
+            assert!(set.cli(*port, &["FUNCTION", "LIST"]).contains("walletlock"), "library on :{port}");
         }
         set
+    }
+
+    /// `redis-cli` on one of this cluster's nodes.
+    fn cli(&self, port: u16, args: &[&str]) -> String {
+        let tls: Vec<&str> = self.cli_tls.iter().map(String::as_str).collect();
+        redis_cli(port, &[tls.as_slice(), args].concat())
     }
 
     /// `REDIS_URL` for this cluster (every node as a seed).
     pub fn url(&self) -> String {
         let nodes: Vec<String> = self.nodes.iter().map(|(port, _)| format!("127.0.0.1:{port}")).collect();
-        format!("redis+cluster://{}", nodes.join(","))
+        let scheme = if self.cli_tls.is_empty() { "redis" } else { "rediss" };
+        format!("{scheme}+cluster://{}", nodes.join(","))
     }
 
     /// The port of the primary that owns `key`'s slot.
     pub fn owner_of(&self, key: &str) -> u16 {
         let alive =
             self.nodes.iter().find(|(port, _)| listening(*port)).map(|(port, _)| *port).expect("a live node");
-        let slot: u16 = redis_cli(alive, &["CLUSTER", "KEYSLOT", key]).trim().parse().expect("a slot");
-        for line in redis_cli(alive, &["CLUSTER", "NODES"]).lines().filter(|l| l.contains("master")) {
+        let slot: u16 = self.cli(alive, &["CLUSTER", "KEYSLOT", key]).trim().parse().expect("a slot");
+        for line in self.cli(alive, &["CLUSTER", "NODES"]).lines().filter(|l| l.contains("master")) {
             let fields: Vec<&str> = line.split_whitespace().collect();
             let port: u16 = fields[1]
                 .split('@')
