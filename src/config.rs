@@ -59,16 +59,25 @@ pub struct DatabaseArgs {
 impl DatabaseArgs {
     /// A pool that connects on first use, so a replica starts (and reports not ready) while
     /// Postgres is still down.
-    /// A root certificate file named in the URL (`sslrootcert`, or `PGSSLROOTCERT`) that is
-    /// missing, unreadable or empty stops the process here, rather than failing every connection.
+    /// A certificate file named in the URL (`sslrootcert`, or `PGSSLROOTCERT`; `sslcert`) that
+    /// is missing, unreadable or empty, or an unreadable `sslkey`, stops the process here, rather
+    /// than failing every connection.
     pub fn pool(&self) -> anyhow::Result<PgPool> {
         let url = self.database_url.expose_secret();
         let options = PgConnectOptions::from_str(url)
             .map_err(|err| anyhow::anyhow!("DATABASE_URL is not a Postgres URL: {err}"))?;
+        // A value that is itself a PEM (sqlx accepts one inline) names no file.
+        let file = |value: String| (!value.trim_start().starts_with("-----BEGIN")).then_some(value);
         let root_cert = url_parameter(url, &["sslrootcert", "ssl-root-cert", "ssl-ca"])
             .or_else(|| std::env::var("PGSSLROOTCERT").ok());
-        if let Some(path) = root_cert.filter(|value| !value.trim_start().starts_with("-----BEGIN")) {
+        if let Some(path) = root_cert.and_then(file) {
             read_certificates("DATABASE_URL sslrootcert", std::path::Path::new(&path))?;
+        }
+        if let Some(path) = url_parameter(url, &["sslcert", "ssl-cert"]).and_then(file) {
+            read_certificates("DATABASE_URL sslcert", std::path::Path::new(&path))?;
+        }
+        if let Some(path) = url_parameter(url, &["sslkey", "ssl-key"]).and_then(file) {
+            std::fs::read(&path).map_err(|err| anyhow::anyhow!("DATABASE_URL sslkey {path}: {err}"))?;
         }
         Ok(PgPoolOptions::new()
             .max_connections(self.pg_pool_size)

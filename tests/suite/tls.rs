@@ -229,6 +229,13 @@ fn a_replica_refuses_to_start_when_a_tls_file_is_missing_or_unusable() {
             )],
             "sslrootcert",
         ),
+        (
+            vec![(
+                "DATABASE_URL",
+                "postgres://p@127.0.0.1:1/p?sslmode=verify-full&sslcert=/nonexistent/c.pem",
+            )],
+            "sslcert",
+        ),
     ];
     for (env, setting) in cases {
         let (status, stderr) = serve_with(&env);
