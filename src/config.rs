@@ -243,6 +243,15 @@ fn read_certificates(setting: &str, path: &std::path::Path) -> anyhow::Result<Ve
     Ok(pem)
 }
 
+/// Reads a PEM private key file named by `setting`, refusing a missing, unreadable or keyless one.
+fn read_private_key(setting: &str, path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    use rustls::pki_types::{PrivateKeyDer, pem::PemObject};
+    let pem = std::fs::read(path).map_err(|err| anyhow::anyhow!("{setting} {}: {err}", path.display()))?;
+    PrivateKeyDer::from_pem_slice(&pem)
+        .map_err(|err| anyhow::anyhow!("{setting} {}: not a PEM private key: {err}", path.display()))?;
+    Ok(pem)
+}
+
 impl RedisArgs {
     fn pool_config(&self) -> deadpool_redis::PoolConfig {
         let mut pool = deadpool_redis::PoolConfig::new(self.redis_pool_size);
@@ -276,8 +285,7 @@ impl RedisArgs {
         let client_tls = match (&self.redis_tls_cert_file, &self.redis_tls_key_file) {
             (Some(cert), Some(key)) => Some(ClientTlsConfig {
                 client_cert: read_certificates("REDIS_TLS_CERT_FILE", cert)?,
-                client_key: std::fs::read(key)
-                    .map_err(|err| anyhow::anyhow!("REDIS_TLS_KEY_FILE {}: {err}", key.display()))?,
+                client_key: read_private_key("REDIS_TLS_KEY_FILE", key)?,
             }),
             _ => None,
         };

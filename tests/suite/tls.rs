@@ -209,8 +209,10 @@ fn serve_with(env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
 
 #[test]
 fn a_replica_refuses_to_start_when_a_tls_file_is_missing_or_unusable() {
-    let empty = tempfile::NamedTempFile::new().expect("an empty file");
-    let empty = empty.path().display().to_string();
+    let ca = TestCa::new();
+    let ca_file = ca.file("ca.pem");
+    let empty_file = tempfile::NamedTempFile::new().expect("an empty file");
+    let empty = empty_file.path().display().to_string();
     let cases: Vec<(Vec<(&str, &str)>, &str)> = vec![
         (
             vec![("REDIS_URL", "rediss://127.0.0.1:1"), ("REDIS_TLS_CA_FILE", "/nonexistent/ca.pem")],
@@ -220,6 +222,15 @@ fn a_replica_refuses_to_start_when_a_tls_file_is_missing_or_unusable() {
         (
             vec![("REDIS_URL", "redis://127.0.0.1:1"), ("REDIS_TLS_CA_FILE", "/nonexistent/ca.pem")],
             "REDIS_TLS_CA_FILE",
+        ),
+        (
+            vec![
+                ("REDIS_URL", "rediss://127.0.0.1:1"),
+                ("REDIS_TLS_CA_FILE", &ca_file),
+                ("REDIS_TLS_CERT_FILE", &ca_file),
+                ("REDIS_TLS_KEY_FILE", &empty),
+            ],
+            "REDIS_TLS_KEY_FILE",
         ),
         (vec![("REDIS_URL", "rediss://127.0.0.1:1/#insecure")], "REDIS_URL"),
         (
@@ -243,6 +254,7 @@ fn a_replica_refuses_to_start_when_a_tls_file_is_missing_or_unusable() {
         let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
         assert_eq!(lines.len(), 1, "one line: {stderr}");
         assert!(lines[0].contains(setting), "{env:?}: the line names {setting}: {stderr}");
+        eprintln!("{}", lines[0]);
     }
 }
 
