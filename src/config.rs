@@ -173,8 +173,7 @@ impl RedisTarget {
         };
         if url.contains("#insecure") {
             return Err(
-                "REDIS_URL asks for no certificate verification (#insecure); walletlock always verifies"
-                    .into(),
+                "it asks for no certificate verification (#insecure); walletlock always verifies".into()
             );
         }
         let topology = |scheme: &str| {
