@@ -147,11 +147,16 @@ EOF
 
 # wl_tls_ca DIR: a throwaway certificate authority in DIR (ca.pem, its key ca.key), made on first
 # use: ECDSA P-256, valid 90 days, DIR owner-only. For local runs and tests only: it signs what
-# wl_tls_issue makes, and the replicas and clients trust it through its ca.pem.
+# wl_tls_issue makes, and the replicas and clients trust it through its ca.pem. A CA within a day
+# of its end is replaced, with everything it signed.
 wl_tls_ca() {
   local dir=$1
   command -v openssl >/dev/null || wl_apt_install openssl
   mkdir -p "$dir" && chmod 700 "$dir"
+  if [ -s "$dir/ca.pem" ] && ! openssl x509 -checkend 86400 -noout -in "$dir/ca.pem" >/dev/null; then
+    wl_log "the local CA in $dir expires within a day: making a new one"
+    rm -f "$dir"/*.pem "$dir"/*.key "$dir/ca.srl"
+  fi
   [ -s "$dir/ca.pem" ] && [ -s "$dir/ca.key" ] && return 0
   (
     umask 077
@@ -164,10 +169,12 @@ wl_tls_ca() {
 
 # wl_tls_issue DIR NAME SAN: NAME.pem and NAME.key in DIR, a certificate signed by DIR's CA (see
 # wl_tls_ca) for SAN (e.g. "IP:127.0.0.1,DNS:localhost"), good for a server and a client (Redis
-# nodes present theirs both ways), valid 30 days; made on first use, the key owner-only.
+# nodes present theirs both ways), valid 30 days; made on first use (and again within a day of its
+# end), the key owner-only.
 wl_tls_issue() {
   local dir=$1 name=$2 san=$3
-  [ -s "$dir/$name.pem" ] && [ -s "$dir/$name.key" ] && return 0
+  [ -s "$dir/$name.pem" ] && openssl x509 -checkend 86400 -noout -in "$dir/$name.pem" >/dev/null &&
+    [ -s "$dir/$name.key" ] && return 0
   (
     umask 077
     openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
