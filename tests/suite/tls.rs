@@ -154,21 +154,30 @@ async fn a_server_certificate_for_another_host_is_refused_with_a_503_and_nothing
         replica.set_env(setting, Some(&wrong_host));
         replica.start_unready();
 
-        let paid = fleet
-            .client
-            .post(fleet.replicas[0].url("/wallets/elsewhere/pay"))
-            .json(&json!({ "amount": 100 }))
-            .send()
-            .await
-            .expect("an answer");
-        assert_eq!(paid.status(), 503, "{setting} with a wrong-host certificate");
-        let problem: Value = paid.json().await.unwrap();
-        assert_eq!(problem["code"], "dependency_unavailable", "{problem}");
+        // Every payment is refused and changes nothing. The reason reaches the log as soon as one
+        // handshake has failed; on a loaded machine a first attempt may instead run out of its
+        // connect wait (PG_ACQUIRE_TIMEOUT) before the handshake ends, so a few are allowed.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let paid = fleet
+                .client
+                .post(fleet.replicas[0].url("/wallets/elsewhere/pay"))
+                .json(&json!({ "amount": 100 }))
+                .send()
+                .await
+                .expect("an answer");
+            assert_eq!(paid.status(), 503, "{setting} with a wrong-host certificate");
+            let problem: Value = paid.json().await.unwrap();
+            assert_eq!(problem["code"], "dependency_unavailable", "{problem}");
+            assert_eq!(wallet_state(&fleet, "elsewhere").await, before, "{setting}: nothing applied");
+            let log = fleet.replicas[0].log();
+            if log.contains(reason) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{setting}: the log says why: {log}");
+        }
         let ready = fleet.client.get(fleet.replicas[0].url("/readyz")).send().await.unwrap();
         assert_eq!(ready.status(), 503, "{setting}: not ready");
-        assert_eq!(wallet_state(&fleet, "elsewhere").await, before, "{setting}: nothing applied");
-        let log = fleet.replicas[0].log();
-        assert!(log.contains(reason), "{setting}: the log says why: {log}");
     }
 
     // Back on the names the certificates carry, the same payment goes through.
