@@ -26,7 +26,7 @@ wl_apt_install() {
 # wl_pg_bindir: the newest installed Postgres's server programs (Debian keeps them off PATH).
 wl_pg_bindir() {
   local dir
-  dir=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+  dir=$(printf '%s\n' /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
   [ -n "$dir" ] && [ -x "$dir/postgres" ] && printf '%s\n' "$dir"
 }
 
@@ -78,13 +78,19 @@ wl_pip_module() {
   fi
 }
 
+# wl_random_hex BYTES: BYTES random bytes from the kernel's CSPRNG, as 2 x BYTES lowercase hex
+# digits (od and tr are in coreutils, on every Debian).
+wl_random_hex() {
+  od -An -v -N "$1" -tx1 /dev/urandom | tr -d ' \n'
+}
+
 # wl_secret FILE: the secret kept in FILE, made (256 random bits, hex) on first use; readable by
 # its owner only.
 wl_secret() {
   local file=$1
   if [ ! -s "$file" ]; then
     mkdir -p "$(dirname "$file")"
-    (umask 077 && python3 -c 'import secrets; print(secrets.token_hex(32))' >"$file")
+    (umask 077 && printf '%s\n' "$(wl_random_hex 32)" >"$file")
   fi
   cat "$file"
 }
@@ -219,33 +225,14 @@ wl_postgres_tls_settings() {
     ssl_min_protocol_version=TLSv1.2 "hba_file=$dir/tls/pg_hba.conf"
 }
 
-# wl_free_port: a TCP port nothing listens on right now.
+# wl_free_port: a TCP port nothing listens on right now (deploy/free_port.py).
 wl_free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+  python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py"
 }
 
 # wl_free_ports N: the first of N consecutive ports on 127.0.0.1 that are free now.
 wl_free_ports() {
-  python3 - "$1" <<'PY'
-import random, socket, sys
-n = int(sys.argv[1])
-for _ in range(200):
-    base = random.randrange(20000, 60000 - n)
-    socks = []
-    try:
-        for port in range(base, base + n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", port))
-            socks.append(s)
-    except OSError:
-        continue
-    finally:
-        for s in socks:
-            s.close()
-    print(base)
-    sys.exit(0)
-sys.exit("no free range of %d ports" % n)
-PY
+  python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py" "$1"
 }
 
 # wl_wait_for WHAT SECONDS COMMAND...: runs COMMAND every 50 ms until it succeeds.
@@ -362,30 +349,38 @@ wl_start_redis() {
 # wl_nginx_prepare DIR LISTEN PORT...: DIR gets a verbatim copy of the top-level nginx.conf and
 # the files it includes: listen.conf (LISTEN, e.g. 127.0.0.1:8080), status_listen.conf (loopback,
 # port WALLETLOCK_NGINX_STATUS_PORT, 8090 by default) and upstream.conf (one replica per PORT on
-# 127.0.0.1). With WALLETLOCK_NGINX_HTTPS (an address, e.g. 127.0.0.1:8443) and
-# WALLETLOCK_NGINX_TLS_DIR (holding nginx.pem and nginx.key, see wl_tls_issue), listen.conf also
-# gets an HTTPS listener (HTTP/2 allowed) with the TLS settings of the top-level nginx-tls.conf.
+# 127.0.0.1, each taking at most WALLETLOCK_NGINX_MAX_CONNS connections, 512 by default: see
+# nginx.conf's "no live upstreams"). With WALLETLOCK_NGINX_HTTPS (an address, e.g. 127.0.0.1:8443)
+# and WALLETLOCK_NGINX_TLS_DIR (holding nginx.pem and nginx.key, see wl_tls_issue), listen.conf
+# also gets an HTTPS listener (HTTP/2 allowed) with the TLS settings of the top-level nginx-tls.conf.
 wl_nginx_prepare() {
   local dir=$1 listen=$2; shift 2
   local root; root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   mkdir -p "$dir"
   cp "$root/nginx.conf" "$dir/nginx.conf"
-  printf 'listen %s;\n' "$listen" >"$dir/listen.conf"
+  # A flood's connections wait in the accept queue, not refused (the kernel caps it at somaxconn).
+  printf 'listen %s backlog=4096;\n' "$listen" >"$dir/listen.conf"
   if [ -n "${WALLETLOCK_NGINX_HTTPS:-}" ]; then
     local certs=${WALLETLOCK_NGINX_TLS_DIR:?WALLETLOCK_NGINX_TLS_DIR holds nginx.pem and nginx.key}
     cp "$root/nginx-tls.conf" "$dir/tls.conf"
     # `http2` on the listen line: nginx 1.22 has no `http2 on;` yet (later ones accept both).
-    printf '%s\n' "listen $WALLETLOCK_NGINX_HTTPS ssl http2;" "ssl_certificate $certs/nginx.pem;" \
+    printf '%s\n' "listen $WALLETLOCK_NGINX_HTTPS ssl http2 backlog=4096;" "ssl_certificate $certs/nginx.pem;" \
       "ssl_certificate_key $certs/nginx.key;" "include tls.conf;" >>"$dir/listen.conf"
   fi
   printf 'listen 127.0.0.1:%s;\n' "${WALLETLOCK_NGINX_STATUS_PORT:-8090}" >"$dir/status_listen.conf"
   {
     echo "# Written by deploy/lib.sh (wl_nginx_prepare): the local replicas."
     echo "upstream walletlock {"
-    local port
+    echo "    # One replica per wallet while it is up (see \$walletlock_route in nginx.conf)."
+    echo "    hash \$walletlock_route consistent;"
+    echo "    # Shared by the workers, so max_conns bounds each replica's connections in total."
+    echo "    zone walletlock 64k;"
+    local port max_conns=${WALLETLOCK_NGINX_MAX_CONNS:-512}
     for port in "$@"; do
       # One failed connection takes a replica out of rotation for 1 s (passive health check).
-      echo "    server 127.0.0.1:$port max_fails=1 fail_timeout=1s;"
+      # max_conns: above the replica's MAX_IN_FLIGHT (256), so the replica sheds first, and low
+      # enough that its connections' buffers stay within its memory (README, Overload).
+      echo "    server 127.0.0.1:$port max_fails=1 fail_timeout=1s max_conns=$max_conns;"
     done
     echo "    keepalive 64;"
     echo "    # Below the replicas' 30 s idle timeout: nginx, not the replica, closes idle connections,"

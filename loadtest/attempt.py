@@ -11,11 +11,12 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 
 
 def other_pct(path):
     try:
-        return int(json.load(open(path))["other_pct"])
+        return int(json.loads(Path(path).read_text())["other_pct"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0
 
@@ -23,9 +24,9 @@ def other_pct(path):
 def figures(d):
     try:
         if os.path.exists(os.path.join(d, "summary.json")):
-            f = json.load(open(os.path.join(d, "summary.json")))["figures"]
+            f = json.loads(Path(d, "summary.json").read_text())["figures"]
             return f"{f['rps']:.0f}/s, p99 {f['p99_ms']:.0f} ms"
-        text = open(os.path.join(d, "pgbench.out")).read()
+        text = Path(d, "pgbench.out").read_text()
         return f"{float(re.search(r'tps = ([0-9.]+)', text).group(1)):.0f}/s"
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "?"

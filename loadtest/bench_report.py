@@ -16,9 +16,18 @@ import subprocess
 import sys
 
 
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def load_json(path):
+    return json.loads(read(path))
+
+
 def sh(*cmd):
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=20)
         return (out.stdout + out.stderr).strip().splitlines()[0]
     except (OSError, IndexError, subprocess.TimeoutExpired):
         return "?"
@@ -33,7 +42,7 @@ def percentile(sorted_values, p):
 
 def verdict(books_file):
     try:
-        lines = open(books_file).read().strip().splitlines()
+        lines = read(books_file).strip().splitlines()
     except OSError:
         return "?", ""
     last = lines[-1] if lines else ""
@@ -42,7 +51,7 @@ def verdict(books_file):
 
 
 def pgbench_row(label, scenario, run_dir, status):
-    text = open(os.path.join(run_dir, "pgbench.out")).read()
+    text = read(os.path.join(run_dir, "pgbench.out"))
     tps = float(re.search(r"tps = ([0-9.]+) \(without initial connection time\)", text).group(1))
     processed = int(re.search(r"number of transactions actually processed: (\d+)", text).group(1))
     failed_m = re.search(r"number of failed transactions: (\d+)", text)
@@ -78,15 +87,15 @@ def pgbench_row(label, scenario, run_dir, status):
 
 
 def walletlock_row(label, scenario, run_dir, status):
-    figures = json.load(open(os.path.join(run_dir, "summary.json")))["figures"]
+    figures = load_json(os.path.join(run_dir, "summary.json"))["figures"]
     moves = figures.get("op", "move") == "move"
     try:
-        costs = json.load(open(os.path.join(run_dir, "costs.json")))
+        costs = load_json(os.path.join(run_dir, "costs.json"))
     except (OSError, ValueError):
         costs = None
     rss = []
     try:
-        for line in open(os.path.join(run_dir, "rss.txt")):
+        for line in read(os.path.join(run_dir, "rss.txt")).splitlines():
             name, _pid, hwm_kb, _rss_kb, _up = line.split()
             rss.append([name, int(hwm_kb) / 1024])
     except OSError:
@@ -121,16 +130,16 @@ def walletlock_row(label, scenario, run_dir, status):
 
 def machine():
     cpu = "?"
-    for line in open("/proc/cpuinfo"):
+    for line in read("/proc/cpuinfo").splitlines():
         if line.startswith("model name"):
             cpu = line.split(":", 1)[1].strip()
             break
     mem_kb = 0
-    for line in open("/proc/meminfo"):
+    for line in read("/proc/meminfo").splitlines():
         if line.startswith("MemTotal:"):
             mem_kb = int(line.split()[1])
     try:
-        debian = open("/etc/debian_version").read().strip()
+        debian = read("/etc/debian_version").strip()
     except OSError:
         debian = "?"
     pg_bin = os.environ.get("PG_BINDIR", "")
@@ -213,16 +222,16 @@ def targets(rows):
 
 def main():
     out = sys.argv[1]
-    settings = json.load(open(os.path.join(out, "settings.json")))
+    settings = load_json(os.path.join(out, "settings.json"))
     rows = []
-    for line in open(os.path.join(out, "runs.tsv")):
+    for line in read(os.path.join(out, "runs.tsv")).splitlines():
         label, kind, scenario, run_dir, status, idle = line.rstrip("\n").split("\t")
         make = pgbench_row if kind == "pgbench" else walletlock_row
         try:
             rows.append(make(label, scenario, run_dir, int(status)))
             rows[-1]["idle_before_pct"] = int(idle)
             try:
-                rows[-1]["other_cpu"] = json.load(open(os.path.join(run_dir, "other_cpu.json")))
+                rows[-1]["other_cpu"] = load_json(os.path.join(run_dir, "other_cpu.json"))
             except (OSError, ValueError):
                 rows[-1]["other_cpu"] = None
         except (OSError, AttributeError, KeyError, ValueError) as err:
@@ -260,7 +269,9 @@ def main():
 
     def plain(rows_):
         widths = [max(len(header[i]), *(len(c[i]) for c in rows_)) for i in range(len(header))]
-        fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+        def fmt(cells):
+            return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
         return "\n".join([fmt(header)] + [fmt(c) for c in rows_])
 
     secs, vus, clients = settings["seconds"], settings["vus"], settings["clients"]
@@ -269,46 +280,46 @@ def main():
         f"pgbench {clients} clients, k6 {vus} VUs via nginx + {replicas} replicas"
     )
     notes = [
-        f"Every run lasted {secs} s on the same machine, one after the other: {info['cpus']} cores "
-        f"({info['cpu']}), {info['ram_gib']} GiB RAM, {info['os']}; Postgres, Redis, nginx, the "
-        f"{replicas} replicas and the load generator (k6 or pgbench) all share those cores.",
-        f"Raw-Postgres anchors: pgbench ({info['pgbench']}), {clients} clients, 2 threads, prepared "
-        "statements, one statement per transaction: `UPDATE account SET balance = balance - 1 WHERE "
-        "id = :id AND balance >= 1` on one row (hot) or a random one of 10,000 (spread), in a scratch "
-        "database `pgbench_anchor` of the fleet's own Postgres (deploy/local: fsync and "
-        "synchronous_commit on). rps = pgbench's tps; latencies from its per-transaction log.",
-        f"walletlock: loadtest/pay.js (k6, closed model, {vus} VUs) through nginx to {replicas} "
-        "replicas (deploy/local, deploy/defaults.env); every payment carries an Idempotency-Key. "
-        "rps = payment requests answered per second over the run; p50/p99 over those requests. "
-        "`hot`: every payment from one wallet; `spread`: 10,000 wallets; the replicas run their default "
-        "lease strategy. `tutorial lock`: the same hot run with the replicas restarted with "
-        "LEASE_STRATEGY=tutorial (the tutorial's lock: every waiting request polls the lease "
-        "every 5-15 ms).",
-        f"The ceilings, with the same fleet and the same {vus} VUs: `read`, `GET /wallets/{{id}}` (with "
-        "the token) on 10,000 wallets picked at random (the read ceiling: one Postgres read per "
-        "request, nothing moves); `health`, `GET /healthz` through nginx (the health ceiling: nginx "
-        "and a replica, neither Redis nor Postgres). rps there is requests answered per second; "
-        "they move no money, so they have no books and no lock_timeout (`-`).",
-        "Costs per payment: from Postgres's and Redis's own statistics, read right before and right "
-        "after the k6 run (loadtest/costs.py, called by `COSTS=1 loadtest/run`), before the book "
-        "check, with the wallets opened by a k6 run of their own before the first reading; the "
-        "deltas over the run divided by its accepted payments (read and health: by its requests, "
-        "`/req`). WAL flushes: pg_stat_wal.wal_sync (the whole cluster, so a checkpoint or "
-        "autovacuum during the run counts too); transactions: pg_stat_database xact_commit + "
-        "xact_rollback of the walletlock database; statements: the sum of pg_stat_statements' calls "
-        "in the walletlock database (top-level statements, BEGIN and COMMIT included); Redis "
-        "commands: the sum of INFO commandstats' calls on the primary (commands run inside a Lua "
-        "script count, as well as the EVALSHA that ran it). Each reading waits 11 s after the "
-        "traffic stops, since Postgres backends report their statistics up to 10 s late; the "
-        "first reading's own query is subtracted. costs.json in each run's directory has the "
-        "deltas, WAL records and bytes, and Redis's calls per command.",
-        "unexpected errors: answers outside the API's contract (pgbench: failed transactions). "
-        "lock_timeout (503, nothing applied) is an expected outcome, counted apart; it is included "
-        "in rps. ratio to anchor = rps / the pgbench rps of the same scenario.",
-        "peak RSS: VmHWM of each replica, which was restarted just before the run (so the peak of "
-        "that run, its wallet seeding included). pgbench runs do not involve the replicas.",
-        "books: after each run, loadtest/books.py (walletlock) or a sum over the table (pgbench): "
-        "balance = initial - accepted payments, never negative; plus `walletlock audit`.",
+        (f"Every run lasted {secs} s on the same machine, one after the other: {info['cpus']} cores "
+         f"({info['cpu']}), {info['ram_gib']} GiB RAM, {info['os']}; Postgres, Redis, nginx, the "
+         f"{replicas} replicas and the load generator (k6 or pgbench) all share those cores."),
+        (f"Raw-Postgres anchors: pgbench ({info['pgbench']}), {clients} clients, 2 threads, prepared "
+         "statements, one statement per transaction: `UPDATE account SET balance = balance - 1 WHERE "
+         "id = :id AND balance >= 1` on one row (hot) or a random one of 10,000 (spread), in a scratch "
+         "database `pgbench_anchor` of the fleet's own Postgres (deploy/local: fsync and "
+         "synchronous_commit on). rps = pgbench's tps; latencies from its per-transaction log."),
+        (f"walletlock: loadtest/pay.js (k6, closed model, {vus} VUs) through nginx to {replicas} "
+         "replicas (deploy/local, deploy/defaults.env); every payment carries an Idempotency-Key. "
+         "rps = payment requests answered per second over the run; p50/p99 over those requests. "
+         "`hot`: every payment from one wallet; `spread`: 10,000 wallets; the replicas run their default "
+         "lease strategy. `tutorial lock`: the same hot run with the replicas restarted with "
+         "LEASE_STRATEGY=tutorial (the tutorial's lock: every waiting request polls the lease "
+         "every 5-15 ms)."),
+        (f"The ceilings, with the same fleet and the same {vus} VUs: `read`, `GET /wallets/{{id}}` (with "
+         "the token) on 10,000 wallets picked at random (the read ceiling: one Postgres read per "
+         "request, nothing moves); `health`, `GET /healthz` through nginx (the health ceiling: nginx "
+         "and a replica, neither Redis nor Postgres). rps there is requests answered per second; "
+         "they move no money, so they have no books and no lock_timeout (`-`)."),
+        ("Costs per payment: from Postgres's and Redis's own statistics, read right before and right "
+         "after the k6 run (loadtest/costs.py, called by `COSTS=1 loadtest/run`), before the book "
+         "check, with the wallets opened by a k6 run of their own before the first reading; the "
+         "deltas over the run divided by its accepted payments (read and health: by its requests, "
+         "`/req`). WAL flushes: pg_stat_wal.wal_sync (the whole cluster, so a checkpoint or "
+         "autovacuum during the run counts too); transactions: pg_stat_database xact_commit + "
+         "xact_rollback of the walletlock database; statements: the sum of pg_stat_statements' calls "
+         "in the walletlock database (top-level statements, BEGIN and COMMIT included); Redis "
+         "commands: the sum of INFO commandstats' calls on the primary (commands run inside a Lua "
+         "script count, as well as the EVALSHA that ran it). Each reading waits 11 s after the "
+         "traffic stops, since Postgres backends report their statistics up to 10 s late; the "
+         "first reading's own query is subtracted. costs.json in each run's directory has the "
+         "deltas, WAL records and bytes, and Redis's calls per command."),
+        ("unexpected errors: answers outside the API's contract (pgbench: failed transactions). "
+         "lock_timeout (503, nothing applied) is an expected outcome, counted apart; it is included "
+         "in rps. ratio to anchor = rps / the pgbench rps of the same scenario."),
+        ("peak RSS: VmHWM of each replica, which was restarted just before the run (so the peak of "
+         "that run, its wallet seeding included). pgbench runs do not involve the replicas."),
+        ("books: after each run, loadtest/books.py (walletlock) or a sum over the table (pgbench): "
+         "balance = initial - accepted payments, never negative; plus `walletlock audit`."),
         "The machine was idle before each run (whole-machine idle CPU over 3 s: "
         + ", ".join(f"{r['label']} {r['idle_before_pct']}%" for r in rows)
         + "); the bench waits for that before starting a run. other CPU: the share of the "
@@ -319,7 +330,7 @@ def main():
     ]
     discarded = []
     try:
-        for line in open(os.path.join(out, "discarded.tsv")):
+        for line in read(os.path.join(out, "discarded.tsv")).splitlines():
             label, attempt, other, figures, _path = line.rstrip("\n").split("\t")
             discarded.append(f"{label} attempt {attempt}: {figures} with {other}% other CPU")
     except (OSError, ValueError):
@@ -351,8 +362,8 @@ def main():
             "",
             markdown(table),
             "",
-            "Targets (issue 13): rps as in the table (payments or reads answered per second); the "
-            "costs and the p99s of the runs above.",
+            ("Targets (issue 13): rps as in the table (payments or reads answered per second); the "
+             "costs and the p99s of the runs above."),
             "",
             goal_md,
             "",
@@ -370,8 +381,10 @@ def main():
     )
     bench = {"title": title, "settings": settings, "machine": info, "rows": rows, "command": command,
              "targets": [{"target": t, "result": res, "met": met} for t, res, met in goals]}
-    json.dump(bench, open(os.path.join(out, "bench.json"), "w"), indent=1)
-    open(os.path.join(out, "bench.md"), "w").write(md)
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(bench, f, indent=1)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write(md)
     print(title)
     print(plain(table))
     print()

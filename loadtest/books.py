@@ -88,7 +88,7 @@ class Client:
                 conn.request(method, path, body=body, headers=headers)
                 res = conn.getresponse()
                 data = res.read()
-                return res.status, dict((k.lower(), v) for k, v in res.getheaders()), data
+                return res.status, {k.lower(): v for k, v in res.getheaders()}, data
             except (OSError, http.client.HTTPException):
                 conn.close()
                 self.local.conn = None
@@ -154,7 +154,7 @@ def settle(client, ops, deadline_s=60):
             if 400 <= status < 500 and code != "idempotency_key_in_flight":
                 record.update(s=status, code=code, settled=True)
                 break
-            if status == 503 and code in ("lock_timeout", "dependency_unavailable"):
+            if status == 503 and code in ("lock_timeout", "overloaded", "dependency_unavailable"):
                 # Nothing applied; a client that gives up here leaves it unapplied.
                 record.update(s=status, code=code, settled=True)
                 break
@@ -314,7 +314,7 @@ def main():
 
     audit_ok = True
     if args.audit:
-        result = subprocess.run(shlex.split(args.audit), capture_output=True, text=True)
+        result = subprocess.run(shlex.split(args.audit), check=False, capture_output=True, text=True)
         output = (result.stdout + result.stderr).strip().splitlines()
         audit_ok = result.returncode == 0
         if audit_ok:

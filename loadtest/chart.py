@@ -13,11 +13,12 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def main():
-    bench = json.load(open(sys.argv[1]))
+    with open(sys.argv[1]) as f:
+        bench = json.load(f)
     rows = [r for r in bench["rows"] if r["rps"] > 0 and r["p50_ms"] > 0]
     labels = [r["label"].replace(": ", ":\n") for r in rows]
     def color(r):

@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PG_FIELDS = ["wal_sync", "wal_write", "wal_records", "wal_fpi", "wal_bytes", "xact_commit", "xact_rollback"]
 # What one snapshot itself adds to the walletlock database's counters (see the docstring).
@@ -51,7 +52,7 @@ def psql(socket, port, db, query):
     out = subprocess.run(
         ["psql", "-X", "-q", "-t", "-A", "-h", socket, "-p", str(port), "-U", "postgres", "-d", db,
          "-v", "ON_ERROR_STOP=1", "-c", query],
-        capture_output=True, text=True, timeout=30,
+        check=False, capture_output=True, text=True, timeout=30,
     )
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip())
@@ -85,14 +86,14 @@ def pg_snapshot(socket, port):
 
 
 def redis_snapshot(state, auth_file):
-    env = dict(os.environ, REDISCLI_AUTH=open(auth_file).read().strip())
+    env = dict(os.environ, REDISCLI_AUTH=Path(auth_file).read_text().strip())
     nodes = {}
     for pid_file in sorted(glob.glob(os.path.join(state, "node-*", "redis.pid"))):
         port = os.path.basename(os.path.dirname(pid_file))[len("node-"):]
         out = subprocess.run(
             ["redis-cli", "--no-auth-warning", "--user", "admin", "-h", "127.0.0.1", "-p", port,
              "info", "replication", "commandstats"],
-            capture_output=True, text=True, timeout=10, env=env,
+            check=False, capture_output=True, text=True, timeout=10, env=env,
         )
         if out.returncode != 0 or "role:" not in out.stdout:
             continue  # not running
@@ -117,7 +118,7 @@ def snapshot():
     snap = {"time": time.time()}
     snap["postgres"] = pg_snapshot(arg("--pg-socket"), arg("--pg-port"))
     snap["redis"] = redis_snapshot(arg("--redis-state"), arg("--redis-auth"))
-    json.dump(snap, open(out, "w"), indent=1)
+    Path(out).write_text(json.dumps(snap, indent=1))
 
 
 def redis_calls(snap):
@@ -130,7 +131,7 @@ def redis_calls(snap):
 
 
 def report():
-    before, after, summary = (json.load(open(p)) for p in sys.argv[2:5])
+    before, after, summary = (json.loads(Path(p).read_text()) for p in sys.argv[2:5])
     out = sys.argv[5]
     figures = summary["figures"]
     moves = figures.get("op", "move") == "move"
@@ -168,7 +169,7 @@ def report():
         "redis_by_command": by_command,
         "notes": [n for n in (a.get("statements_note"),) if n],
     }
-    json.dump(costs, open(out, "w"), indent=1)
+    Path(out).write_text(json.dumps(costs, indent=1))
 
     def fmt(v, digits=2):
         return "n/a" if v is None else f"{v:.{digits}f}"

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -75,15 +76,14 @@ def main():
     other = sum(per_comm.values())
     top = sorted(per_comm.items(), key=lambda kv: -kv[1])[:5]
     cores = os.cpu_count() or 1
-    json.dump(
+    Path(out).write_text(json.dumps(
         {
             "wall_s": round(wall, 1),
             "other_cpu_s": round(other, 1),
             "other_pct": round(100 * other / (wall * cores), 1) if wall > 0 else 0,
             "top": [[c, round(s, 1)] for c, s in top if s >= 0.1],
         },
-        open(out, "w"),
-    )
+    ))
 
 
 if __name__ == "__main__":

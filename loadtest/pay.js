@@ -13,6 +13,11 @@
 //              ceiling, what the same fleet answers when nothing moves
 //   health     GET /healthz through nginx, no wallets: the health ceiling (nginx, a replica, no
 //              Redis, no Postgres)
+//   flood      FLOOD (10,000) payments of 1 on one wallet, all sent at the same instant, each on a
+//              connection of its own, once (no retry): VUS (10) users each send FLOOD / VUS in one
+//              http.batch. Every one must be answered 200, 503 `overloaded` or `lock_timeout`, or
+//              429, each 503 and 429 with Retry-After; a connection without an answer counts in
+//              `dropped_connections`. DURATION only bounds the run (the flood itself takes seconds).
 //
 // Load model (MODEL):
 //   closed     (default) VUS virtual users, each sending its next payment when the last answered
@@ -41,9 +46,10 @@
 // replaying the key. So every operation ends as charged exactly once, or not at all, and the client
 // knows which: the books can be checked exactly.
 //
-// Expected outcomes, not failures: 200, 422 insufficient_funds, 503 lock_timeout, 409 lease_lost,
-// 503 dependency_unavailable, 409 idempotency_key_in_flight. Anything else (a status 0, a 5xx that
-// is not one of those, a 400, a 200 whose entry does not match the request) counts in
+// Expected outcomes, not failures: 200, 422 insufficient_funds, 503 lock_timeout, 503 overloaded,
+// 409 lease_lost, 503 dependency_unavailable, 409 idempotency_key_in_flight, 429 rate_limited (each
+// 503 and 429 with Retry-After). Anything else (a status 0, a 5xx that is not one of those, a 400,
+// a 200 whose entry does not match the request, a 503 or 429 without Retry-After) counts in
 // `unexpected_errors`.
 
 import http from 'k6/http';
@@ -60,6 +66,8 @@ const PROFILES = {
   mixed: { wallets: 100, initial: 100, vus: 32, p95_ms: 1000, p99_ms: 2000 },
   read: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 1000, p99_ms: 2000 },
   health: { wallets: 0, initial: 1, vus: 64, p95_ms: 1000, p99_ms: 2000 },
+  // A shed answer is immediate, a served one waits its turn: bounded by nginx's read timeout.
+  flood: { wallets: 1, initial: 1000000000000, vus: 10, p95_ms: 10000, p99_ms: 10000 },
 };
 
 const SCENARIO = __ENV.SCENARIO || 'spread';
@@ -115,6 +123,9 @@ const MAX_DROPPED_PCT = positiveNumber('MAX_DROPPED_PCT', 1);
 const ACK_LOG = __ENV.ACK_LOG === '1';
 const OPEN_ONLY = __ENV.OPEN_ONLY === '1';
 const OPENED = __ENV.OPENED === '1';
+const FLOOD = positiveInt('FLOOD', 10000);
+// Each flood user's share, sent in one batch, every request on a connection of its own.
+const FLOOD_BATCH = Math.ceil(FLOOD / VUS);
 // The requests the scenario times and counts (tag `op`): deposits and payments, or reads, or
 // health checks.
 const OP = { read: 'read', health: 'health' }[SCENARIO] || 'move';
@@ -125,6 +136,9 @@ if (MODEL !== 'closed' && MODEL !== 'open') throw new Error(`MODEL must be close
 
 function scenarioConfig() {
   if (OPEN_ONLY) return { executor: 'shared-iterations', vus: 1, iterations: 1, maxDuration: '1m' };
+  if (SCENARIO === 'flood') {
+    return { executor: 'per-vu-iterations', vus: VUS, iterations: 1, maxDuration: DURATION, gracefulStop: '15s' };
+  }
   if (MODEL === 'closed') {
     return { executor: 'constant-vus', vus: VUS, duration: DURATION, gracefulStop: '10s' };
   }
@@ -147,6 +161,8 @@ const thresholds = {
   [`http_req_duration{op:${OP}}`]: [`p(95)<${P95_MS}`, `p(99)<${P99_MS}`],
   // Two answers to one key that report different ledger entries: a double charge.
   double_charges: ['count==0'],
+  // Connections closed without an answer (status 0): never, not even under a flood.
+  dropped_connections: ['count==0'],
   // Listed so that the summary carries the request count of the scenario's own requests alone.
   [`http_reqs{op:${OP}}`]: ['count>0'],
 };
@@ -159,9 +175,12 @@ export const options = {
   scenarios: { [SCENARIO]: scenarioConfig() },
   thresholds: OPEN_ONLY ? {} : thresholds,
   setupTimeout: '10m',
-  // setup() opens wallets 100 at a time; doubletap sends its two requests together.
-  batch: 100,
-  batchPerHost: 100,
+  // setup() opens wallets 100 at a time; doubletap sends its two requests together; a flood user
+  // its whole share at once.
+  batch: Math.max(100, SCENARIO === 'flood' ? FLOOD_BATCH : 0),
+  batchPerHost: Math.max(100, SCENARIO === 'flood' ? FLOOD_BATCH : 0),
+  // A flood is that many clients, not one client's keep-alive pool.
+  noConnectionReuse: SCENARIO === 'flood',
   // Without `url` (one per wallet: 10,000 time series); `name` carries the route instead.
   systemTags: ['status', 'method', 'name', 'group', 'check', 'error', 'error_code', 'scenario', 'expected_response'],
   summaryTrendStats: ['avg', 'min', 'med', 'max', 'p(90)', 'p(95)', 'p(99)'],
@@ -169,7 +188,7 @@ export const options = {
 };
 
 // Statuses the API answers by contract; everything else marks http_req_failed.
-http.setResponseCallback(http.expectedStatuses(200, 201, 409, 422, 503));
+http.setResponseCallback(http.expectedStatuses(200, 201, 409, 422, 429, 503));
 
 // Final outcome of each operation (one payment or deposit, however many requests it took).
 const accepted = new Counter('accepted'); // payments charged (200)
@@ -178,6 +197,10 @@ const insufficientFunds = new Counter('insufficient_funds');
 const lockTimeout = new Counter('lock_timeout');
 const leaseLost = new Counter('lease_lost');
 const dependencyUnavailable = new Counter('dependency_unavailable');
+const overloaded = new Counter('overloaded'); // 503 overloaded: shed by a replica or nginx
+const rateLimited = new Counter('rate_limited'); // 429 from nginx
+const droppedConnections = new Counter('dropped_connections'); // no answer at all (status 0)
+const noRetryAfter = new Counter('no_retry_after'); // a 503 or 429 without Retry-After
 const undecided = new Counter('undecided'); // still unknown after TRIES; settled by the runner
 const operations = new Counter('operations');
 // Per response.
@@ -292,7 +315,12 @@ function classify(res, kind, wallet, amount) {
     }
   } else if (res.status === 422 && errorCode === 'insufficient_funds') {
     decided = 'refused';
-  } else if (res.status === 503 && (errorCode === 'lock_timeout' || errorCode === 'dependency_unavailable')) {
+  } else if (
+    res.status === 503 &&
+    (errorCode === 'lock_timeout' || errorCode === 'overloaded' || errorCode === 'dependency_unavailable')
+  ) {
+    decided = 'refused';
+  } else if (res.status === 429 && errorCode === 'rate_limited') {
     decided = 'refused';
   } else if (res.status === 409 && errorCode === 'lease_lost') {
     decided = 'refused';
@@ -305,6 +333,11 @@ function classify(res, kind, wallet, amount) {
     expected = false;
   } else {
     // Status 0 (no answer), 500, 502/504 from nginx, 503 request_timeout: may or may not have run.
+    expected = false;
+  }
+  if (res.status === 0) droppedConnections.add(1);
+  if ((res.status === 503 || res.status === 429) && !res.headers['Retry-After']) {
+    noRetryAfter.add(1);
     expected = false;
   }
   unexpectedErrors.add(!expected);
@@ -349,6 +382,8 @@ function finish(kind, wallet, amount, key, request, outcome) {
   else if (outcome.code === 'lock_timeout') lockTimeout.add(1);
   else if (outcome.code === 'lease_lost') leaseLost.add(1);
   else if (outcome.code === 'dependency_unavailable') dependencyUnavailable.add(1);
+  else if (outcome.code === 'overloaded') overloaded.add(1);
+  else if (outcome.code === 'rate_limited') rateLimited.add(1);
   ack({ ...base, s: outcome.status, code: outcome.code });
 }
 
@@ -394,6 +429,21 @@ function doubletap(runId, wallet, amount) {
   // A charge decides it even if the other one was refused; else the first decided answer.
   const outcome = charged.length > 0 ? charged[0] : settle(request, 'pay', wallet, amount, [a, b]);
   finish('pay', wallet, amount, key, request, outcome);
+}
+
+// The flood: this user's share of FLOOD payments on one wallet, all at once, each answer final
+// (a client that is told to come back later does, but not within the flood). An answer that leaves
+// the outcome open is logged undecided and settled by the book check.
+function flood(runId, wallet) {
+  const requests = [];
+  for (let i = 0; i < FLOOD_BATCH && (__VU - 1) * FLOOD_BATCH + i < FLOOD; i++) {
+    requests.push(moveRequest('pay', wallet, 1, `${runId}-flood-${__VU}-${i}`));
+  }
+  http.batch(requests).forEach((res, i) => {
+    const key = `${runId}-flood-${__VU}-${i}`;
+    const outcome = classify(res, 'pay', wallet, 1);
+    finish('pay', wallet, 1, key, requests[i], outcome.decided === null ? null : outcome);
+  });
 }
 
 // One read of a wallet: a 200 with that wallet's figures, or an unexpected answer.
@@ -455,6 +505,9 @@ export default function (data) {
     case 'health':
       health();
       break;
+    case 'flood':
+      flood(runId, walletId(runId, 0));
+      break;
   }
 }
 
@@ -506,6 +559,10 @@ export function handleSummary(data) {
     lock_timeout: metric(data, 'lock_timeout', 'count'),
     lease_lost: metric(data, 'lease_lost', 'count'),
     dependency_unavailable: metric(data, 'dependency_unavailable', 'count'),
+    overloaded: metric(data, 'overloaded', 'count'),
+    rate_limited: metric(data, 'rate_limited', 'count'),
+    dropped_connections: metric(data, 'dropped_connections', 'count'),
+    no_retry_after: metric(data, 'no_retry_after', 'count'),
     replayed: metric(data, 'replayed', 'count'),
     in_flight: metric(data, 'in_flight', 'count'),
     undecided: metric(data, 'undecided', 'count'),
@@ -523,8 +580,10 @@ export function handleSummary(data) {
       `  latency p50 ${f(figures.p50_ms)} ms, p95 ${f(figures.p95_ms)} ms, p99 ${f(figures.p99_ms)} ms, max ${f(figures.max_ms)} ms`,
       `  accepted=${figures.accepted} deposited=${figures.deposited} insufficient_funds=${figures.insufficient_funds}` +
         ` lock_timeout=${figures.lock_timeout} lease_lost=${figures.lease_lost}` +
-        ` dependency_unavailable=${figures.dependency_unavailable} replayed=${figures.replayed}` +
+        ` dependency_unavailable=${figures.dependency_unavailable} overloaded=${figures.overloaded}` +
+        ` rate_limited=${figures.rate_limited} replayed=${figures.replayed}` +
         ` in_flight=${figures.in_flight} undecided=${figures.undecided}`,
+      `  dropped connections: ${figures.dropped_connections}; 503/429 without Retry-After: ${figures.no_retry_after}`,
       `  unexpected errors: ${figures.unexpected} (${(figures.unexpected_rate * 100).toFixed(3)}% of requests)` +
         (MODEL === 'open' ? `, dropped iterations: ${figures.dropped_iterations}` : ''),
       figures.failed_thresholds.length === 0

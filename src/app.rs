@@ -1,10 +1,14 @@
 //! One replica: build it from its settings, run it until a shutdown signal, drain.
 
 use crate::config::ServeArgs;
+use crate::http::auth::Callers;
 use crate::http::{self, ApiContext, Draining};
 use crate::wallet::Wallets;
+use secrecy::ExposeSecret;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 /// How often each replica deletes idempotency keys past their retention. Replicas may purge at
@@ -25,6 +29,27 @@ async fn purge_expired_keys(db: sqlx::PgPool, stop: CancellationToken) {
     }
 }
 
+/// How often the allocator is asked to give freed memory back to the system.
+const TRIM_EVERY: Duration = Duration::from_secs(10);
+
+/// Gives the heap's free pages back to the system every [`TRIM_EVERY`]. glibc keeps what a flood
+/// freed (in each thread's arena) for reuse, so without this a replica stays at its peak resident
+/// memory after a flood instead of returning near idle. A trim of a heap this size takes well
+/// under a millisecond.
+async fn trim_heap(stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(TRIM_EVERY) => {}
+        }
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: malloc_trim only releases free memory; it has no preconditions.
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    }
+}
+
 pub struct Application {
     listener: TcpListener,
     ctx: ApiContext,
@@ -35,7 +60,10 @@ impl Application {
     /// Binds the listener and sets up the pools. Connects to nothing yet: a replica starts (and
     /// reports not ready) while Redis or Postgres is still down.
     pub async fn build(args: &ServeArgs) -> anyhow::Result<Self> {
-        let callers = args.callers()?;
+        // A replica without any caller refuses to start.
+        let callers = Callers::parse(args.api_tokens()?.expose_secret()).map_err(|err| {
+            anyhow::anyhow!("API_TOKENS / API_TOKENS_FILE: {err} (`walletlock token` makes a token)")
+        })?;
         let leases = args.lease.client(&args.redis)?;
         // Logs whether the lease scripts go as Redis Functions or EVALSHA; a Redis still down
         // leaves it to the first payment.
@@ -47,15 +75,19 @@ impl Application {
                 }
             }
         });
-        let wallets = Wallets::new(args.database.pool()?, leases)
+        let wallets = Wallets::new(args.database.serving_pool()?, leases)
             .with_strategy(args.lease.strategy())
-            .with_keys(args.key_settings());
-        let listener = TcpListener::bind(args.listen)
-            .await
+            .with_keys(args.key_settings())
+            .with_queue_limit(args.wallet_queue_limit as usize);
+        let listener = http::server::bind(args.listen, args.listen_backlog)
             .map_err(|err| anyhow::anyhow!("cannot listen on {}: {err}", args.listen))?;
         let port = listener.local_addr()?.port();
         let replica = args.replica_name(port);
-        let metrics = crate::telemetry::metrics::install();
+        let metrics = crate::telemetry::metrics::install(&[
+            crate::lease::describe_metrics,
+            crate::wallet::describe_metrics,
+            crate::idempotency::describe_metrics,
+        ]);
         crate::telemetry::metrics::set_replica(&replica);
         let ctx = ApiContext {
             wallets,
@@ -65,6 +97,7 @@ impl Application {
             request_timeout: args.request_timeout,
             keys: args.key_settings(),
             callers,
+            in_flight: Arc::new(Semaphore::new(args.max_in_flight as usize)),
         };
         Ok(Self { listener, ctx, grace: args.shutdown_grace })
     }
@@ -80,9 +113,11 @@ impl Application {
         tracing::info!(replica = %ctx.replica, addr = %listener.local_addr()?, "walletlock serving");
         let stop_purging = CancellationToken::new();
         let purger = tokio::spawn(purge_expired_keys(ctx.wallets.db().clone(), stop_purging.clone()));
+        let trimmer = tokio::spawn(trim_heap(stop_purging.clone()));
         http::server::serve(listener, http::router(ctx.clone()), ctx.draining.clone(), shutdown, grace).await;
         stop_purging.cancel();
         let _ = purger.await;
+        let _ = trimmer.await;
         if !ctx.wallets.drain(grace).await {
             tracing::warn!("payments still in flight after the grace period");
         }

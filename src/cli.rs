@@ -1,10 +1,11 @@
 //! The `walletlock` command line: one subcommand per job.
 
 use crate::app::Application;
-use crate::config::{DatabaseArgs, LogFormat, RedisArgs, ServeArgs};
+use crate::config::{DatabaseArgs, RedisArgs, ServeArgs};
 use crate::demo::{self, Demo, Sandbox};
 use crate::http::server::shutdown_signal;
 use crate::ledger::schema;
+use crate::telemetry::LogFormat;
 use clap::{Parser, Subcommand};
 use secrecy::ExposeSecret;
 use std::process::ExitCode;
@@ -26,7 +27,8 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve the HTTP API (one replica). Stops on SIGTERM or SIGINT after draining.
-    Serve(ServeArgs),
+    // Boxed: its settings make this variant many times larger than the others.
+    Serve(Box<ServeArgs>),
     /// Apply the database migrations (safe to run from several replicas at once). Run it as the
     /// tables' owner; with --app-role, also grant that role what the replicas need, and no more.
     Migrate {

@@ -8,6 +8,7 @@
 //! | `DATABASE_URL` | (required) | Postgres; secret, never logged; `sslmode=verify-full&sslrootcert=<file>` for verified TLS (a missing or empty `sslrootcert` file stops the process) |
 //! | `PG_POOL_SIZE` | `10` | connections per replica; replicas × this must stay under Postgres's `max_connections` |
 //! | `PG_ACQUIRE_TIMEOUT` | `1s` | wait for a pooled connection before answering 503 |
+//! | (fixed) | | each replica session: `idle_in_transaction_session_timeout` 2s, `statement_timeout` 5s, TCP keepalives after 5s idle (every 2s, 3 probes), `tcp_user_timeout` 10s (see `SESSION_BOUNDS`) |
 //! | `REDIS_URL` | `redis://127.0.0.1:6379` | Redis; secret (may hold a password), never logged; `rediss://`, `rediss+sentinel://`, `rediss+cluster://` for TLS, always verified |
 //! | `REDIS_TLS_CA_FILE` | (the system's roots) | with a TLS `REDIS_URL`: PEM file of the CAs that sign the servers' certificates |
 //! | `REDIS_TLS_CERT_FILE`, `REDIS_TLS_KEY_FILE` | | with a TLS `REDIS_URL`: the client certificate and key (PEM), for mutual TLS |
@@ -19,6 +20,9 @@
 //! | `LEASE_STRATEGY` | `queue` | `queue`: per-wallet queues, wake-ups, group commit; `tutorial`: every request polls the lease every 5-15 ms (the benchmark's baseline) |
 //! | `SHUTDOWN_GRACE` | `10s` | how long shutdown waits for open connections and payments in flight |
 //! | `REQUEST_TIMEOUT` | `8s` | bound on one request (503 past it); above `LEASE_WAIT`, below nginx's read timeout |
+//! | `MAX_IN_FLIGHT` | `256` | `/wallets` requests one replica handles at once; past it 503 `overloaded` at once, nothing read |
+//! | `WALLET_QUEUE_LIMIT` | `128` | movements one wallet may have queued on one replica; past it 503 `overloaded` |
+//! | `LISTEN_BACKLOG` | `4096` | the listening socket's accept queue (the kernel caps it at `net.core.somaxconn`) |
 //! | `IDEMPOTENCY_RETENTION` | `24h` | how long a stored response is replayed for its key |
 //! | `IDEMPOTENCY_STALE_AFTER` | `10s` | when an in-flight key counts as abandoned by a dead replica |
 //! | `API_TOKENS` | (one of the two required) | `caller:token` entries, comma-separated; secret, never logged |
@@ -56,16 +60,48 @@ pub struct DatabaseArgs {
     pub pg_acquire_timeout: Duration,
 }
 
+/// Bounds on what a replica's Postgres session may hold, sent as session settings when each
+/// connection opens. A replica that stalls or is cut off in the middle of a transaction (a transfer,
+/// a wallet's creation) must not keep its rows locked past about one lease: the server ends the
+/// session once it sits idle in a transaction for [`IDLE_IN_TRANSACTION_LIMIT`], and notices a peer
+/// that vanished (no RST: a partition, a frozen VM) by TCP keepalives and the user timeout within
+/// about ten seconds even outside one. A statement that runs past [`STATEMENT_LIMIT`] (below
+/// `REQUEST_TIMEOUT`) is cancelled, so nothing a request started outlives it by much. Rounds hold no
+/// transaction open and never wait for a row (`SKIP LOCKED`), so they meet none of these limits.
+const IDLE_IN_TRANSACTION_LIMIT: &str = "2s";
+const STATEMENT_LIMIT: &str = "5s";
+const SESSION_BOUNDS: [(&str, &str); 6] = [
+    ("idle_in_transaction_session_timeout", IDLE_IN_TRANSACTION_LIMIT),
+    ("statement_timeout", STATEMENT_LIMIT),
+    ("tcp_keepalives_idle", "5"),
+    ("tcp_keepalives_interval", "2"),
+    ("tcp_keepalives_count", "3"),
+    ("tcp_user_timeout", "10000"),
+];
+
 impl DatabaseArgs {
+    /// The replica's pool: [`DatabaseArgs::pool`], every session bounded by [`SESSION_BOUNDS`].
+    pub fn serving_pool(&self) -> anyhow::Result<PgPool> {
+        let pool = self.pool()?;
+        let options = pool.connect_options().as_ref().clone().options(SESSION_BOUNDS);
+        pool.set_connect_options(options);
+        Ok(pool)
+    }
+
     /// A pool that connects on first use, so a replica starts (and reports not ready) while
-    /// Postgres is still down.
-    /// A certificate file named in the URL (`sslrootcert`, or `PGSSLROOTCERT`; `sslcert`) that
-    /// is missing, unreadable or empty, or an unreadable `sslkey`, stops the process here, rather
-    /// than failing every connection.
+    /// Postgres is still down. Its sessions have no time limits: `migrate` and `audit` use it
+    /// as they are, for as long as they need. A certificate file named in the URL
+    /// (`sslrootcert`, or `PGSSLROOTCERT`; `sslcert`) that is missing, unreadable or empty, or an
+    /// unreadable `sslkey`, stops the process here, rather than failing every connection.
     pub fn pool(&self) -> anyhow::Result<PgPool> {
         let url = self.database_url.expose_secret();
         let options = PgConnectOptions::from_str(url)
-            .map_err(|err| anyhow::anyhow!("DATABASE_URL is not a Postgres URL: {err}"))?;
+            .map_err(|err| anyhow::anyhow!("DATABASE_URL is not a Postgres URL: {err}"))?
+            // Every statement a replica prepares is one fixed shape over keys (a wallet's id, an
+            // idempotency key, arrays of them in a round), which one generic plan serves as well as
+            // a plan made for each execution's values. Left to choose, Postgres kept planning the
+            // rounds' statements anew on every execution: a tenth of its CPU on the spread benchmark.
+            .options([("plan_cache_mode", "force_generic_plan")]);
         // A value that is itself a PEM (sqlx accepts one inline) names no file.
         let file = |value: String| (!value.trim_start().starts_with("-----BEGIN")).then_some(value);
         let root_cert = url_parameter(url, &["sslrootcert", "ssl-root-cert", "ssl-ca"])
@@ -493,12 +529,6 @@ impl LeaseArgs {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Pretty,
-    Json,
-}
-
 /// `walletlock serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
@@ -515,6 +545,19 @@ pub struct ServeArgs {
     /// above LEASE_WAIT and below nginx's proxy_read_timeout.
     #[arg(long, env = "REQUEST_TIMEOUT", default_value = "8s", value_parser = duration)]
     pub request_timeout: Duration,
+    /// How many `/wallets` requests this replica handles at once. One more is answered 503
+    /// `overloaded` (with Retry-After) before its body is read or anything else is done, so a
+    /// flood costs the replica a bounded amount of memory and work.
+    #[arg(long, env = "MAX_IN_FLIGHT", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_in_flight: u32,
+    /// How many deposits and payments one wallet may have queued on this replica. One more is
+    /// answered 503 `overloaded` at once: it could not be served within LEASE_WAIT anyway.
+    #[arg(long, env = "WALLET_QUEUE_LIMIT", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    pub wallet_queue_limit: u32,
+    /// The listening socket's backlog: connections the kernel completes before the replica accepts
+    /// them (capped by net.core.somaxconn). Room for a burst from nginx's connections.
+    #[arg(long, env = "LISTEN_BACKLOG", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub listen_backlog: u32,
     /// How long a stored response is replayed for its Idempotency-Key before the key is purged.
     #[arg(long, env = "IDEMPOTENCY_RETENTION", default_value = "24h", value_parser = duration)]
     pub idempotency_retention: Duration,
@@ -538,8 +581,9 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
-    /// Every configured caller and token; a replica without any refuses to start.
-    pub fn callers(&self) -> anyhow::Result<crate::http::auth::Callers> {
+    /// Every configured `caller:token` entry, from `API_TOKENS` and `API_TOKENS_FILE`, for
+    /// [`crate::http::auth::Callers::parse`].
+    pub fn api_tokens(&self) -> anyhow::Result<SecretString> {
         let mut spec = self.api_tokens.as_ref().map(|t| t.expose_secret().to_owned()).unwrap_or_default();
         if let Some(path) = &self.api_tokens_file {
             let file = std::fs::read_to_string(path)
@@ -547,9 +591,7 @@ impl ServeArgs {
             spec.push('\n');
             spec.push_str(&file);
         }
-        crate::http::auth::Callers::parse(&spec).map_err(|err| {
-            anyhow::anyhow!("API_TOKENS / API_TOKENS_FILE: {err} (`walletlock token` makes a token)")
-        })
+        Ok(SecretString::from(spec))
     }
 
     pub fn key_settings(&self) -> crate::idempotency::KeySettings {

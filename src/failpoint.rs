@@ -1,18 +1,31 @@
-//! Crash points for the fault tests.
+//! Crash and stall points for the fault tests.
 //!
 //! Built with the `failpoints` feature (only `deploy/test` enables it), `WALLETLOCK_FAILPOINT=<name>`
 //! makes the process SIGKILL itself at the point of that name: it is how the tests kill a replica
-//! exactly between its commit and its response. Without the feature,
-//! [`hit`] is an empty inline function.
+//! exactly between its commit and its response. `WALLETLOCK_FAILPOINT=<name>:stop` makes it SIGSTOP
+//! itself there instead (a stalled process, a frozen VM), until the test sends SIGCONT. Without
+//! the feature, [`hit`] is an empty inline function.
 
-/// Kills the process if the failpoint `name` is armed.
+/// Kills or stops the process if the failpoint `name` is armed.
 #[cfg(feature = "failpoints")]
 pub fn hit(name: &str) {
     static ARMED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    if ARMED.get_or_init(|| std::env::var("WALLETLOCK_FAILPOINT").ok()).as_deref() == Some(name) {
-        eprintln!("failpoint {name}: SIGKILL");
-        // SAFETY: kill(2) on our own pid; it does not return.
-        unsafe {
+    let Some(armed) = ARMED.get_or_init(|| std::env::var("WALLETLOCK_FAILPOINT").ok()).as_deref() else {
+        return;
+    };
+    let stop = match armed.strip_prefix(name) {
+        Some("") => false,
+        Some(":stop") => true,
+        _ => return,
+    };
+    eprintln!("failpoint {armed}");
+    // SAFETY: signals to ourselves. SIGSTOP is raised on this thread, so this thread stops before
+    // it goes on (a signal sent to the process may be taken by another thread first, and this one
+    // would run on past the failpoint for a moment).
+    unsafe {
+        if stop {
+            libc::raise(libc::SIGSTOP);
+        } else {
             libc::kill(libc::getpid(), libc::SIGKILL);
         }
     }

@@ -24,11 +24,11 @@
 //! Stored responses are kept for the retention (24 h by default), then purged; an expired key
 //! behaves as new.
 
+use crate::domain::{InvalidInput, WalletId};
 use crate::ledger::StoreError;
 use crate::ledger::group::FoundKey;
 pub use crate::ledger::idempotency::KeySettings;
 use crate::ledger::idempotency::{self as store, KeyRef, StoredResponse};
-use crate::wallet::{InvalidInput, WalletId};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use uuid::Uuid;

@@ -7,6 +7,10 @@
 //! instead of overwriting a newer holder's result.
 //!
 //! # Layout
+//! - [`domain`] is the shared vocabulary at the bottom (wallet ids, amounts, movements, refusals):
+//!   every layer may use it, and it uses none. Arrows run one way: [`http`] → [`wallet`] →
+//!   ([`lease`], [`ledger`], [`idempotency`]) → [`domain`]; [`telemetry`] is called by all and
+//!   calls none of them.
 //! - [`lease`] is the distributed lock: a small library over Redis that knows nothing of wallets
 //!   (acquire with SET NX PX and a fence, token-checked release and refresh, the watchdog).
 //! - [`ledger`] is the fenced ledger store: all SQL lives there (wallets, ledger entries, the claim
@@ -23,6 +27,7 @@ pub mod app;
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod domain;
 pub mod failpoint;
 pub mod http;
 pub mod idempotency;

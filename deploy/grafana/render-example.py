@@ -31,9 +31,9 @@ import urllib.request
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.dates as mdates  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+import matplotlib.dates as mdates
+import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRAPE_INTERVAL = 5  # seconds, as in deploy/prometheus/prometheus.yml
@@ -199,7 +199,8 @@ def main():
     parser.add_argument("--out", default=os.path.join(HERE, "dashboard-example.png"))
     args = parser.parse_args()
 
-    dashboard = json.load(open(args.dashboard))
+    with open(args.dashboard) as f:
+        dashboard = json.load(f)
     end = args.end or datetime.datetime.now().timestamp()
     start = end - args.minutes * 60
     step = max(SCRAPE_INTERVAL, int(args.minutes * 60 / 240))

@@ -92,6 +92,9 @@ pub enum ApiError {
     IdempotencyKeyInFlight,
     #[error("the request did not complete within {0:?}")]
     Timeout(Duration),
+    /// The replica was already handling `MAX_IN_FLIGHT` requests: this one was refused unread.
+    #[error("the replica already handles MAX_IN_FLIGHT requests")]
+    Overloaded,
     #[error("the request handler panicked")]
     Panic,
 }
@@ -226,6 +229,9 @@ impl ApiError {
                 "the request did not complete in time; it is safe to retry with the same Idempotency-Key",
             )
             .retry_later(),
+            ApiError::Overloaded => overloaded(
+                "this replica is handling as many requests as it takes; nothing was applied, retry later",
+            ),
             ApiError::Panic => internal(),
         }
     }
@@ -263,6 +269,11 @@ fn in_flight() -> Problem {
         "the first request with this Idempotency-Key is still running; retry shortly to get its response",
     )
     .retry_later()
+}
+
+/// A request refused before any work because the replica or the wallet's queue was full.
+fn overloaded(detail: &'static str) -> Problem {
+    Problem::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", "Overloaded", detail).retry_later()
 }
 
 fn internal() -> Problem {
@@ -334,6 +345,9 @@ fn wallet_problem(err: &WalletError) -> Problem {
             "other payments held this wallet for the whole wait; nothing was applied, retry later",
         )
         .retry_later(),
+        WalletError::Overloaded => overloaded(
+            "this wallet has as many payments waiting on this replica as it takes; nothing was applied, retry later",
+        ),
         WalletError::LeaseLost => Problem::new(
             S::CONFLICT,
             "lease_lost",
@@ -415,15 +429,20 @@ impl IntoResponse for ApiError {
         let rendered = self.render();
         // The cause of a 5xx goes to the log, with its whole source chain; the client gets the
         // code. A dependency that is down or a wallet that stayed busy is an operational state
-        // (a warning); anything else is a bug (an error).
-        if problem.status == StatusCode::SERVICE_UNAVAILABLE || problem.status == StatusCode::GATEWAY_TIMEOUT
+        // (a warning); anything else is a bug (an error). A shed request is neither: it comes in
+        // floods, is counted (`walletlock_requests_shed_total`), and a line each would make the
+        // flood cost work.
+        if problem.code == "overloaded" {
+            tracing::debug!(code = problem.code, error = %SourceChain(&self), "request shed");
+        } else if problem.status == StatusCode::SERVICE_UNAVAILABLE
+            || problem.status == StatusCode::GATEWAY_TIMEOUT
         {
             tracing::warn!(code = problem.code, error = %SourceChain(&self), "request failed");
         } else if problem.status.is_server_error() {
             tracing::error!(code = problem.code, error = %SourceChain(&self), "request failed");
         }
         tracing::Span::current().record("outcome", problem.code);
-        let mut response = super::idempotent::into_response(rendered);
+        let mut response = rendered.into_response();
         if problem.retry_after {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
         }
@@ -433,5 +452,16 @@ impl IntoResponse for ApiError {
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(r#"Bearer realm="walletlock""#));
         }
         response
+    }
+}
+
+/// A response as stored for an idempotency key (or about to be), sent as it is: the same bytes now
+/// and on every replay.
+impl IntoResponse for StoredResponse {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let content_type =
+            HeaderValue::from_str(&self.content_type).unwrap_or(HeaderValue::from_static("application/json"));
+        (status, [(header::CONTENT_TYPE, content_type)], axum::body::Body::from(self.body)).into_response()
     }
 }

@@ -77,17 +77,7 @@ pub enum DependencyStatus {
     ))
 )]
 pub(super) async fn metrics(State(ctx): State<ApiContext>) -> impl IntoResponse {
-    let db = ctx.wallets.db();
-    let idle = db.num_idle() as f64;
-    metrics::gauge!("walletlock_pg_pool_connections", "state" => "idle").set(idle);
-    metrics::gauge!("walletlock_pg_pool_connections", "state" => "in_use").set(f64::from(db.size()) - idle);
-    metrics::gauge!("walletlock_pg_pool_max_connections").set(f64::from(db.options().get_max_connections()));
-    let redis = ctx.wallets.leases().pool().status();
-    metrics::gauge!("walletlock_redis_pool_connections", "state" => "idle").set(redis.available as f64);
-    metrics::gauge!("walletlock_redis_pool_connections", "state" => "in_use")
-        .set(redis.size.saturating_sub(redis.available) as f64);
-    metrics::gauge!("walletlock_redis_pool_max_connections").set(redis.max_size as f64);
-    metrics::gauge!("walletlock_redis_pool_waiting").set(redis.waiting as f64);
+    ctx.wallets.sample_pool_metrics();
     crate::telemetry::metrics::sample_process();
     ctx.metrics.run_upkeep();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], ctx.metrics.render())
@@ -121,12 +111,7 @@ pub(super) async fn healthz(State(ctx): State<ApiContext>) -> Json<Liveness> {
     )
 )]
 pub(super) async fn readyz(State(ctx): State<ApiContext>) -> (StatusCode, Json<Readiness>) {
-    let (redis, postgres) = tokio::join!(
-        tokio::time::timeout(PROBE_LIMIT, ctx.wallets.leases().ping()),
-        tokio::time::timeout(PROBE_LIMIT, sqlx::query("select 1").execute(ctx.wallets.db())),
-    );
-    let redis_ok = matches!(redis, Ok(Ok(())));
-    let postgres_ok = matches!(postgres, Ok(Ok(_)));
+    let (redis_ok, postgres_ok) = ctx.wallets.dependencies_answer(PROBE_LIMIT).await;
     let draining = ctx.draining.is_draining();
     let ready = redis_ok && postgres_ok && !draining;
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };

@@ -6,8 +6,7 @@ use super::error::ApiError;
 use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed as KeyedRequest, Prior, Scope};
 use crate::ledger::idempotency::StoredResponse;
 use crate::wallet::{AlreadyExists, MovementOutcome, OpenOutcome, Refusal, TransferOutcome, WalletError};
-use axum::body::Body;
-use axum::http::{HeaderName, HeaderValue, StatusCode, header};
+use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
@@ -27,12 +26,12 @@ pub struct Keyed<'a> {
 pub async fn begin(ctx: &ApiContext, scope: Scope, request: Keyed<'_>) -> Result<Option<Claim>, Response> {
     let Some(key) = request.key else { return Ok(None) };
     let fingerprint = idempotency::fingerprint("POST", request.path, request.body);
-    match idempotency::begin(ctx.wallets.db(), ctx.keys, scope, key, fingerprint).await {
+    match ctx.wallets.begin_keyed(ctx.keys, scope, key, fingerprint).await {
         Ok(Begin::Proceed(claim)) => Ok(Some(claim)),
         Ok(Begin::Replay(stored)) => Err(prior_response(Prior::Replay(stored))),
         Ok(Begin::Reused) => Err(prior_response(Prior::Reused)),
         Ok(Begin::InFlight) => Err(prior_response(Prior::InFlight)),
-        Err(err) => Err(ApiError::Wallet(WalletError::from(err)).into_response()),
+        Err(err) => Err(ApiError::Wallet(err).into_response()),
     }
 }
 
@@ -54,7 +53,7 @@ fn prior_response(prior: Prior) -> Response {
         Prior::Replay(stored) => {
             metrics::counter!("walletlock_idempotent_replays_total").increment(1);
             tracing::Span::current().record("outcome", "replayed");
-            let mut response = into_response(stored);
+            let mut response = stored.into_response();
             response.headers_mut().insert(IDEMPOTENT_REPLAYED.clone(), HeaderValue::from_static("true"));
             response
         }
@@ -67,14 +66,6 @@ fn prior_response(prior: Prior) -> Response {
             ApiError::IdempotencyKeyInFlight.into_response()
         }
     }
-}
-
-/// A stored (or about to be stored) response as an HTTP response.
-pub fn into_response(stored: StoredResponse) -> Response {
-    let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let content_type =
-        HeaderValue::from_str(&stored.content_type).unwrap_or(HeaderValue::from_static("application/json"));
-    (status, [(header::CONTENT_TYPE, content_type)], Body::from(stored.body)).into_response()
 }
 
 fn json(status: StatusCode, value: &impl Serialize) -> StoredResponse {
@@ -134,7 +125,7 @@ fn outcome_response<T>(
     if let Err(refusal) = &outcome {
         tracing::Span::current().record("outcome", refusal_code(refusal));
     }
-    into_response(render(&outcome))
+    render(&outcome).into_response()
 }
 
 fn refusal_code(refusal: &Refusal) -> &'static str {

@@ -27,6 +27,7 @@ use axum::{
 };
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::{sync::Arc, time::Duration};
+use tokio::sync::Semaphore;
 use tower::ServiceBuilder;
 use tower_http::{
     catch_panic::CatchPanicLayer,
@@ -57,6 +58,9 @@ pub struct ApiContext {
     pub metrics: PrometheusHandle,
     /// The API's callers and their tokens.
     pub callers: auth::Callers,
+    /// One permit per `/wallets` request being handled; none left means `MAX_IN_FLIGHT` are, and
+    /// the next is answered 503 `overloaded` unread.
+    pub in_flight: Arc<Semaphore>,
 }
 
 /// The whole API with its middleware.
@@ -69,7 +73,8 @@ pub fn router(ctx: ApiContext) -> Router {
         .merge(
             wallets::router()
                 .merge(transfers::router())
-                .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token)),
+                .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token))
+                .route_layer(middleware::from_fn_with_state(ctx.clone(), shed_when_full)),
         )
         .fallback(|| async { ApiError::RouteNotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
@@ -129,6 +134,18 @@ async fn record_request_metrics(request: Request, next: Next) -> Response {
     metrics::counter!("walletlock_http_requests_total", "method" => method, "route" => route, "status" => status)
         .increment(1);
     response
+}
+
+/// Sheds a `/wallets` request when the replica already handles `MAX_IN_FLIGHT`: a 503
+/// `overloaded` with Retry-After, before the token is checked or the body read, so a flood costs
+/// this replica a bounded amount of memory and no work beyond the answer. The permit is held until
+/// the response is ready (a movement whose client left runs on to its end outside it).
+async fn shed_when_full(State(ctx): State<ApiContext>, request: Request, next: Next) -> Response {
+    let Ok(_permit) = ctx.in_flight.clone().try_acquire_owned() else {
+        metrics::counter!(crate::telemetry::metrics::REQUESTS_SHED, "reason" => "in_flight").increment(1);
+        return ApiError::Overloaded.into_response();
+    };
+    next.run(request).await
 }
 
 /// Bounds each request in time, and during shutdown asks the client (nginx) to close the

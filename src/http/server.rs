@@ -12,18 +12,31 @@
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
+use std::net::SocketAddr;
 use std::sync::{
     Arc,
     atomic::{AtomicBool, Ordering},
 };
 use std::time::Duration;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 /// How long an idle keep-alive connection is kept open. Longer than nginx's upstream
 /// `keepalive_timeout` (see nginx.conf), so nginx, not the replica, closes idle connections and
 /// never sends a request down one the replica is closing.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Listens on `addr` with an accept queue of `backlog` connections. `TcpListener::bind` asks for
+/// 128, and a burst from nginx (a new connection per concurrent request past its keep-alive pool)
+/// overflows that: the kernel then drops the handshakes, nginx's connects time out and its clients
+/// get errors instead of answers. The kernel caps the backlog at `net.core.somaxconn`.
+pub fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    // As std's bind does: a restarted replica can listen again while its old connections linger.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(backlog)
+}
 
 /// Whether this replica is shutting down. Clones share the flag.
 #[derive(Debug, Clone, Default)]

@@ -5,10 +5,11 @@ use super::auth::Caller;
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
 use super::idempotent::{self, Keyed, render_movement, render_transfer};
+use crate::domain;
 use crate::idempotency::Scope;
 use crate::ledger::Entry;
 use crate::ledger::transfer::Transfer;
-use crate::wallet::{Amount, Between, InvalidInput, Parties, Refund, WalletId, domain};
+use crate::wallet::{Amount, Between, InvalidInput, Parties, Refund, WalletId};
 use axum::{
     Json, Router,
     extract::{Extension, FromRequestParts, Path, State},

@@ -5,14 +5,15 @@ use super::auth::Caller;
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, QueryParams, WalletPath};
 use super::idempotent::{self, Keyed, render_movement, render_open};
+use crate::domain;
 use crate::idempotency::{Receipt, Scope};
 use crate::ledger::{Entry, Wallet};
-use crate::wallet::{AlreadyExists, Amount, InvalidInput, Movement, WalletError, WalletId, domain};
+use crate::wallet::{AlreadyExists, Amount, InvalidInput, Movement, WalletError, WalletId};
 use axum::{
     Json, Router,
     extract::{Extension, State},
     http::Uri,
-    response::Response,
+    response::{IntoResponse, Response},
     routing::{get, post},
 };
 use serde::{Deserialize, Serialize};
@@ -24,10 +25,11 @@ const NO_WALLET: &str = "`wallet_not_found`; `not_found` for an empty id";
 const TOO_LARGE: &str = "`payload_too_large`: the body is over 16 KiB";
 const NOT_JSON: &str = "`unsupported_media_type`: the body is not `application/json`";
 const KEY_REUSED: &str = "`idempotency_key_reused`: the key was used for a different request";
-const UNAVAILABLE: &str = "`dependency_unavailable`, `request_timeout`: retry after `Retry-After`";
-const MOVEMENT_UNAVAILABLE: &str = "`lock_timeout`, `dependency_unavailable`, `request_timeout`, \
-                                    `outcome_unknown`: retry after `Retry-After`; `fence_exhausted`: \
-                                    the wallet needs an operator (no `Retry-After`)";
+const UNAVAILABLE: &str =
+    "`overloaded`, `dependency_unavailable`, `request_timeout`: retry after `Retry-After`";
+const MOVEMENT_UNAVAILABLE: &str = "`overloaded`, `lock_timeout`, `dependency_unavailable`, \
+                                    `request_timeout`, `outcome_unknown`: retry after `Retry-After`; \
+                                    `fence_exhausted`: the wallet needs an operator (no `Retry-After`)";
 const MOVEMENT_CONFLICT: &str =
     "`lease_lost` (nothing applied, retry); `idempotency_key_in_flight` (with `Retry-After`)";
 
@@ -84,8 +86,8 @@ struct OpenWallet {
         (status = 415, description = NOT_JSON, body = ProblemDocument, content_type = PROBLEM_JSON),
         (status = 422, description = KEY_REUSED, body = ProblemDocument, content_type = PROBLEM_JSON),
         (status = 503, body = ProblemDocument, content_type = PROBLEM_JSON,
-            description = "`dependency_unavailable`, `request_timeout`, `outcome_unknown`: \
-                           retry after `Retry-After`",
+            description = "`overloaded`, `dependency_unavailable`, `request_timeout`, \
+                           `outcome_unknown`: retry after `Retry-After`",
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
     )
 )]
@@ -113,7 +115,7 @@ async fn open_wallet(
         Err(WalletError::Exists) => Err(AlreadyExists),
         Err(err) => return Err(err.into()),
     };
-    Ok(idempotent::into_response(render_open(&outcome)))
+    Ok(render_open(&outcome).into_response())
 }
 
 /// Reads a wallet's balance and version.

@@ -31,7 +31,7 @@ pub mod unguarded;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgConnection, Row};
+use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 /// Why a store operation failed.
@@ -51,6 +51,12 @@ pub enum StoreError {
     Database(#[from] sqlx::Error),
 }
 
+/// Whether Postgres answers a trivial query.
+pub async fn ping(db: &PgPool) -> Result<(), StoreError> {
+    sqlx::query("select 1").execute(db).await?;
+    Ok(())
+}
+
 impl StoreError {
     /// Whether the database could not be reached or is restarting, as opposed to a bug or a
     /// refused write: the caller may retry later.
@@ -65,12 +71,17 @@ impl StoreError {
             | sqlx::Error::Protocol(_) => true,
             sqlx::Error::Database(db) => db.code().is_some_and(|code| {
                 // Class 08: connection exception; 57P0x: the server is shutting down or starting;
-                // 53300: too many connections; 40001/40P01: serialization failure or deadlock.
+                // 53300: too many connections; 40001/40P01: serialization failure or deadlock;
+                // 25P03/57014: the server ended the session idle in its transaction, or cancelled a
+                // statement, past the replica's session bounds (`config::SESSION_BOUNDS`): rolled
+                // back, so nothing of it was applied.
                 code.starts_with("08")
                     || code.starts_with("57P0")
                     || code == "53300"
                     || code == "40001"
                     || code == "40P01"
+                    || code == "25P03"
+                    || code == "57014"
             }),
             _ => false,
         }

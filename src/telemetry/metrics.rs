@@ -1,7 +1,8 @@
 //! Prometheus metrics, served by every replica at `GET /metrics`.
 //!
-//! Each module describes the metrics it records ([`crate::lease::describe_metrics`],
-//! [`crate::wallet::describe_metrics`], ...); this module installs the recorder once per process,
+//! Each module describes the metrics it records (`lease::describe_metrics`,
+//! `wallet::describe_metrics`, ...; the replica passes them to [`install`], so this module, at the
+//! bottom, calls up into none of them); this module installs the recorder once per process,
 //! registers every metric at zero so a dashboard sees all of them from the first scrape, and
 //! samples the gauges (pools, process) at scrape time.
 //!
@@ -10,6 +11,7 @@
 //! | `walletlock_http_requests_total{method,route,status}` | counter | requests answered |
 //! | `walletlock_http_request_duration_seconds{method,route}` | histogram | time to answer |
 //! | `walletlock_movements_total{kind,outcome}` | counter | deposits and payments by outcome (`accepted`, `insufficient_funds`, `lock_timeout`, `lease_lost`, ...) |
+//! | `walletlock_requests_shed_total{reason}` | counter | requests answered 503 `overloaded` before any work: `in_flight` (`MAX_IN_FLIGHT` reached), `wallet_queue` (`WALLET_QUEUE_LIMIT` reached) |
 //! | `walletlock_lease_acquisitions_total` | counter | leases taken |
 //! | `walletlock_lease_acquire_wait_seconds` | histogram | wait for each lease taken |
 //! | `walletlock_lease_timeouts_total` | counter | leases not obtained within the wait |
@@ -29,6 +31,10 @@
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 
+/// The counter of requests refused before any work because the replica was full (label
+/// `reason`: `in_flight` for `MAX_IN_FLIGHT`, recorded by `crate::http`; `wallet_queue` for
+/// `WALLET_QUEUE_LIMIT`, recorded by `crate::wallet`).
+pub const REQUESTS_SHED: &str = "walletlock_requests_shed_total";
 /// The histogram of group-commit sizes per wallet (recorded by `crate::wallet`).
 pub const BATCH_SIZE: &str = "walletlock_batch_movements";
 /// The histogram of wallets per round (one statement, one WAL flush; recorded by `crate::wallet`).
@@ -42,8 +48,8 @@ const BUCKETS: &[f64] =
 const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
 /// Installs the process-wide recorder (once; later calls return the same handle) and registers
-/// every metric at zero.
-pub fn install() -> PrometheusHandle {
+/// every metric at zero: this module's own, then each of `describe_others`.
+pub fn install(describe_others: &[fn()]) -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
@@ -58,6 +64,9 @@ pub fn install() -> PrometheusHandle {
                 tracing::warn!("a metrics recorder was already installed; /metrics will be empty");
             }
             describe();
+            for describe in describe_others {
+                describe();
+            }
             handle
         })
         .clone()
@@ -73,6 +82,13 @@ fn describe() {
         metrics::Unit::Seconds,
         "Time to answer an HTTP request."
     );
+    metrics::describe_counter!(
+        REQUESTS_SHED,
+        "Requests answered 503 overloaded before any work: the replica's in-flight bound or the wallet's queue was full."
+    );
+    for reason in ["in_flight", "wallet_queue"] {
+        metrics::counter!(REQUESTS_SHED, "reason" => reason).absolute(0);
+    }
     metrics::describe_gauge!("walletlock_replica_info", "Always 1; labels name the replica and its version.");
     metrics::describe_gauge!("process_resident_memory_bytes", metrics::Unit::Bytes, "Resident memory.");
     metrics::describe_gauge!(
@@ -89,9 +105,6 @@ fn describe() {
     ] {
         metrics::describe_gauge!(name, help);
     }
-    crate::lease::describe_metrics();
-    crate::wallet::describe_metrics();
-    crate::idempotency::describe_metrics();
 }
 
 /// Labels this process's metrics with the replica's name.

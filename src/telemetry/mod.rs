@@ -6,9 +6,15 @@
 
 pub mod metrics;
 
-use crate::config::LogFormat;
 use std::io::IsTerminal;
 use tracing_subscriber::{EnvFilter, fmt};
+
+/// How log lines are written (`LOG_FORMAT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Pretty,
+    Json,
+}
 
 pub fn init(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env()

@@ -13,12 +13,11 @@
 //! the benchmark's baseline.
 
 mod batch;
-pub mod domain;
 mod group;
 mod queue;
 mod transfer;
 
-pub use domain::{Amount, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId};
+pub use crate::domain::{Amount, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId};
 pub use queue::{MAX_BATCH, MAX_HOLD};
 pub use transfer::{Between, Refund, RefundOutcome, TransferOutcome};
 
@@ -39,7 +38,9 @@ pub fn describe_metrics() {
     describe_counter!("walletlock_movements_total", "Deposits and payments, by kind and outcome.");
     transfer::describe_metrics();
     for kind in ["pay", "deposit"] {
-        for outcome in ["accepted", "insufficient_funds", "lock_timeout", "lease_lost", "unavailable"] {
+        for outcome in
+            ["accepted", "insufficient_funds", "lock_timeout", "overloaded", "lease_lost", "unavailable"]
+        {
             metrics::counter!("walletlock_movements_total", "kind" => kind, "outcome" => outcome).absolute(0);
         }
     }
@@ -92,6 +93,10 @@ pub enum WalletError {
     /// Another holder kept the wallet's lease for the whole wait.
     #[error("the wallet's lease was not obtained within {waited:?}")]
     LockTimeout { waited: Duration },
+    /// The wallet already had as many movements queued on this replica as its queue holds
+    /// (`WALLET_QUEUE_LIMIT`): this one was not queued, nothing was applied.
+    #[error("the wallet's queue on this replica is full; nothing was applied")]
+    Overloaded,
     /// Our lease expired or passed to another holder before the commit, which was refused.
     #[error("the wallet's lease was lost before the commit; nothing was applied")]
     LeaseLost,
@@ -134,6 +139,7 @@ impl WalletError {
             WalletError::Refused(Refusal::BalanceOverflow { .. }) => "balance_overflow",
             WalletError::Refused(Refusal::RefundExceedsPayment { .. }) => "refund_exceeds_payment",
             WalletError::LockTimeout { .. } => "lock_timeout",
+            WalletError::Overloaded => "overloaded",
             WalletError::LeaseLost => "lease_lost",
             WalletError::FenceExhausted(_) => "fence_exhausted",
             WalletError::Unavailable { .. } => "unavailable",
@@ -196,6 +202,10 @@ impl From<LeaseError> for WalletError {
     }
 }
 
+/// The default bound on one wallet's queue on one replica (`WALLET_QUEUE_LIMIT`): two full batches
+/// and then some, served well within a lease wait.
+pub const DEFAULT_QUEUE_LIMIT: usize = 128;
+
 /// How requests wait for a busy wallet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
@@ -214,6 +224,9 @@ pub struct Wallets {
     strategy: Strategy,
     /// The per-wallet queues of this replica (used by [`Strategy::Queue`]).
     queues: queue::Queues,
+    /// The most movements one wallet may have queued on this replica; one more is
+    /// [`WalletError::Overloaded`].
+    queue_limit: usize,
     /// Where every movement is written, in rounds across wallets.
     rounds: group::Rounds,
     /// How long the responses of transfers and refunds are kept for their idempotency keys (the
@@ -232,8 +245,22 @@ impl Wallets {
         let in_flight = TaskTracker::new();
         let retention = KeySettings::default().retention;
         let rounds = group::Rounds::start(db.clone(), retention, in_flight.clone());
-        let queues = queue::Queues::default();
-        Self { db, leases, strategy: Strategy::Queue, queues, rounds, retention, in_flight }
+        Self {
+            db,
+            leases,
+            strategy: Strategy::Queue,
+            queues: queue::Queues::default(),
+            queue_limit: DEFAULT_QUEUE_LIMIT,
+            rounds,
+            retention,
+            in_flight,
+        }
+    }
+
+    /// Bounds each wallet's queue on this replica at `limit` movements (at least 1).
+    pub fn with_queue_limit(mut self, limit: usize) -> Self {
+        self.queue_limit = limit.max(1);
+        self
     }
 
     pub fn with_strategy(mut self, strategy: Strategy) -> Self {
@@ -254,6 +281,43 @@ impl Wallets {
 
     pub fn leases(&self) -> &LeaseClient {
         &self.leases
+    }
+
+    /// Whether Redis and Postgres each answer within `limit`: (redis, postgres).
+    pub async fn dependencies_answer(&self, limit: Duration) -> (bool, bool) {
+        let (redis, postgres) = tokio::join!(
+            tokio::time::timeout(limit, self.leases.ping()),
+            tokio::time::timeout(limit, ledger::ping(&self.db)),
+        );
+        (matches!(redis, Ok(Ok(()))), matches!(postgres, Ok(Ok(()))))
+    }
+
+    /// Sets the gauges of both connection pools to what they hold now.
+    pub fn sample_pool_metrics(&self) {
+        let idle = self.db.num_idle() as f64;
+        metrics::gauge!("walletlock_pg_pool_connections", "state" => "idle").set(idle);
+        metrics::gauge!("walletlock_pg_pool_connections", "state" => "in_use")
+            .set(f64::from(self.db.size()) - idle);
+        metrics::gauge!("walletlock_pg_pool_max_connections")
+            .set(f64::from(self.db.options().get_max_connections()));
+        let redis = self.leases.pool().status();
+        metrics::gauge!("walletlock_redis_pool_connections", "state" => "idle").set(redis.available as f64);
+        metrics::gauge!("walletlock_redis_pool_connections", "state" => "in_use")
+            .set(redis.size.saturating_sub(redis.available) as f64);
+        metrics::gauge!("walletlock_redis_pool_max_connections").set(redis.max_size as f64);
+        metrics::gauge!("walletlock_redis_pool_waiting").set(redis.waiting as f64);
+    }
+
+    /// Claims `key` for a request that stores its outcome after it ran (wallet creation), or
+    /// finds what an earlier request with it left (see [`idempotency::begin`]).
+    pub async fn begin_keyed(
+        &self,
+        settings: KeySettings,
+        scope: idempotency::Scope,
+        key: idempotency::IdempotencyKey,
+        fingerprint: [u8; 32],
+    ) -> Result<idempotency::Begin, WalletError> {
+        Ok(idempotency::begin(&self.db, settings, scope, key, fingerprint).await?)
     }
 
     /// Opens a wallet with an opening balance (recorded as its `open` entry). With a receipt, the
@@ -348,6 +412,10 @@ impl Wallets {
         metrics::counter!("walletlock_movements_total", "kind" => kind, "outcome" => outcome).increment(1);
         if matches!(result, Err(WalletError::LeaseLost)) {
             metrics::counter!("walletlock_fence_refusals_total").increment(1);
+        }
+        if matches!(result, Err(WalletError::Overloaded)) {
+            metrics::counter!(crate::telemetry::metrics::REQUESTS_SHED, "reason" => "wallet_queue")
+                .increment(1);
         }
         result
     }

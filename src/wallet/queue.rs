@@ -56,17 +56,21 @@ impl std::fmt::Debug for Pending {
 }
 
 impl Queues {
-    /// Queues `pending`; true if the wallet had no worker, so the caller must start one.
-    fn push(&self, id: &WalletId, pending: Pending) -> bool {
+    /// Queues `pending`; true if the wallet had no worker, so the caller must start one. A wallet
+    /// with `limit` requests waiting (its batch being written aside) takes no more: the request is
+    /// refused [`WalletError::Overloaded`] before anything is done, so a flood on one wallet holds
+    /// a bounded queue in memory.
+    fn push(&self, id: &WalletId, pending: Pending, limit: usize) -> Result<bool, WalletError> {
         let mut queues = self.inner.lock().expect("queues lock");
         match queues.get_mut(id) {
+            Some(queue) if queue.len() >= limit => Err(WalletError::Overloaded),
             Some(queue) => {
                 queue.push_back(pending);
-                false
+                Ok(false)
             }
             None => {
                 queues.insert(id.clone(), VecDeque::from([pending]));
-                true
+                Ok(true)
             }
         }
     }
@@ -112,7 +116,14 @@ impl Wallets {
         let (reply, answer) = oneshot::channel();
         let enqueued = Instant::now();
         let deadline = enqueued + self.leases.settings().wait;
-        if self.queues.push(id, Pending { op, enqueued, deadline, reply }) {
+        let new_worker =
+            match self.queues.push(id, Pending { op, enqueued, deadline, reply }, self.queue_limit) {
+                Ok(new_worker) => new_worker,
+                Err(refused) => {
+                    return Reply { result: Err(refused), waited: Duration::ZERO, db: Duration::ZERO };
+                }
+            };
+        if new_worker {
             let (this, id) = (self.clone(), id.clone());
             let span = tracing::info_span!("wallet_worker", wallet_id = %id);
             self.in_flight.spawn(async move { this.serve(&id).await }.instrument(span));

@@ -19,8 +19,8 @@
 //! transfer waits for it, as another replica would (bounded by the lease wait); the worker hands
 //! the lease over after its current batch, because the transfer marks it contended.
 
-use super::domain::{self, Parties};
 use super::{Amount, Movement, MovementOutcome, Refusal, WalletError, WalletId, Wallets, lease_name};
+use crate::domain::{self, Parties};
 use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
 use crate::ledger::transfer::{self as store, FoundTransfer, LockedWallet, Transfer, WalletWrite};

@@ -72,6 +72,13 @@ async fn wait_for_blocked_claim(fleet: &Fleet) {
     .await;
 }
 
+/// The replica nginx sends `wallet`'s requests to (it keeps each wallet on one replica).
+async fn serving(fleet: &Fleet, wallet: &str) -> usize {
+    let response = fleet.client.get(fleet.url(&format!("/wallets/{wallet}"))).send().await.unwrap();
+    let name = response.headers()["x-served-by"].to_str().unwrap().to_owned();
+    fleet.replicas.iter().position(|replica| replica.name == name).expect("a replica of the fleet")
+}
+
 fn attempt(wallet: &str, key: &str, outcome: Outcome) -> Attempt {
     Attempt {
         wallet: wallet.into(),
@@ -355,8 +362,10 @@ async fn a_stalled_replica_gets_a_504_nginx_never_resends_and_the_retry_returns_
     let fleet = Fleet::start(&env, 3, &[("IDEMPOTENCY_STALE_AFTER", "2s")]).await;
     open_wallets(&fleet, &["slow"], OPENING).await;
 
-    // replica-2 stops answering for longer than nginx's 10 s read timeout.
-    fleet.replicas[1].signal(Signal::SIGSTOP);
+    // The replica nginx sends the wallet to stops answering for longer than nginx's 10 s read
+    // timeout.
+    let stalled = serving(&fleet, "slow").await;
+    fleet.replicas[stalled].signal(Signal::SIGSTOP);
     let keys: Vec<String> = (0..6).map(|n| format!("slow-{n}")).collect();
     let sent: Vec<_> = keys
         .iter()
@@ -369,7 +378,7 @@ async fn a_stalled_replica_gets_a_504_nginx_never_resends_and_the_retry_returns_
     for (key, outcome) in keys.iter().zip(futures::future::join_all(sent).await) {
         attempts.push(attempt("slow", key, outcome.unwrap()));
     }
-    fleet.replicas[1].signal(Signal::SIGCONT);
+    fleet.replicas[stalled].signal(Signal::SIGCONT);
 
     let timed_out: Vec<&Attempt> =
         attempts.iter().filter(|a| a.outcome == Outcome::Unknown("504 gateway_timeout".into())).collect();

@@ -315,3 +315,34 @@ async fn a_fence_at_the_top_is_a_clear_error_and_the_documented_reset_frees_the_
     lease.release().await.unwrap();
     assert_eq!(books(&db, id.as_str()).await.fence, 1);
 }
+
+#[tokio::test]
+async fn the_row_refuses_a_fence_or_version_moving_back_whoever_sends_it() {
+    let env = TestEnv::new();
+    let (_schema, db) = env.database(2).await;
+    let id = wallet_with(&db, 100).await;
+    sqlx::query("update wallet set fence = 7, version = 3 where id = $1")
+        .bind(id.as_str())
+        .execute(&db)
+        .await
+        .unwrap();
+
+    for backwards in
+        ["update wallet set fence = 6 where id = $1", "update wallet set version = 2 where id = $1"]
+    {
+        let err = sqlx::query(backwards).bind(id.as_str()).execute(&db).await.unwrap_err();
+        let code = err.as_database_error().and_then(|db| db.code()).map(|code| code.into_owned());
+        assert_eq!(code.as_deref(), Some("23514"), "{backwards}: a check violation, not {err}");
+    }
+    let (fence, version): (i64, i64) = sqlx::query_as("select fence, version from wallet where id = $1")
+        .bind(id.as_str())
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!((fence, version), (7, 3), "nothing moved back");
+    sqlx::query("update wallet set fence = 8, version = 4 where id = $1")
+        .bind(id.as_str())
+        .execute(&db)
+        .await
+        .unwrap();
+}

@@ -18,6 +18,7 @@ mod idempotency;
 mod lease;
 mod metrics;
 mod openapi;
+mod overload;
 mod redis_loss;
 mod tls;
 mod topologies;

@@ -71,8 +71,9 @@ async fn metrics_after_a_burst_match_what_the_clients_saw() {
     let requests: Vec<_> = (0..120)
         .map(|n| {
             let wallet = if n % 4 == 0 { "m2" } else { "m1" };
-            let request =
-                fleet.client.post(fleet.url(&format!("/wallets/{wallet}/pay"))).json(&json!({ "amount": 1 }));
+            // Straight to the replicas, spread over all three, so they contend for the leases.
+            let url = fleet.replicas[n % 3].url(&format!("/wallets/{wallet}/pay"));
+            let request = fleet.client.post(url).json(&json!({ "amount": 1 }));
             tokio::spawn(async move {
                 let response = request.send().await.unwrap();
                 let status = response.status().as_u16();

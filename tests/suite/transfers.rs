@@ -414,3 +414,65 @@ async fn a_replica_killed_mid_transfer_applies_it_whole_or_not_at_all_and_the_re
 async fn transfer_count_in(db: &sqlx::PgPool) -> i64 {
     sqlx::query_scalar("select count(*) from transfer").fetch_one(db).await.unwrap()
 }
+
+/// Whether the process is stopped (SIGSTOP): state `T` in /proc/<pid>/stat.
+fn is_stopped(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_stalled_inside_a_transfer_frees_both_wallets_within_about_a_lease() {
+    let env = TestEnv::new();
+    let mut fleet = Fleet::start(&env, 2, &[("LEASE_TTL", "1s")]).await;
+    let pair = ("stall-from", "stall-to");
+    open_wallets(&fleet, &[pair.0, pair.1], 100).await;
+    fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", Some("before_commit:stop"));
+    fleet.replicas[0].start();
+
+    // replica-1 stops itself inside the transfer's transaction: both rows locked, COMMIT unsent.
+    let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
+    let stalled =
+        tokio::spawn(
+            async move { crate::support::transfers::transfer(&client, &url, pair, 40, "stalled").await },
+        );
+    let pid = fleet.replicas[0].pid();
+    crate::support::eventually("replica-1 stopped in its transfer", Duration::from_secs(5), || async {
+        is_stopped(pid)
+    })
+    .await;
+    let stalled_at = Instant::now();
+
+    // The other replica pays from both wallets once Postgres has ended the stalled session (idle in
+    // its transaction for 2 s) and the stalled holder's leases have expired (1 s).
+    let other = fleet.replicas[1].url("");
+    for wallet in [pair.0, pair.1] {
+        let key = format!("after-{wallet}");
+        loop {
+            let paid = crate::support::load::pay(&fleet.client, &other, wallet, 1, &key).await;
+            if matches!(paid, crate::support::load::Outcome::Applied(_)) {
+                break;
+            }
+            assert!(stalled_at.elapsed() < Duration::from_secs(8), "{wallet} still held: {paid:?}");
+        }
+    }
+    let freed = stalled_at.elapsed();
+    assert!(freed <= Duration::from_secs(4), "both wallets were held {freed:?} after the stall");
+
+    // The stalled replica wakes: its commit cannot have happened; its key's retry settles it once.
+    fleet.replicas[0].signal(nix::sys::signal::Signal::SIGCONT);
+    let woke = stalled.await.unwrap();
+    assert!(
+        !matches!(woke, Outcome::Applied(_)),
+        "the stalled transfer was not committed: {woke:?}; replica-1 logged:\n{}",
+        fleet.replicas[0].log()
+    );
+    let retried = crate::support::transfers::transfer(&fleet.client, &other, pair, 40, "stalled").await;
+    assert!(matches!(retried, Outcome::Applied(_)), "{retried:?}");
+    assert_eq!(transfer_count_in(&fleet.db).await, 1, "moved once");
+    let balances = (books(&fleet.db, pair.0).await.balance, books(&fleet.db, pair.1).await.balance);
+    assert_eq!(balances, (59, 139), "the transfer and one payment from each");
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "{report}");
+    eprintln!("stalled inside a transfer: both wallets paid again {freed:?} after the stall");
+}

@@ -156,16 +156,33 @@ pub struct Fleet {
 impl Fleet {
     /// `count` replicas on one fresh schema, and nginx in front of them.
     pub async fn start(env: &TestEnv, count: usize, settings: &[(&str, &str)]) -> Fleet {
-        Self::launch(env, count, settings, None).await
+        Self::start_behind(env, count, settings, &[]).await
+    }
+
+    /// As [`Fleet::start`], with nginx prepared under `nginx_settings` (deploy/lib.sh's
+    /// `WALLETLOCK_NGINX_*` variables, e.g. `WALLETLOCK_NGINX_MAX_CONNS`).
+    pub async fn start_behind(
+        env: &TestEnv,
+        count: usize,
+        settings: &[(&str, &str)],
+        nginx_settings: &[(&str, &str)],
+    ) -> Fleet {
+        Self::launch(env, count, settings, nginx_settings, None).await
     }
 
     /// Like [`Fleet::start`], with nginx also listening for HTTPS (HTTP/2 allowed) with `ca`'s
     /// certificate, and a client that trusts `ca`.
     pub async fn start_https(env: &TestEnv, count: usize, settings: &[(&str, &str)], ca: &TestCa) -> Fleet {
-        Self::launch(env, count, settings, Some(ca)).await
+        Self::launch(env, count, settings, &[], Some(ca)).await
     }
 
-    async fn launch(env: &TestEnv, count: usize, settings: &[(&str, &str)], https: Option<&TestCa>) -> Fleet {
+    async fn launch(
+        env: &TestEnv,
+        count: usize,
+        settings: &[(&str, &str)],
+        nginx_settings: &[(&str, &str)],
+        https: Option<&TestCa>,
+    ) -> Fleet {
         let (schema, db) = env.database(4).await;
         let dir = TempDir::new().expect("temp dir");
         std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))
@@ -197,15 +214,15 @@ impl Fleet {
         let nginx_dir = dir.path().join("nginx");
         let ports: Vec<String> = replicas.iter().map(|r| r.port.to_string()).collect();
         let https_port = https.map(|_| free_port());
-        let https_settings = match (https, https_port) {
-            (Some(ca), Some(port)) => format!(
-                "WALLETLOCK_NGINX_HTTPS=127.0.0.1:{port} WALLETLOCK_NGINX_TLS_DIR={}",
+        let mut nginx_env: String = nginx_settings.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+        if let (Some(ca), Some(port)) = (https, https_port) {
+            nginx_env += &format!(
+                "WALLETLOCK_NGINX_HTTPS=127.0.0.1:{port} WALLETLOCK_NGINX_TLS_DIR={} ",
                 ca.dir().display()
-            ),
-            _ => String::new(),
-        };
+            );
+        }
         lib_sh(&format!(
-            "{https_settings} WALLETLOCK_NGINX_STATUS_PORT={} wl_nginx_prepare {} 127.0.0.1:{nginx_port} {}",
+            "{nginx_env}WALLETLOCK_NGINX_STATUS_PORT={} wl_nginx_prepare {} 127.0.0.1:{nginx_port} {}",
             free_port(),
             nginx_dir.display(),
             ports.join(" ")

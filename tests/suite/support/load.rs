@@ -60,7 +60,7 @@ pub async fn pay(client: &reqwest::Client, url: &str, wallet: &str, amount: i64,
         }
         (422, "insufficient_funds")
         | (409, "lease_lost")
-        | (503, "lock_timeout" | "dependency_unavailable")
+        | (503, "lock_timeout" | "overloaded" | "dependency_unavailable")
         | (429, _) => Outcome::NotApplied(code),
         (409, "idempotency_key_in_flight")
         | (503, "request_timeout" | "outcome_unknown")

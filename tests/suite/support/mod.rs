@@ -204,7 +204,7 @@ where
 
 fn init_tracing() {
     if std::env::var_os("TEST_LOG").is_some() {
-        walletlock::telemetry::init(walletlock::config::LogFormat::Pretty);
+        walletlock::telemetry::init(walletlock::telemetry::LogFormat::Pretty);
     }
 }
 
