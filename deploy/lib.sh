@@ -117,18 +117,23 @@ wl_redis_acl() {
   )
 }
 
-# wl_start_sentinel DIR PORT MASTER PRIMARY_PORT ADMIN_PASSWORD: a Redis Sentinel on
+# wl_start_sentinel DIR PORT MASTER PRIMARY_PORT ADMIN_PASSWORD [TLS_DIR]: a Redis Sentinel on
 # 127.0.0.1:PORT watching the primary MASTER at 127.0.0.1:PRIMARY_PORT (authenticating to the data
 # nodes as `admin`), with its config and pid in DIR. It fails over 5 s after the primary stops
-# answering.
+# answering. With TLS_DIR, it speaks TLS only, to clients and to the data nodes (server
+# certificate `server`, see wl_redis_tls_args).
 wl_start_sentinel() {
-  local dir=$1 port=$2 master=$3 primary=$4 admin=$5
+  local dir=$1 port=$2 master=$3 primary=$4 admin=$5 tls=${6:-}
   mkdir -p "$dir"
   if [ ! -s "$dir/sentinel.conf" ]; then
+    local listen="port $port"
+    if [ -n "$tls" ]; then
+      listen=$(wl_redis_tls_conf "$tls" server; echo "tls-port $port")
+    fi
     (
       umask 077
       cat >"$dir/sentinel.conf" <<EOF
-port $port
+$listen
 bind 127.0.0.1
 dir $dir
 sentinel monitor $master 127.0.0.1 $primary 2
@@ -144,6 +149,80 @@ EOF
   redis-server "$dir/sentinel.conf" --sentinel >>"$dir/redis.log" 2>&1 &
   echo $! >"$dir/redis.pid"
   wl_wait_for "sentinel on :$port" 15 wl_redis_answers "$port"
+}
+
+# wl_tls_ca DIR: a throwaway certificate authority in DIR (ca.pem, its key ca.key), made on first
+# use: ECDSA P-256, valid 90 days, DIR owner-only. For local runs and tests only: it signs what
+# wl_tls_issue makes, and the replicas and clients trust it through its ca.pem. A CA within a day
+# of its end is replaced, with everything it signed.
+wl_tls_ca() {
+  local dir=$1
+  command -v openssl >/dev/null || wl_apt_install openssl
+  mkdir -p "$dir" && chmod 700 "$dir"
+  if [ -s "$dir/ca.pem" ] && ! openssl x509 -checkend 86400 -noout -in "$dir/ca.pem" >/dev/null; then
+    wl_log "the local CA in $dir expires within a day: making a new one"
+    rm -f "$dir"/*.pem "$dir"/*.key "$dir/ca.srl"
+  fi
+  [ -s "$dir/ca.pem" ] && [ -s "$dir/ca.key" ] && return 0
+  (
+    umask 077
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 90 \
+      -subj "/CN=walletlock local CA" -keyout "$dir/ca.key" -out "$dir/ca.pem" \
+      -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+      2>/dev/null
+  ) || wl_die "openssl could not make the local CA in $dir"
+}
+
+# wl_tls_issue DIR NAME SAN: NAME.pem and NAME.key in DIR, a certificate signed by DIR's CA (see
+# wl_tls_ca) for SAN (e.g. "IP:127.0.0.1,DNS:localhost"), good for a server and a client (Redis
+# nodes present theirs both ways), valid 30 days; made on first use (and again within a day of its
+# end), the key owner-only.
+wl_tls_issue() {
+  local dir=$1 name=$2 san=$3
+  [ -s "$dir/$name.pem" ] && openssl x509 -checkend 86400 -noout -in "$dir/$name.pem" >/dev/null &&
+    [ -s "$dir/$name.key" ] && return 0
+  (
+    umask 077
+    openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+      -subj "/CN=$name" -keyout "$dir/$name.key" -out "$dir/$name.csr" 2>/dev/null &&
+      openssl x509 -req -in "$dir/$name.csr" -CA "$dir/ca.pem" -CAkey "$dir/ca.key" \
+        -CAcreateserial -CAserial "$dir/ca.srl" -days 30 -out "$dir/$name.pem" \
+        -extfile <(printf 'subjectAltName=%s\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n' "$san") \
+        2>/dev/null
+  ) || wl_die "openssl could not issue $name for $san"
+  rm -f "$dir/$name.csr"
+}
+
+# wl_redis_tls_args DIR NAME: the redis-server arguments that make it speak TLS only, with NAME's
+# certificate from DIR: the plain port off, clients must present a certificate of DIR's CA, and
+# replication (and a Sentinel's links, a Cluster's bus) over TLS too. Put them after --port.
+wl_redis_tls_args() {
+  local dir=$1 name=$2
+  printf '%s\n' --port 0 --tls-cert-file "$dir/$name.pem" --tls-key-file "$dir/$name.key" \
+    --tls-ca-cert-file "$dir/ca.pem" --tls-auth-clients yes --tls-replication yes --tls-cluster yes
+}
+
+# wl_redis_tls_conf DIR NAME: the same settings as wl_redis_tls_args, as config file lines (for
+# a Sentinel's config).
+wl_redis_tls_conf() {
+  wl_redis_tls_args "$1" "$2" | paste -d' ' - - | sed 's/^--//'
+}
+
+# wl_postgres_tls_settings DIR CADIR NAME: the Postgres settings (one SETTING=VALUE a line, for
+# wl_start_postgres) that make the cluster in DIR take TCP connections over TLS only, with NAME's
+# certificate from CADIR: copies of the certificate and key in DIR/tls (the key owner-only and
+# owned by the server's user, as Postgres demands) and an hba file with `hostssl` lines only, so a
+# plaintext connection finds no entry and is refused. TCP authentication: WALLETLOCK_PG_HOST_AUTH.
+wl_postgres_tls_settings() {
+  local dir=$1 ca=$2 name=$3
+  mkdir -p "$dir/tls"
+  install -m 600 "$ca/$name.pem" "$dir/tls/server.pem"
+  install -m 600 "$ca/$name.key" "$dir/tls/server.key"
+  printf '%s\n' "local all all trust" \
+    "hostssl all all 127.0.0.1/32 ${WALLETLOCK_PG_HOST_AUTH:-trust}" >"$dir/tls/pg_hba.conf"
+  if [ "$(id -u)" -eq 0 ]; then chown -R postgres: "$dir/tls"; fi
+  printf '%s\n' ssl=on "ssl_cert_file=$dir/tls/server.pem" "ssl_key_file=$dir/tls/server.key" \
+    ssl_min_protocol_version=TLSv1.2 "hba_file=$dir/tls/pg_hba.conf"
 }
 
 # wl_free_port: a TCP port nothing listens on right now (deploy/free_port.py).
@@ -238,9 +317,23 @@ wl_start_postgres() {
     || { tail -n 20 "$dir/postgres.log" >&2; return 1; }
 }
 
+# wl_redis_cli ARG...: redis-cli, over TLS when WALLETLOCK_REDIS_CLI_TLS holds its TLS arguments
+# (see wl_redis_cli_tls).
+wl_redis_cli() {
+  local tls=()
+  [ -n "${WALLETLOCK_REDIS_CLI_TLS:-}" ] && read -r -a tls <<<"$WALLETLOCK_REDIS_CLI_TLS"
+  redis-cli "${tls[@]}" "$@"
+}
+
+# wl_redis_cli_tls DIR: redis-cli's arguments to reach a node of DIR's CA (see wl_tls_ca) with the
+# client certificate `replica`, for WALLETLOCK_REDIS_CLI_TLS.
+wl_redis_cli_tls() {
+  echo "--tls --cacert $1/ca.pem --cert $1/replica.pem --key $1/replica.key"
+}
+
 # wl_redis_answers PORT: a redis-server answers on PORT (a refusal for want of a password counts).
 wl_redis_answers() {
-  redis-cli -p "$1" ping 2>&1 | grep -qE 'PONG|NOAUTH'
+  wl_redis_cli -p "$1" ping 2>&1 | grep -qE 'PONG|NOAUTH'
 }
 
 # wl_start_redis DIR PORT [ARG...]: a redis-server on 127.0.0.1:PORT with its files in DIR.
@@ -257,7 +350,9 @@ wl_start_redis() {
 # the files it includes: listen.conf (LISTEN, e.g. 127.0.0.1:8080), status_listen.conf (loopback,
 # port WALLETLOCK_NGINX_STATUS_PORT, 8090 by default) and upstream.conf (one replica per PORT on
 # 127.0.0.1, each taking at most WALLETLOCK_NGINX_MAX_CONNS connections, 512 by default: see
-# nginx.conf's "no live upstreams").
+# nginx.conf's "no live upstreams"). With WALLETLOCK_NGINX_HTTPS (an address, e.g. 127.0.0.1:8443)
+# and WALLETLOCK_NGINX_TLS_DIR (holding nginx.pem and nginx.key, see wl_tls_issue), listen.conf
+# also gets an HTTPS listener (HTTP/2 allowed) with the TLS settings of the top-level nginx-tls.conf.
 wl_nginx_prepare() {
   local dir=$1 listen=$2; shift 2
   local root; root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -265,6 +360,13 @@ wl_nginx_prepare() {
   cp "$root/nginx.conf" "$dir/nginx.conf"
   # A flood's connections wait in the accept queue, not refused (the kernel caps it at somaxconn).
   printf 'listen %s backlog=4096;\n' "$listen" >"$dir/listen.conf"
+  if [ -n "${WALLETLOCK_NGINX_HTTPS:-}" ]; then
+    local certs=${WALLETLOCK_NGINX_TLS_DIR:?WALLETLOCK_NGINX_TLS_DIR holds nginx.pem and nginx.key}
+    cp "$root/nginx-tls.conf" "$dir/tls.conf"
+    # `http2` on the listen line: nginx 1.22 has no `http2 on;` yet (later ones accept both).
+    printf '%s\n' "listen $WALLETLOCK_NGINX_HTTPS ssl http2 backlog=4096;" "ssl_certificate $certs/nginx.pem;" \
+      "ssl_certificate_key $certs/nginx.key;" "include tls.conf;" >>"$dir/listen.conf"
+  fi
   printf 'listen 127.0.0.1:%s;\n' "${WALLETLOCK_NGINX_STATUS_PORT:-8090}" >"$dir/status_listen.conf"
   {
     echo "# Written by deploy/lib.sh (wl_nginx_prepare): the local replicas."

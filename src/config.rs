@@ -5,11 +5,13 @@
 //! |---|---|---|
 //! | `LISTEN_ADDR` | `127.0.0.1:8080` | where a replica listens |
 //! | `REPLICA_NAME` | `<hostname>-<port>` | sent as `X-Served-By` and in every log line |
-//! | `DATABASE_URL` | (required) | Postgres; secret, never logged |
+//! | `DATABASE_URL` | (required) | Postgres; secret, never logged; `sslmode=verify-full&sslrootcert=<file>` for verified TLS (a missing or empty `sslrootcert` file stops the process) |
 //! | `PG_POOL_SIZE` | `10` | connections per replica; replicas × this must stay under Postgres's `max_connections` |
 //! | `PG_ACQUIRE_TIMEOUT` | `1s` | wait for a pooled connection before answering 503 |
 //! | (fixed) | | each replica session: `idle_in_transaction_session_timeout` 2s, `statement_timeout` 5s, TCP keepalives after 5s idle (every 2s, 3 probes), `tcp_user_timeout` 10s (see `SESSION_BOUNDS`) |
-//! | `REDIS_URL` | `redis://127.0.0.1:6379` | Redis; secret (may hold a password), never logged |
+//! | `REDIS_URL` | `redis://127.0.0.1:6379` | Redis; secret (may hold a password), never logged; `rediss://`, `rediss+sentinel://`, `rediss+cluster://` for TLS, always verified |
+//! | `REDIS_TLS_CA_FILE` | (the system's roots) | with a TLS `REDIS_URL`: PEM file of the CAs that sign the servers' certificates |
+//! | `REDIS_TLS_CERT_FILE`, `REDIS_TLS_KEY_FILE` | | with a TLS `REDIS_URL`: the client certificate and key (PEM), for mutual TLS |
 //! | `REDIS_POOL_SIZE` | `16` | Redis connections per replica |
 //! | `REDIS_KEY_PREFIX` | `walletlock` | namespaces every lease key |
 //! | `REDIS_TIMEOUT` | `500ms` | bound on any single Redis call |
@@ -27,12 +29,14 @@
 //! | `API_TOKENS_FILE` | | a file of `caller:token` lines |
 //! | `LOG_FORMAT` | `pretty` | `pretty` or `json` |
 
-use crate::lease::{Backoff, LeaseClient, LeaseSettings, RedisPool, Ttl, WakeSource};
+use crate::lease::{
+    Backoff, ClusterManager, LeaseClient, LeaseSettings, RedisPool, SentinelManager, Ttl, WakeSource,
+};
 use crate::wallet::Strategy;
 use clap::{Args, ValueEnum};
 use secrecy::{ExposeSecret, SecretString};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use std::{net::SocketAddr, str::FromStr, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
 
 pub(crate) fn duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|err| err.to_string())
@@ -86,15 +90,31 @@ impl DatabaseArgs {
 
     /// A pool that connects on first use, so a replica starts (and reports not ready) while
     /// Postgres is still down. Its sessions have no time limits: `migrate` and `audit` use it
-    /// as they are, for as long as they need.
+    /// as they are, for as long as they need. A certificate file named in the URL
+    /// (`sslrootcert`, or `PGSSLROOTCERT`; `sslcert`) that is missing, unreadable or empty, or an
+    /// unreadable `sslkey`, stops the process here, rather than failing every connection.
     pub fn pool(&self) -> anyhow::Result<PgPool> {
-        let options = PgConnectOptions::from_str(self.database_url.expose_secret())
+        let url = self.database_url.expose_secret();
+        let options = PgConnectOptions::from_str(url)
             .map_err(|err| anyhow::anyhow!("DATABASE_URL is not a Postgres URL: {err}"))?
             // Every statement a replica prepares is one fixed shape over keys (a wallet's id, an
             // idempotency key, arrays of them in a round), which one generic plan serves as well as
             // a plan made for each execution's values. Left to choose, Postgres kept planning the
             // rounds' statements anew on every execution: a tenth of its CPU on the spread benchmark.
             .options([("plan_cache_mode", "force_generic_plan")]);
+        // A value that is itself a PEM (sqlx accepts one inline) names no file.
+        let file = |value: String| (!value.trim_start().starts_with("-----BEGIN")).then_some(value);
+        let root_cert = url_parameter(url, &["sslrootcert", "ssl-root-cert", "ssl-ca"])
+            .or_else(|| std::env::var("PGSSLROOTCERT").ok());
+        if let Some(path) = root_cert.and_then(file) {
+            read_certificates("DATABASE_URL sslrootcert", std::path::Path::new(&path))?;
+        }
+        if let Some(path) = url_parameter(url, &["sslcert", "ssl-cert"]).and_then(file) {
+            read_certificates("DATABASE_URL sslcert", std::path::Path::new(&path))?;
+        }
+        if let Some(path) = url_parameter(url, &["sslkey", "ssl-key"]).and_then(file) {
+            std::fs::read(&path).map_err(|err| anyhow::anyhow!("DATABASE_URL sslkey {path}: {err}"))?;
+        }
         Ok(PgPoolOptions::new()
             .max_connections(self.pg_pool_size)
             .acquire_timeout(self.pg_acquire_timeout)
@@ -102,15 +122,58 @@ impl DatabaseArgs {
     }
 }
 
-/// Redis: where, and how many connections.
+/// The value of the first of `names` in `url`'s query string, percent-decoded.
+fn url_parameter(url: &str, names: &[&str]) -> Option<String> {
+    let (_, query) = url.split_once('?')?;
+    let value = query.split('&').find_map(|pair| {
+        let (name, value) = pair.split_once('=')?;
+        names.contains(&name).then_some(value)
+    })?;
+    let bytes = value.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(byte)) => {
+                decoded.push(byte);
+                i += 3;
+            }
+            (b'+', _) => {
+                decoded.push(b' ');
+                i += 1;
+            }
+            (byte, _) => {
+                decoded.push(byte);
+                i += 1;
+            }
+        }
+    }
+    Some(String::from_utf8_lossy(&decoded).into_owned())
+}
+
+/// Redis: where, how many connections, and the TLS material.
 #[derive(Debug, Clone, Args)]
 pub struct RedisArgs {
     /// Redis: `redis://[user:password@]host:port` for one node,
     /// `redis+sentinel://[user:password@]host:port,host:port/master-name` for a primary that Redis
     /// Sentinel fails over (the credentials are the data nodes'), or
     /// `redis+cluster://[user:password@]host:port,host:port` for a Redis Cluster (seed nodes).
+    /// `rediss://`, `rediss+sentinel://` (Sentinels and data nodes) and `rediss+cluster://` are the
+    /// same over TLS, the server's certificate verified.
     #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379", hide_env_values = true, value_parser = secret)]
     pub redis_url: SecretString,
+    /// With a TLS REDIS_URL: PEM file of the certificate authorities that sign the Redis servers'
+    /// certificates (default: the system's roots).
+    #[arg(long, env = "REDIS_TLS_CA_FILE")]
+    pub redis_tls_ca_file: Option<PathBuf>,
+    /// With a TLS REDIS_URL: PEM file of this replica's client certificate chain, for servers
+    /// that require one (mutual TLS). Needs REDIS_TLS_KEY_FILE.
+    #[arg(long, env = "REDIS_TLS_CERT_FILE", requires = "redis_tls_key_file")]
+    pub redis_tls_cert_file: Option<PathBuf>,
+    /// The private key (PEM) of REDIS_TLS_CERT_FILE.
+    #[arg(long, env = "REDIS_TLS_KEY_FILE", requires = "redis_tls_cert_file")]
+    pub redis_tls_key_file: Option<PathBuf>,
     /// Redis connections per replica.
     #[arg(long, env = "REDIS_POOL_SIZE", default_value_t = 16)]
     pub redis_pool_size: usize,
@@ -125,12 +188,13 @@ pub struct RedisArgs {
 /// The three forms of `REDIS_URL`, parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum RedisTarget {
-    /// `redis://[user:password@]host:port[/db]`
+    /// `redis[s]://[user:password@]host:port[/db]`
     Node(String),
-    /// `redis+sentinel://[user:password@]host:port,host:port,.../master-name`: the Sentinels to
-    /// ask, the name of the primary they watch, and the credentials for the data nodes.
+    /// `redis[s]+sentinel://[user:password@]host:port,host:port,.../master-name`: the Sentinels
+    /// to ask (as URLs), the name of the primary they watch, and the credentials for the data
+    /// nodes. With TLS, to the Sentinels and to the data nodes alike.
     Sentinel { sentinels: Vec<String>, master: String, username: Option<String>, password: Option<String> },
-    /// `redis+cluster://[user:password@]host:port,host:port,...`: seed nodes.
+    /// `redis[s]+cluster://[user:password@]host:port,host:port,...`: seed nodes, as URLs.
     Cluster { nodes: Vec<String> },
 }
 
@@ -143,7 +207,17 @@ impl RedisTarget {
             };
             (userinfo, hosts.split(',').map(str::trim).filter(|h| !h.is_empty()).map(str::to_owned).collect())
         };
-        if let Some(rest) = url.strip_prefix("redis+sentinel://") {
+        if url.contains("#insecure") {
+            return Err(
+                "it asks for no certificate verification (#insecure); walletlock always verifies".into()
+            );
+        }
+        let topology = |scheme: &str| {
+            url.strip_prefix(&format!("redis+{scheme}://"))
+                .map(|rest| ("redis", rest))
+                .or_else(|| url.strip_prefix(&format!("rediss+{scheme}://")).map(|rest| ("rediss", rest)))
+        };
+        if let Some((scheme, rest)) = topology("sentinel") {
             let (authority, master) =
                 rest.split_once('/').ok_or("a Sentinel REDIS_URL ends with /<master name>")?;
             let (userinfo, sentinels) = several(authority);
@@ -157,16 +231,16 @@ impl RedisTarget {
             if sentinels.is_empty() || master.is_empty() {
                 return Err("a Sentinel REDIS_URL names at least one Sentinel and the master".into());
             }
-            let sentinels = sentinels.iter().map(|host| format!("redis://{host}")).collect();
+            let sentinels = sentinels.iter().map(|host| format!("{scheme}://{host}")).collect();
             Ok(RedisTarget::Sentinel { sentinels, master: master.to_owned(), username, password })
-        } else if let Some(rest) = url.strip_prefix("redis+cluster://") {
+        } else if let Some((scheme, rest)) = topology("cluster") {
             let (userinfo, hosts) = several(rest.trim_end_matches('/'));
             if hosts.is_empty() {
                 return Err("a Cluster REDIS_URL names at least one node".into());
             }
             let credentials = userinfo.map(|u| format!("{u}@")).unwrap_or_default();
             Ok(RedisTarget::Cluster {
-                nodes: hosts.iter().map(|h| format!("redis://{credentials}{h}")).collect(),
+                nodes: hosts.iter().map(|h| format!("{scheme}://{credentials}{h}")).collect(),
             })
         } else if url.starts_with("redis://")
             || url.starts_with("rediss://")
@@ -174,9 +248,43 @@ impl RedisTarget {
         {
             Ok(RedisTarget::Node(url.to_owned()))
         } else {
-            Err("REDIS_URL starts with redis://, redis+sentinel:// or redis+cluster://".into())
+            Err("REDIS_URL starts with redis[s]://, redis[s]+sentinel:// or redis[s]+cluster://".into())
         }
     }
+
+    /// Whether every connection is TLS.
+    fn tls(&self) -> bool {
+        match self {
+            RedisTarget::Node(url) => url.starts_with("rediss://"),
+            RedisTarget::Sentinel { sentinels: urls, .. } | RedisTarget::Cluster { nodes: urls } => {
+                urls.iter().all(|url| url.starts_with("rediss://"))
+            }
+        }
+    }
+}
+
+/// Reads a PEM file named by `setting` that must hold at least one certificate: a missing,
+/// unreadable or empty file stops the process at startup, naming the setting, rather than failing
+/// every connection later.
+fn read_certificates(setting: &str, path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    use rustls::pki_types::{CertificateDer, pem::PemObject};
+    let pem = std::fs::read(path).map_err(|err| anyhow::anyhow!("{setting} {}: {err}", path.display()))?;
+    let certificates = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|err| anyhow::anyhow!("{setting} {}: not PEM certificates: {err}", path.display()))?;
+    if certificates.is_empty() {
+        anyhow::bail!("{setting} {}: holds no PEM certificate", path.display());
+    }
+    Ok(pem)
+}
+
+/// Reads a PEM private key file named by `setting`, refusing a missing, unreadable or keyless one.
+fn read_private_key(setting: &str, path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    use rustls::pki_types::{PrivateKeyDer, pem::PemObject};
+    let pem = std::fs::read(path).map_err(|err| anyhow::anyhow!("{setting} {}: {err}", path.display()))?;
+    PrivateKeyDer::from_pem_slice(&pem)
+        .map_err(|err| anyhow::anyhow!("{setting} {}: not a PEM private key: {err}", path.display()))?;
+    Ok(pem)
 }
 
 impl RedisArgs {
@@ -189,54 +297,112 @@ impl RedisArgs {
         pool
     }
 
+    /// The certificates to verify the servers with (and to present, for mutual TLS), read now;
+    /// `None` for a plaintext URL. TLS settings with a plaintext URL are refused: they would
+    /// suggest a protection the connections do not have.
+    fn tls_certificates(
+        &self,
+        target: &RedisTarget,
+    ) -> anyhow::Result<Option<deadpool_redis::redis::TlsCertificates>> {
+        use deadpool_redis::redis::{ClientTlsConfig, TlsCertificates};
+        if !target.tls() {
+            if self.redis_tls_ca_file.is_some() || self.redis_tls_cert_file.is_some() {
+                anyhow::bail!(
+                    "REDIS_TLS_CA_FILE / REDIS_TLS_CERT_FILE are set but REDIS_URL is not a TLS URL (rediss://...)"
+                );
+            }
+            return Ok(None);
+        }
+        let root_cert = match &self.redis_tls_ca_file {
+            Some(path) => Some(read_certificates("REDIS_TLS_CA_FILE", path)?),
+            None => None,
+        };
+        let client_tls = match (&self.redis_tls_cert_file, &self.redis_tls_key_file) {
+            (Some(cert), Some(key)) => Some(ClientTlsConfig {
+                client_cert: read_certificates("REDIS_TLS_CERT_FILE", cert)?,
+                client_key: read_private_key("REDIS_TLS_KEY_FILE", key)?,
+            }),
+            _ => None,
+        };
+        Ok(Some(TlsCertificates { client_tls, root_cert }))
+    }
+
     /// The connection pool for `REDIS_URL`'s topology, and where release notifications come from.
+    /// Every client is built with the TLS certificates, so connections the topology finds later
+    /// (a promoted primary, a redirected slot, the Pub/Sub connection) are verified the same way.
     pub fn connect(&self) -> anyhow::Result<(RedisPool, WakeSource)> {
-        use deadpool_redis::{Runtime, redis};
+        use deadpool_redis::redis::{self, IntoConnectionInfo};
+        use deadpool_redis::{Runtime, redis::sentinel::SentinelServerType};
         let unusable = |err: &dyn std::fmt::Display| anyhow::anyhow!("REDIS_URL is not usable: {err}");
         let target = RedisTarget::parse(self.redis_url.expose_secret()).map_err(|err| unusable(&err))?;
+        let tls = self.tls_certificates(&target)?;
+        let client = |url: &str| match &tls {
+            Some(certificates) => redis::Client::build_with_tls(url, certificates.clone()),
+            None => redis::Client::open(url),
+        };
         Ok(match target {
             RedisTarget::Node(url) => {
-                let mut config = deadpool_redis::Config::from_url(url.clone());
-                config.pool = Some(self.pool_config());
-                let pool = config.create_pool(Some(Runtime::Tokio1)).map_err(|err| unusable(&err))?;
-                (
-                    RedisPool::Single(pool),
-                    WakeSource::Node(redis::Client::open(url).map_err(|err| unusable(&err))?),
-                )
+                let client = client(&url).map_err(|err| unusable(&err))?;
+                let manager = deadpool_redis::Manager::new(client.get_connection_info().clone())
+                    .map_err(|err| unusable(&err))?;
+                let pool = deadpool_redis::Pool::builder(manager)
+                    .config(self.pool_config())
+                    .runtime(Runtime::Tokio1)
+                    .build()
+                    .map_err(|err| unusable(&err))?;
+                (RedisPool::Single(pool), client.into())
             }
             RedisTarget::Sentinel { sentinels, master, username, password } => {
-                let node = deadpool_redis::RedisConnectionInfo { username, password, ..Default::default() };
-                let node_info = deadpool_redis::sentinel::SentinelNodeConnectionInfo {
-                    tls_mode: None,
-                    redis_connection_info: Some(node),
+                let sentinel_client = || -> redis::RedisResult<redis::sentinel::SentinelClient> {
+                    let addresses = sentinels
+                        .iter()
+                        .map(|url| url.as_str().into_connection_info().map(|info| info.addr().clone()))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let mut builder = redis::sentinel::SentinelClientBuilder::new(
+                        addresses,
+                        &master,
+                        SentinelServerType::Master,
+                    )?;
+                    if let Some(username) = &username {
+                        builder = builder.set_client_to_redis_username(username);
+                    }
+                    if let Some(password) = &password {
+                        builder = builder.set_client_to_redis_password(password);
+                    }
+                    if let Some(certificates) = &tls {
+                        builder = builder
+                            .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
+                            .set_client_to_redis_certificates(certificates.clone())
+                            .set_client_to_sentinel_certificates(certificates.clone());
+                    }
+                    builder.build()
                 };
-                let mut config = deadpool_redis::sentinel::Config::from_urls(
-                    sentinels.clone(),
-                    master.clone(),
-                    deadpool_redis::sentinel::SentinelServerType::Master,
-                )
-                .with_node_connection_info(Some(node_info.clone()));
-                config.pool = Some(self.pool_config());
-                let pool = config.create_pool(Some(Runtime::Tokio1)).map_err(|err| unusable(&err))?;
-                let client = redis::sentinel::SentinelClient::build(
-                    sentinels,
-                    master,
-                    Some(node_info.into()),
-                    redis::sentinel::SentinelServerType::Master,
-                )
-                .map_err(|err| unusable(&err))?;
+                let manager = SentinelManager::new(sentinel_client().map_err(|err| unusable(&err))?);
+                let pool = deadpool::managed::Pool::builder(manager)
+                    .config(self.pool_config())
+                    .runtime(Runtime::Tokio1)
+                    .build()
+                    .map_err(|err| unusable(&err))?;
+                let wake = sentinel_client().map_err(|err| unusable(&err))?;
                 (
                     RedisPool::Sentinel(pool),
-                    WakeSource::Sentinel(std::sync::Arc::new(tokio::sync::Mutex::new(client))),
+                    WakeSource::Sentinel(std::sync::Arc::new(tokio::sync::Mutex::new(wake))),
                 )
             }
             RedisTarget::Cluster { nodes } => {
-                let mut config = deadpool_redis::cluster::Config::from_urls(nodes.clone());
-                config.pool = Some(self.pool_config());
-                let pool = config.create_pool(Some(Runtime::Tokio1)).map_err(|err| unusable(&err))?;
+                let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone());
+                if let Some(certificates) = &tls {
+                    builder = builder.certs(certificates.clone());
+                }
+                let manager = ClusterManager::new(builder.build().map_err(|err| unusable(&err))?);
+                let pool = deadpool::managed::Pool::builder(manager)
+                    .config(self.pool_config())
+                    .runtime(Runtime::Tokio1)
+                    .build()
+                    .map_err(|err| unusable(&err))?;
                 let clients = nodes
-                    .into_iter()
-                    .map(redis::Client::open)
+                    .iter()
+                    .map(|url| client(url))
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(|err| unusable(&err))?;
                 (RedisPool::Cluster(pool), WakeSource::AnyOf(clients))
@@ -270,6 +436,45 @@ mod tests {
                 nodes: vec!["redis://app:pw@n1:7000".into(), "redis://app:pw@n2:7001".into()]
             })
         );
+        assert!(!RedisTarget::parse("redis+cluster://n1:7000").unwrap().tls());
+    }
+
+    #[test]
+    fn tls_urls_are_the_same_forms_with_rediss_and_never_skip_verification() {
+        let node = RedisTarget::parse("rediss://:pw@redis.internal:6380").unwrap();
+        assert!(node.tls());
+        let sentinel = RedisTarget::parse("rediss+sentinel://app:pw@s1:26380,s2:26380/walletlock").unwrap();
+        assert_eq!(
+            sentinel,
+            RedisTarget::Sentinel {
+                sentinels: vec!["rediss://s1:26380".into(), "rediss://s2:26380".into()],
+                master: "walletlock".into(),
+                username: Some("app".into()),
+                password: Some("pw".into()),
+            }
+        );
+        assert!(sentinel.tls());
+        let cluster = RedisTarget::parse("rediss+cluster://app:pw@n1:7000,n2:7001").unwrap();
+        assert_eq!(
+            cluster,
+            RedisTarget::Cluster {
+                nodes: vec!["rediss://app:pw@n1:7000".into(), "rediss://app:pw@n2:7001".into()]
+            }
+        );
+        assert!(cluster.tls());
+        assert!(RedisTarget::parse("rediss://h:6380/#insecure").is_err());
+    }
+
+    #[test]
+    fn url_parameters_are_found_and_percent_decoded() {
+        let url = "postgres://u@h/db?sslmode=verify-full&sslrootcert=/etc/ssl/my%20ca.pem";
+        assert_eq!(super::url_parameter(url, &["sslrootcert"]).as_deref(), Some("/etc/ssl/my ca.pem"));
+        assert_eq!(super::url_parameter(url, &["sslcert"]), None);
+        assert_eq!(super::url_parameter("postgres://u@h/db", &["sslrootcert"]), None);
+    }
+
+    #[test]
+    fn redis_urls_that_are_none_of_the_forms_are_refused() {
         for bad in ["http://x", "redis+sentinel://h:1", "redis+sentinel://h:1/", "redis+cluster://"] {
             assert!(RedisTarget::parse(bad).is_err(), "{bad}");
         }

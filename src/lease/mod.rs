@@ -44,7 +44,9 @@ mod wake;
 
 pub use scripts::{LIBRARY, LIBRARY_NAME};
 pub use settings::{Backoff, InvalidTtl, LeaseSettings, Ttl};
-pub use topology::{RedisConnection, RedisPool, SharedConnection, WakeSource};
+pub use topology::{
+    ClusterManager, RedisConnection, RedisPool, SentinelManager, SharedConnection, WakeSource,
+};
 pub use wake::Wakeups;
 
 use deadpool_redis::PoolError;

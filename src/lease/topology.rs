@@ -1,12 +1,17 @@
 //! Where the leases live: one Redis node, a primary that Redis Sentinel fails over, or a Redis
-//! Cluster. The client crates do the topology work (deadpool-redis's pools, redis-rs's Sentinel
-//! and Cluster clients: finding the primary, following `MOVED`); this module only puts the three
+//! Cluster. The client crates do the topology work (deadpool's pools, redis-rs's Sentinel and
+//! Cluster clients: finding the primary, following `MOVED`); this module only puts the three
 //! behind one connection type for the lease scripts.
+//!
+//! Each pool is built from a redis-rs client the caller configured, TLS included (a Sentinel or
+//! Cluster client carries its certificates to every node it finds), so a connection found by
+//! failover or redirection is verified like the first one.
 //!
 //! Every lease script touches keys of one hash tag (see the module doc of [`super`]), so on a
 //! Cluster each runs on the one node that owns its slot.
 
-use deadpool_redis::redis::{self, Cmd, Pipeline, RedisFuture, Value, aio::ConnectionLike};
+use deadpool::managed::{self, Metrics, RecycleResult};
+use deadpool_redis::redis::{self, Cmd, Pipeline, RedisError, RedisFuture, Value, aio::ConnectionLike};
 use deadpool_redis::{PoolError, Status};
 use std::sync::Arc;
 
@@ -14,8 +19,62 @@ use std::sync::Arc;
 #[derive(Clone)]
 pub enum RedisPool {
     Single(deadpool_redis::Pool),
-    Sentinel(deadpool_redis::sentinel::Pool),
-    Cluster(deadpool_redis::cluster::Pool),
+    Sentinel(managed::Pool<SentinelManager>),
+    Cluster(managed::Pool<ClusterManager>),
+}
+
+/// Makes connections to whichever node the Sentinels name primary at the time.
+pub struct SentinelManager {
+    client: tokio::sync::Mutex<redis::sentinel::SentinelClient>,
+}
+
+impl SentinelManager {
+    pub fn new(client: redis::sentinel::SentinelClient) -> Self {
+        Self { client: tokio::sync::Mutex::new(client) }
+    }
+}
+
+impl managed::Manager for SentinelManager {
+    type Type = redis::aio::MultiplexedConnection;
+    type Error = RedisError;
+
+    async fn create(&self) -> Result<Self::Type, RedisError> {
+        self.client.lock().await.get_async_connection().await
+    }
+
+    async fn recycle(&self, conn: &mut Self::Type, _: &Metrics) -> RecycleResult<RedisError> {
+        ping(conn).await
+    }
+}
+
+/// Makes Cluster connections (each follows the slot map and `MOVED` on its own).
+pub struct ClusterManager {
+    client: redis::cluster::ClusterClient,
+}
+
+impl ClusterManager {
+    pub fn new(client: redis::cluster::ClusterClient) -> Self {
+        Self { client }
+    }
+}
+
+impl managed::Manager for ClusterManager {
+    type Type = redis::cluster_async::ClusterConnection;
+    type Error = RedisError;
+
+    async fn create(&self) -> Result<Self::Type, RedisError> {
+        self.client.get_async_connection().await
+    }
+
+    async fn recycle(&self, conn: &mut Self::Type, _: &Metrics) -> RecycleResult<RedisError> {
+        ping(conn).await
+    }
+}
+
+/// A pooled connection is given out again only after it answered.
+async fn ping(conn: &mut impl ConnectionLike) -> RecycleResult<RedisError> {
+    redis::cmd("PING").query_async::<String>(conn).await?;
+    Ok(())
 }
 
 impl From<deadpool_redis::Pool> for RedisPool {
@@ -53,8 +112,8 @@ impl RedisPool {
 /// A pooled connection of any topology.
 pub enum RedisConnection {
     Single(deadpool_redis::Connection),
-    Sentinel(deadpool_redis::sentinel::Connection),
-    Cluster(deadpool_redis::cluster::Connection),
+    Sentinel(managed::Object<SentinelManager>),
+    Cluster(managed::Object<ClusterManager>),
 }
 
 impl RedisConnection {
@@ -64,8 +123,8 @@ impl RedisConnection {
     pub fn discard(self) {
         match self {
             RedisConnection::Single(conn) => drop(deadpool_redis::Connection::take(conn)),
-            RedisConnection::Sentinel(conn) => drop(deadpool_redis::sentinel::Connection::take(conn)),
-            RedisConnection::Cluster(conn) => drop(deadpool_redis::cluster::Connection::take(conn)),
+            RedisConnection::Sentinel(conn) => drop(managed::Object::take(conn)),
+            RedisConnection::Cluster(conn) => drop(managed::Object::take(conn)),
         }
     }
 }
@@ -152,8 +211,8 @@ impl ConnectionLike for SharedConnection {
 
 #[derive(Clone)]
 pub enum WakeSource {
-    /// The one node.
-    Node(redis::Client),
+    /// The one node (boxed: a client with TLS settings is large).
+    Node(Box<redis::Client>),
     /// Whichever node Sentinel names primary now (asked again on every reconnect).
     Sentinel(Arc<tokio::sync::Mutex<redis::sentinel::SentinelClient>>),
     /// Any node of a Cluster: a PUBLISH reaches every node, so one subscription anywhere hears
@@ -163,7 +222,7 @@ pub enum WakeSource {
 
 impl From<redis::Client> for WakeSource {
     fn from(client: redis::Client) -> Self {
-        WakeSource::Node(client)
+        WakeSource::Node(Box::new(client))
     }
 }
 

@@ -20,5 +20,6 @@ mod metrics;
 mod openapi;
 mod overload;
 mod redis_loss;
+mod tls;
 mod topologies;
 mod transfers;

@@ -34,15 +34,19 @@ async fn fence_figures(fleet: &Fleet) -> (f64, f64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sentinel_failover_mid_load_loses_nothing() {
-    let mut sentinels = SentinelSet::start();
+    let sentinels = SentinelSet::start();
     let mut env = TestEnv::new();
     env.redis_url = sentinels.url();
-    let fleet = Fleet::start(
-        &env,
-        3,
-        &[("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s"), ("LEASE_WAIT", "3s")],
-    )
-    .await;
+    sentinel_failover_mid_load(sentinels, env).await;
+}
+
+/// Payments through a fleet on `sentinels` while the primary is killed: they resume on the
+/// promoted replica without a replica restart, and the bank check passes. The fleet reaches
+/// Redis as `env` and `sentinels.replica_env` say (over TLS when the set speaks it).
+pub async fn sentinel_failover_mid_load(mut sentinels: SentinelSet, env: TestEnv) {
+    let mut settings = vec![("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s"), ("LEASE_WAIT", "3s")];
+    settings.extend(sentinels.replica_env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    let fleet = Fleet::start(&env, 3, &settings).await;
     let names = wallets(8);
     let ids: Vec<&str> = names.iter().map(String::as_str).collect();
     open_wallets(&fleet, &ids, 1_000_000).await;
@@ -75,20 +79,24 @@ async fn a_sentinel_failover_mid_load_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_primary_lost_mid_load_loses_nothing() {
-    let mut cluster = ClusterSet::start();
+    let cluster = ClusterSet::start();
     let mut env = TestEnv::new();
     env.redis_url = cluster.url();
-    let fleet = Fleet::start(
-        &env,
-        3,
-        &[
-            ("LEASE_TTL", "1s"),
-            ("IDEMPOTENCY_STALE_AFTER", "2s"),
-            ("LEASE_WAIT", "3s"),
-            ("REDIS_TIMEOUT", "3s"),
-        ],
-    )
-    .await;
+    cluster_primary_lost_mid_load(cluster, env).await;
+}
+
+/// Payments through a fleet on `cluster` while the primary of one wallet's slot is killed: they
+/// resume once its replica takes the slots over, and the bank check passes. The fleet reaches
+/// Redis as `env` and `cluster.replica_env` say (over TLS when the cluster speaks it).
+pub async fn cluster_primary_lost_mid_load(mut cluster: ClusterSet, env: TestEnv) {
+    let mut settings = vec![
+        ("LEASE_TTL", "1s"),
+        ("IDEMPOTENCY_STALE_AFTER", "2s"),
+        ("LEASE_WAIT", "3s"),
+        ("REDIS_TIMEOUT", "3s"),
+    ];
+    settings.extend(cluster.replica_env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    let fleet = Fleet::start(&env, 3, &settings).await;
     let names = wallets(24);
     let ids: Vec<&str> = names.iter().map(String::as_str).collect();
     open_wallets(&fleet, &ids, 1_000_000).await;

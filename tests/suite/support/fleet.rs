@@ -3,6 +3,7 @@
 
 use super::TestEnv;
 use super::servers::{OwnedChild, free_port, listening, wait_until};
+use super::tls::TestCa;
 use nix::sys::signal::Signal;
 use sqlx::PgPool;
 use std::path::{Path, PathBuf};
@@ -80,6 +81,20 @@ impl Replica {
         self.wait_ready();
     }
 
+    /// Starts the replica again without waiting for it to be ready: it may never be, when a test
+    /// has broken the way to its dependencies. Waits until it serves HTTP (`/healthz`).
+    pub fn start_unready(&mut self) {
+        self.stop(Signal::SIGKILL);
+        self.spawn();
+        let url = self.url("/healthz");
+        wait_until(&format!("{} serving", self.name), Duration::from_secs(20), || {
+            Command::new("curl")
+                .args(["-fsS", "-o", "/dev/null", "--max-time", "1", &url])
+                .status()
+                .is_ok_and(|s| s.success())
+        });
+    }
+
     /// Sets one environment variable for the next start; `None` removes it.
     pub fn set_env(&mut self, key: &str, value: Option<&str>) {
         self.env.retain(|(k, _)| k != key);
@@ -128,6 +143,8 @@ pub struct Fleet {
     /// The fleet's database (its schema first on the search path), for `walletlock audit`.
     pub database_url: String,
     pub nginx_port: u16,
+    /// nginx's HTTPS listener, when the fleet has one (see [`Fleet::start_https`]).
+    pub https_port: Option<u16>,
     pub db: PgPool,
     pub client: reqwest::Client,
     nginx: Option<OwnedChild>,
@@ -149,6 +166,22 @@ impl Fleet {
         count: usize,
         settings: &[(&str, &str)],
         nginx_settings: &[(&str, &str)],
+    ) -> Fleet {
+        Self::launch(env, count, settings, nginx_settings, None).await
+    }
+
+    /// Like [`Fleet::start`], with nginx also listening for HTTPS (HTTP/2 allowed) with `ca`'s
+    /// certificate, and a client that trusts `ca`.
+    pub async fn start_https(env: &TestEnv, count: usize, settings: &[(&str, &str)], ca: &TestCa) -> Fleet {
+        Self::launch(env, count, settings, &[], Some(ca)).await
+    }
+
+    async fn launch(
+        env: &TestEnv,
+        count: usize,
+        settings: &[(&str, &str)],
+        nginx_settings: &[(&str, &str)],
+        https: Option<&TestCa>,
     ) -> Fleet {
         let (schema, db) = env.database(4).await;
         let dir = TempDir::new().expect("temp dir");
@@ -180,7 +213,14 @@ impl Fleet {
         let nginx_port = free_port();
         let nginx_dir = dir.path().join("nginx");
         let ports: Vec<String> = replicas.iter().map(|r| r.port.to_string()).collect();
-        let nginx_env: String = nginx_settings.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+        let https_port = https.map(|_| free_port());
+        let mut nginx_env: String = nginx_settings.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+        if let (Some(ca), Some(port)) = (https, https_port) {
+            nginx_env += &format!(
+                "WALLETLOCK_NGINX_HTTPS=127.0.0.1:{port} WALLETLOCK_NGINX_TLS_DIR={} ",
+                ca.dir().display()
+            );
+        }
         lib_sh(&format!(
             "{nginx_env}WALLETLOCK_NGINX_STATUS_PORT={} wl_nginx_prepare {} 127.0.0.1:{nginx_port} {}",
             free_port(),
@@ -199,12 +239,16 @@ impl Fleet {
             .expect("nginx");
         wait_until("nginx", Duration::from_secs(10), || listening(nginx_port));
 
-        let client = super::api_client();
+        let client = match https {
+            Some(ca) => super::api_client_trusting(&ca.ca_pem()),
+            None => super::api_client(),
+        };
         let database_url = schema.url.clone();
         Fleet {
             replicas,
             database_url,
             nginx_port,
+            https_port,
             db,
             client,
             nginx: Some(OwnedChild(nginx)),
@@ -231,6 +275,11 @@ impl Fleet {
     /// A URL through nginx.
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.nginx_port)
+    }
+
+    /// A URL through nginx's HTTPS listener.
+    pub fn https_url(&self, path: &str) -> String {
+        format!("https://127.0.0.1:{}{path}", self.https_port.expect("a fleet with HTTPS"))
     }
 }
 

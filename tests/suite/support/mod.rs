@@ -10,6 +10,7 @@ pub mod app;
 pub mod fleet;
 pub mod load;
 pub mod servers;
+pub mod tls;
 pub mod transfers;
 
 use servers::{PostgresServer, RedisServer};
@@ -26,9 +27,19 @@ pub const TOKEN: &str = "test-token-0123456789";
 
 /// An HTTP client that authenticates as `tester`.
 pub fn api_client() -> reqwest::Client {
+    api_client_builder().build().expect("client")
+}
+
+/// An HTTP client that authenticates as `tester` and trusts only the CA in `ca_pem` for HTTPS.
+pub fn api_client_trusting(ca_pem: &[u8]) -> reqwest::Client {
+    let ca = reqwest::Certificate::from_pem(ca_pem).expect("a PEM certificate");
+    api_client_builder().tls_built_in_root_certs(false).add_root_certificate(ca).build().expect("client")
+}
+
+fn api_client_builder() -> reqwest::ClientBuilder {
     let mut headers = reqwest::header::HeaderMap::new();
     headers.insert("authorization", format!("Bearer {TOKEN}").parse().expect("header"));
-    reqwest::Client::builder().default_headers(headers).pool_max_idle_per_host(64).build().expect("client")
+    reqwest::Client::builder().default_headers(headers).pool_max_idle_per_host(64)
 }
 
 /// Where a test's Redis and Postgres are, and the servers it owns (if any), which stop when the
@@ -81,6 +92,14 @@ impl TestEnv {
         init_tracing();
         let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
         Self::with_servers(RedisServer::start(), PostgresServer::start_with(settings), prefix)
+    }
+
+    /// Both servers of this test's own, on TLS only with `ca`'s certificates; the URLs verify
+    /// the servers against `ca`. A replica also needs [`tls::TestCa::replica_env`] for Redis.
+    pub fn with_tls(ca: &tls::TestCa) -> Self {
+        init_tracing();
+        let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
+        Self::with_servers(RedisServer::start_tls(ca), PostgresServer::start_tls(ca), prefix)
     }
 
     pub fn own_postgres(&mut self) -> &mut PostgresServer {

@@ -10,6 +10,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tempfile::TempDir;
 
+use super::tls::TestCa;
+
 /// A port nothing listens on right now.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
@@ -78,6 +80,8 @@ pub struct RedisServer {
     child: Option<OwnedChild>,
     /// More `redis-server` arguments, kept for restarts.
     extra: Vec<String>,
+    /// Whether it speaks TLS only (see [`RedisServer::start_tls`]).
+    tls: bool,
 }
 
 impl RedisServer {
@@ -87,14 +91,30 @@ impl RedisServer {
 
     /// A server with more arguments (an ACL file, say).
     pub fn start_with(extra: Vec<String>) -> Self {
-        let mut server =
-            Self { port: free_port(), dir: TempDir::new().expect("temp dir"), child: None, extra };
+        let mut server = Self {
+            port: free_port(),
+            dir: TempDir::new().expect("temp dir"),
+            child: None,
+            extra,
+            tls: false,
+        };
+        server.spawn();
+        server
+    }
+
+    /// A server that speaks TLS only (the plain port off), with `ca`'s server certificate, and
+    /// asks clients for a certificate of `ca`.
+    pub fn start_tls(ca: &TestCa) -> Self {
+        let port = free_port();
+        let dir = TempDir::new().expect("temp dir");
+        let mut server = Self { port, dir, child: None, extra: ca.redis_args(port), tls: true };
         server.spawn();
         server
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     fn spawn(&mut self) {
@@ -127,6 +147,8 @@ pub struct PostgresServer {
     child: Option<OwnedChild>,
     /// More `-c name=value` settings, after (so overriding) the defaults; kept for restarts.
     settings: Vec<String>,
+    /// With TLS on: the URL query that verifies the server (see [`PostgresServer::start_tls`]).
+    tls_query: Option<String>,
 }
 
 impl PostgresServer {
@@ -136,9 +158,32 @@ impl PostgresServer {
 
     /// A server with more settings (`"synchronous_commit=on"`, say), overriding the defaults.
     pub fn start_with(settings: &[&str]) -> Self {
-        let dir = TempDir::new().expect("temp dir");
         let settings = settings.iter().map(|s| s.to_string()).collect();
-        let mut server = Self { port: free_port(), dir, child: None, settings };
+        let mut server = Self::init(settings);
+        server.spawn();
+        server
+    }
+
+    /// A server that takes TCP connections over TLS only (`hostssl` lines only in its hba file),
+    /// with `ca`'s server certificate; its URL verifies the server against `ca`, host name
+    /// included.
+    pub fn start_tls(ca: &TestCa) -> Self {
+        let mut server = Self::init(Vec::new());
+        let settings = super::fleet::lib_sh(&format!(
+            "wl_postgres_tls_settings {} {} server",
+            server.dir.path().display(),
+            ca.dir().display()
+        ));
+        server.settings.extend(settings.lines().map(str::to_owned));
+        server.tls_query = Some(ca.postgres_query());
+        server.spawn();
+        server
+    }
+
+    /// A new cluster, not started yet.
+    fn init(settings: Vec<String>) -> Self {
+        let dir = TempDir::new().expect("temp dir");
+        let server = Self { port: free_port(), dir, child: None, settings, tls_query: None };
         server.chown_to_runner(server.dir.path());
         let status = server
             .as_runner(Command::new(pg_bin("initdb")))
@@ -148,12 +193,12 @@ impl PostgresServer {
             .status()
             .expect("initdb (deploy/test installs postgresql)");
         assert!(status.success(), "initdb failed");
-        server.spawn();
         server
     }
 
     pub fn url(&self, database: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+        let query = self.tls_query.as_ref().map(|q| format!("?{q}")).unwrap_or_default();
+        format!("postgres://postgres@127.0.0.1:{}/{database}{query}", self.port)
     }
 
     fn data_dir(&self) -> PathBuf {
@@ -273,6 +318,10 @@ impl Drop for PostgresServer {
 pub struct SentinelSet {
     _dir: TempDir,
     pub sentinel_ports: Vec<u16>,
+    /// `redis-cli`'s TLS arguments, when the set speaks TLS.
+    cli_tls: Vec<String>,
+    /// A replica's Redis TLS settings, when the set speaks TLS (see [`TestCa::replica_env`]).
+    pub replica_env: Vec<(String, String)>,
     /// Data nodes by port (the primary first), then the Sentinels.
     nodes: Vec<(u16, OwnedChild)>,
     sentinels: Vec<OwnedChild>,
@@ -290,6 +339,16 @@ fn redis_server(port: u16, dir: &std::path::Path) -> Command {
 
 impl SentinelSet {
     pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// Every data node and Sentinel on TLS only, with `ca`'s certificates (replication and the
+    /// Sentinels' links over TLS too).
+    pub fn start_tls(ca: &TestCa) -> Self {
+        Self::start_with(Some(ca))
+    }
+
+    fn start_with(tls: Option<&TestCa>) -> Self {
         let dir = TempDir::new().expect("temp dir");
         let mut nodes = Vec::new();
         let primary_port = free_port();
@@ -297,6 +356,9 @@ impl SentinelSet {
             let port = if replica_of.is_none() { primary_port } else { free_port() };
             let mut command = redis_server(port, dir.path());
             command.args(["--dbfilename", &format!("dump-{port}.rdb"), "--repl-diskless-sync-delay", "0"]);
+            if let Some(ca) = tls {
+                command.args(ca.redis_args(port));
+            }
             if let Some(primary) = replica_of {
                 command.args(["--replicaof", "127.0.0.1", &primary.to_string()]);
             }
@@ -312,12 +374,13 @@ impl SentinelSet {
             std::fs::write(
                 &config,
                 format!(
-                    "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                    "port {port}\nbind 127.0.0.1\ndir {dir}\n{tls}\
                      sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary_port} 2\n\
                      sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n\
                      sentinel failover-timeout {SENTINEL_MASTER} 5000\n\
                      sentinel parallel-syncs {SENTINEL_MASTER} 1\n",
-                    dir = dir.path().display()
+                    dir = dir.path().display(),
+                    tls = tls.map(|ca| ca.sentinel_config(port)).unwrap_or_default(),
                 ),
             )
             .expect("sentinel config");
@@ -331,11 +394,13 @@ impl SentinelSet {
             sentinel_ports.push(port);
             wait_until("sentinel", Duration::from_secs(10), || listening(port));
         }
-        let set = Self { _dir: dir, sentinel_ports, nodes, sentinels };
+        let cli_tls = tls.map(TestCa::redis_cli_args).unwrap_or_default();
+        let replica_env = tls.map(TestCa::replica_env).unwrap_or_default();
+        let set = Self { _dir: dir, sentinel_ports, cli_tls, replica_env, nodes, sentinels };
         // Ready when every Sentinel knows both replicas and the two other Sentinels.
         wait_until("sentinels agree on the topology", Duration::from_secs(30), || {
             set.sentinel_ports.iter().all(|port| {
-                let info = redis_cli(*port, &["SENTINEL", "MASTER", SENTINEL_MASTER]);
+                let info = set.cli(*port, &["SENTINEL", "MASTER", SENTINEL_MASTER]);
                 let field = |name: &str| {
                     let lines: Vec<&str> = info.lines().collect();
                     lines
@@ -348,20 +413,27 @@ impl SentinelSet {
                     && field("num-other-sentinels").as_deref() == Some("2")
             })
         });
-        load_lease_functions(&set.url());
+        load_lease_functions(&set.url(), &set.replica_env);
         set
+    }
+
+    /// `redis-cli` on one of this set's nodes.
+    fn cli(&self, port: u16, args: &[&str]) -> String {
+        let tls: Vec<&str> = self.cli_tls.iter().map(String::as_str).collect();
+        redis_cli(port, &[tls.as_slice(), args].concat())
     }
 
     /// `REDIS_URL` for this set.
     pub fn url(&self) -> String {
         let sentinels: Vec<String> = self.sentinel_ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-        format!("redis+sentinel://{}/{SENTINEL_MASTER}", sentinels.join(","))
+        let scheme = if self.cli_tls.is_empty() { "redis" } else { "rediss" };
+        format!("{scheme}+sentinel://{}/{SENTINEL_MASTER}", sentinels.join(","))
     }
 
     /// The port of the node the Sentinels call primary now.
     pub fn current_primary(&self) -> u16 {
         let answer =
-            redis_cli(self.sentinel_ports[0], &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER]);
+            self.cli(self.sentinel_ports[0], &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER]);
         answer.lines().nth(1).and_then(|p| p.trim().parse().ok()).expect("a primary")
     }
 
@@ -388,11 +460,26 @@ impl Drop for SentinelSet {
 pub struct ClusterSet {
     _dir: TempDir,
     nodes: Vec<(u16, OwnedChild)>,
+    /// `redis-cli`'s TLS arguments, when the cluster speaks TLS.
+    cli_tls: Vec<String>,
+    /// A replica's Redis TLS settings, when the cluster speaks TLS (see [`TestCa::replica_env`]).
+    pub replica_env: Vec<(String, String)>,
 }
 
 impl ClusterSet {
     pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// Every node on TLS only, with `ca`'s certificates (the cluster bus and replication too).
+    pub fn start_tls(ca: &TestCa) -> Self {
+        Self::start_with(Some(ca))
+    }
+
+    fn start_with(tls: Option<&TestCa>) -> Self {
         let dir = TempDir::new().expect("temp dir");
+        let cli_tls = tls.map(TestCa::redis_cli_args).unwrap_or_default();
+        let replica_env = tls.map(TestCa::replica_env).unwrap_or_default();
         let mut nodes = Vec::new();
         for _ in 0..6 {
             let port = free_port();
@@ -401,6 +488,7 @@ impl ClusterSet {
                 // Replicas sync at once (not after the default 5 s), so a failover finds them ready.
                 .args(["--repl-diskless-sync-delay", "0"])
                 .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
+                .args(tls.map(|ca| ca.redis_args(port)).unwrap_or_default())
                 .stdout(Stdio::null())
                 .spawn()
                 .expect("redis-server");
@@ -409,6 +497,7 @@ impl ClusterSet {
         }
         let addresses: Vec<String> = nodes.iter().map(|(port, _)| format!("127.0.0.1:{port}")).collect();
         let out = Command::new("redis-cli")
+            .args(&cli_tls)
             .arg("--cluster")
             .arg("create")
             .args(&addresses)
@@ -416,34 +505,40 @@ impl ClusterSet {
             .output()
             .expect("redis-cli --cluster create");
         assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
-        let set = Self { _dir: dir, nodes };
+        let set = Self { _dir: dir, nodes, cli_tls, replica_env };
         wait_until("the cluster is ok", Duration::from_secs(30), || {
             set.nodes
                 .iter()
-                .all(|(port, _)| redis_cli(*port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+                .all(|(port, _)| set.cli(*port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"))
         });
         // On every primary; a replica that takes over has it by replication.
-        load_lease_functions(&set.url());
-        let primaries =
-            set.nodes.iter().filter(|(port, _)| redis_cli(*port, &["ROLE"]).starts_with("master"));
+        load_lease_functions(&set.url(), &set.replica_env);
+        let primaries = set.nodes.iter().filter(|(port, _)| set.cli(*port, &["ROLE"]).starts_with("master"));
         for (port, _) in primaries {
-            assert!(redis_cli(*port, &["FUNCTION", "LIST"]).contains("walletlock"), "library on :{port}");
+            assert!(set.cli(*port, &["FUNCTION", "LIST"]).contains("walletlock"), "library on :{port}");
         }
         set
+    }
+
+    /// `redis-cli` on one of this cluster's nodes.
+    fn cli(&self, port: u16, args: &[&str]) -> String {
+        let tls: Vec<&str> = self.cli_tls.iter().map(String::as_str).collect();
+        redis_cli(port, &[tls.as_slice(), args].concat())
     }
 
     /// `REDIS_URL` for this cluster (every node as a seed).
     pub fn url(&self) -> String {
         let nodes: Vec<String> = self.nodes.iter().map(|(port, _)| format!("127.0.0.1:{port}")).collect();
-        format!("redis+cluster://{}", nodes.join(","))
+        let scheme = if self.cli_tls.is_empty() { "redis" } else { "rediss" };
+        format!("{scheme}+cluster://{}", nodes.join(","))
     }
 
     /// The port of the primary that owns `key`'s slot.
     pub fn owner_of(&self, key: &str) -> u16 {
         let alive =
             self.nodes.iter().find(|(port, _)| listening(*port)).map(|(port, _)| *port).expect("a live node");
-        let slot: u16 = redis_cli(alive, &["CLUSTER", "KEYSLOT", key]).trim().parse().expect("a slot");
-        for line in redis_cli(alive, &["CLUSTER", "NODES"]).lines().filter(|l| l.contains("master")) {
+        let slot: u16 = self.cli(alive, &["CLUSTER", "KEYSLOT", key]).trim().parse().expect("a slot");
+        for line in self.cli(alive, &["CLUSTER", "NODES"]).lines().filter(|l| l.contains("master")) {
             let fields: Vec<&str> = line.split_whitespace().collect();
             let port: u16 = fields[1]
                 .split('@')
@@ -470,10 +565,13 @@ impl ClusterSet {
     }
 }
 
-/// The deploy step: loads the lease scripts as Redis Functions through `url` (its topology).
-fn load_lease_functions(url: &str) {
+/// The deploy step: loads the lease scripts as Redis Functions through `url` (its topology), with
+/// the TLS settings in `env`. A deploy step is not in a hurry: it waits up to 5 s for each Redis
+/// call (a Sentinel set over TLS is three handshakes away from its primary, on a loaded machine).
+fn load_lease_functions(url: &str, env: &[(String, String)]) {
     let out = Command::new(env!("CARGO_BIN_EXE_walletlock"))
-        .args(["redis-functions", "--redis-url", url])
+        .args(["redis-functions", "--redis-url", url, "--redis-timeout", "5s"])
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .output()
         .expect("walletlock redis-functions");
     assert!(out.status.success(), "redis-functions: {}", String::from_utf8_lossy(&out.stderr));
