@@ -90,7 +90,7 @@ async fn metrics_after_a_burst_match_what_the_clients_saw() {
     let lock_timeouts = seen.get(&(503, "lock_timeout".into())).copied().unwrap_or(0);
     assert!(ok > 0, "{seen:?}");
 
-    let (mut accepted, mut timeouts) = (0.0, 0.0);
+    let (mut accepted, mut timeouts, mut leases_taken) = (0.0, 0.0, 0.0);
     for replica in &fleet.replicas {
         let scrape = fleet.client.get(replica.url("/metrics")).send().await.unwrap().text().await.unwrap();
         promtool_check(&scrape);
@@ -101,12 +101,15 @@ async fn metrics_after_a_burst_match_what_the_clients_saw() {
         let acquisitions = sum(&samples, "walletlock_lease_acquisitions_total", &[]);
         let waits = sum(&samples, "walletlock_lease_acquire_wait_seconds_count", &[]);
         assert_eq!(waits, acquisitions, "{}: one lease-wait observation per acquisition", replica.name);
-        assert!(acquisitions > 0.0, "{} took leases", replica.name);
+        leases_taken += acquisitions;
         let info = sum(&samples, "walletlock_replica_info", &[("replica", &replica.name)]);
         assert_eq!(info, 1.0, "{} names itself", replica.name);
         let answered = sum(&samples, "walletlock_http_requests_total", &[("route", "/wallets/{id}/pay")]);
         assert!(answered > 0.0, "{} counted its requests", replica.name);
     }
+    // Under a 150 ms wait one replica may lose every race for the two wallets: leases are counted
+    // across the fleet, not required of each replica.
+    assert!(leases_taken > 0.0, "the replicas took leases");
     assert_eq!(accepted as usize, ok, "accepted payments counted = 200s seen: {seen:?}");
     assert_eq!(timeouts as usize, lock_timeouts, "lock timeouts counted = 503 lock_timeout seen: {seen:?}");
 }
