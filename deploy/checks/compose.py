@@ -7,7 +7,7 @@
 the check's own (check-pg-secret, check-app-pg-secret, check-redis-secret,
 check-redis-admin-secret), so it can see where each one ends up; COMPOSE_SENTINEL.yml the same
 with WALLETLOCK_REDIS_SCHEME and WALLETLOCK_REDIS_HOSTS as the file's header documents them for
-the sentinel profile. Checked: no published port but nginx's 8080 (and Prometheus/Grafana on
+the sentinel profile. Checked: no published port but nginx's 127.0.0.1:8080 (and Prometheus/Grafana on
 loopback); the secrets step and the token file; Postgres's owner and app roles; the Redis ACL as
 deploy/lib.sh's wl_redis_acl writes it, the replicas and Sentinels; the app's settings against
 deploy/defaults.env and its grace period; nginx, k6, and the observability profile. The scripts
@@ -244,9 +244,8 @@ def check_nginx(services, need):
     tag = nginx["image"].split(":", 1)[1] if ":" in nginx["image"] else "latest"
     version = tuple(int(n) for n in re.findall(r"\d+", tag.split("-")[0]))
     need(nginx["image"].startswith("nginx:") and version >= (1, 27, 3), f"nginx image {nginx['image']}: needs >= 1.27.3 for upstream `resolve`")
-    ports = [(str(p.get("published")), str(p.get("target"))) if isinstance(p, dict) else tuple(str(p).split(":")[-2:])
-             for p in nginx.get("ports", [])]
-    need(ports == [("8080", "8080")], f"nginx must publish 8080:8080, publishes {ports}")
+    ports = [str(p) for p in nginx.get("ports", [])]
+    need(ports == ["127.0.0.1:8080:8080/tcp"], f"nginx must publish 127.0.0.1:8080:8080 by default, publishes {ports}")
     nginx_mounts = {v.split(":")[1]: v for v in nginx.get("volumes", [])}
     for target, source in (("/etc/nginx/nginx.conf", "/nginx.conf"),
                            ("/etc/nginx/upstream.conf", "/deploy/compose.d/upstream.conf"),
