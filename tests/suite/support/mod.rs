@@ -7,6 +7,7 @@
 //! a server always start their own.
 
 pub mod app;
+pub mod compose;
 pub mod fleet;
 pub mod load;
 pub mod servers;
@@ -26,8 +27,13 @@ pub const TOKEN: &str = "test-token-0123456789";
 
 /// An HTTP client that authenticates as `tester`.
 pub fn api_client() -> reqwest::Client {
+    api_client_with(TOKEN)
+}
+
+/// An HTTP client that sends `token` as its bearer token.
+pub fn api_client_with(token: &str) -> reqwest::Client {
     let mut headers = reqwest::header::HeaderMap::new();
-    headers.insert("authorization", format!("Bearer {TOKEN}").parse().expect("header"));
+    headers.insert("authorization", format!("Bearer {token}").parse().expect("header"));
     reqwest::Client::builder().default_headers(headers).pool_max_idle_per_host(64).build().expect("client")
 }
 
