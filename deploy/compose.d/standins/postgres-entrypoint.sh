@@ -63,7 +63,7 @@ if [ "$1" = postgres ]; then
   export POSTGRES_DB=${POSTGRES_DB:-$POSTGRES_USER}
   if [ "$(id -u)" = 0 ]; then
     mkdir -p "$PGDATA"
-    chown -R postgres:postgres "$PGDATA"
+    find "$PGDATA" \! -user postgres -exec chown postgres:postgres '{}' +
     chmod 0700 "$PGDATA"
     exec setpriv --reuid=postgres --regid=postgres --init-groups -- "${BASH_SOURCE[0]}" "$@"
   fi
