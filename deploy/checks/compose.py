@@ -7,7 +7,7 @@
 the check's own (check-pg-secret, check-app-pg-secret, check-redis-secret,
 check-redis-admin-secret), so it can see where each one ends up; COMPOSE_SENTINEL.yml the same
 with WALLETLOCK_REDIS_SCHEME and WALLETLOCK_REDIS_HOSTS as the file's header documents them for
-the sentinel profile. Checked: no published port but nginx's 8080 (and Prometheus/Grafana on
+the sentinel profile. Checked: no published port but nginx's 127.0.0.1:8080 (and Prometheus/Grafana on
 loopback); the secrets step and the token file; Postgres's owner and app roles; the Redis ACL as
 deploy/lib.sh's wl_redis_acl writes it, the replicas and Sentinels; the app's settings against
 deploy/defaults.env and its grace period; nginx, k6, and the observability profile. The scripts
@@ -68,13 +68,13 @@ def check_services(services, need):
 
 
 def check_secrets(services, need, secrets_script, uid):
-    """The secrets step: a one-shot shell that runs deploy/compose/secrets.sh on the `secrets` volume."""
+    """The secrets step: a one-shot shell that runs deploy/compose.d/secrets.sh on the `secrets` volume."""
     secrets = services["secrets"]
     env = services["app"]["environment"]
     secrets_mounts = mounts(secrets)
-    script_at = next((t for t, (src, ro) in secrets_mounts.items() if src.endswith("/deploy/compose/secrets.sh") and ro), None)
+    script_at = next((t for t, (src, ro) in secrets_mounts.items() if src.endswith("/deploy/compose.d/secrets.sh") and ro), None)
     need(script_at is not None and secrets.get("command") == ["sh", script_at],
-         "secrets must run deploy/compose/secrets.sh, mounted read-only")
+         "secrets must run deploy/compose.d/secrets.sh, mounted read-only")
     secrets_dir = secrets["environment"].get("SECRETS_DIR", "/secrets")
     need(secrets_mounts.get(secrets_dir, ("", True)) == ("secrets", False), f"secrets must mount the `secrets` volume writable at {secrets_dir}")
     need(re.match(r"(alpine|busybox):", secrets.get("image", "")), f"secrets image {secrets.get('image')}: a small image with a shell")
@@ -113,10 +113,10 @@ def check_postgres(services, need):
          "postgres's init script does not get WALLETLOCK_APP_PG_PASSWORD")
     pg_mounts = mounts(pg)
     need(any(t == "/var/lib/postgresql/data" for t in pg_mounts), "postgres has no data volume")
-    need(any(t.startswith("/docker-entrypoint-initdb.d/") and t.endswith(".sh") and src.endswith("/deploy/compose/postgres-app-role.sh") and ro
+    need(any(t.startswith("/docker-entrypoint-initdb.d/") and t.endswith(".sh") and src.endswith("/deploy/compose.d/postgres-app-role.sh") and ro
              for t, (src, ro) in pg_mounts.items()),
-         "postgres must mount deploy/compose/postgres-app-role.sh read-only into /docker-entrypoint-initdb.d")
-    init_script = read("deploy/compose/postgres-app-role.sh")
+         "postgres must mount deploy/compose.d/postgres-app-role.sh read-only into /docker-entrypoint-initdb.d")
+    init_script = read("deploy/compose.d/postgres-app-role.sh")
     need("create role walletlock_app login password" in init_script and "not exists (select from pg_roles where rolname = 'walletlock_app')" in init_script
          and "WALLETLOCK_APP_PG_PASSWORD" in init_script,
          "postgres-app-role.sh must create walletlock_app (if missing) with WALLETLOCK_APP_PG_PASSWORD")
@@ -190,7 +190,7 @@ def check_sentinel(services, need, sentinel_config):
         need(flag(command, "--replicaof") == "redis" and command[command.index("--replicaof") + 2] == "6379",
              f"{name} must be --replicaof redis 6379")
         need(node["depends_on"].get("redis", {}).get("condition") == "service_healthy", f"{name} must wait for a healthy redis")
-    sentinel_script = read("deploy/compose/sentinel.sh")
+    sentinel_script = read("deploy/compose.d/sentinel.sh")
     master = re.search(r"^master=\$\{SENTINEL_MASTER:-(\w+)\}", sentinel_script, re.MULTILINE)
     master = master.group(1) if master else None
     for line in ("port 26379", "sentinel resolve-hostnames yes", "sentinel announce-hostnames yes",
@@ -207,8 +207,8 @@ def check_sentinel(services, need, sentinel_config):
         node = services[name]
         need(node.get("profiles") == ["sentinel"], f"{name} must be in the sentinel profile only")
         need(str(node.get("image", "")).startswith("redis:"), f"{name} must run the redis image")
-        at = next((t for t, (src, ro) in mounts(node).items() if src.endswith("/deploy/compose/sentinel.sh") and ro), None)
-        need(at is not None and node.get("command") == ["sh", at], f"{name} must run deploy/compose/sentinel.sh, mounted read-only")
+        at = next((t for t, (src, ro) in mounts(node).items() if src.endswith("/deploy/compose.d/sentinel.sh") and ro), None)
+        need(at is not None and node.get("command") == ["sh", at], f"{name} must run deploy/compose.d/sentinel.sh, mounted read-only")
         need(node["environment"].get("SENTINEL_ANNOUNCE") == name, f"{name} must announce itself as {name}")
         need(node["environment"].get("WALLETLOCK_REDIS_ADMIN_PASSWORD") == "check-redis-admin-secret", f"{name} must log in to the data nodes as admin")
         need(node["depends_on"].get("redis", {}).get("condition") == "service_healthy", f"{name} must wait for a healthy redis")
@@ -244,14 +244,13 @@ def check_nginx(services, need):
     tag = nginx["image"].split(":", 1)[1] if ":" in nginx["image"] else "latest"
     version = tuple(int(n) for n in re.findall(r"\d+", tag.split("-")[0]))
     need(nginx["image"].startswith("nginx:") and version >= (1, 27, 3), f"nginx image {nginx['image']}: needs >= 1.27.3 for upstream `resolve`")
-    ports = [(str(p.get("published")), str(p.get("target"))) if isinstance(p, dict) else tuple(str(p).split(":")[-2:])
-             for p in nginx.get("ports", [])]
-    need(ports == [("8080", "8080")], f"nginx must publish 8080:8080, publishes {ports}")
+    ports = [str(p) for p in nginx.get("ports", [])]
+    need(ports == ["127.0.0.1:8080:8080/tcp"], f"nginx must publish 127.0.0.1:8080:8080 by default, publishes {ports}")
     nginx_mounts = {v.split(":")[1]: v for v in nginx.get("volumes", [])}
     for target, source in (("/etc/nginx/nginx.conf", "/nginx.conf"),
-                           ("/etc/nginx/upstream.conf", "/deploy/compose/upstream.conf"),
-                           ("/etc/nginx/listen.conf", "/deploy/compose/listen.conf"),
-                           ("/etc/nginx/status_listen.conf", "/deploy/compose/status_listen.conf")):
+                           ("/etc/nginx/upstream.conf", "/deploy/compose.d/upstream.conf"),
+                           ("/etc/nginx/listen.conf", "/deploy/compose.d/listen.conf"),
+                           ("/etc/nginx/status_listen.conf", "/deploy/compose.d/status_listen.conf")):
         volume = nginx_mounts.get(target, "")
         need(volume.split(":")[0].endswith(source) and volume.endswith(":ro"), f"nginx must mount .{source} at {target} read-only")
     need(nginx["depends_on"].get("app", {}).get("condition") == "service_healthy", "nginx must wait for healthy replicas")
@@ -290,11 +289,11 @@ def check_observability(services, need):
          f"prometheus must mount deploy/prometheus/prometheus.yml read-only at its --config.file ({config_flag or 'none'})")
     need(exporter.get("network_mode") == "service:nginx",
          "nginx-exporter must share nginx's network namespace (network_mode: service:nginx)")
-    status_listen = read("deploy/compose/status_listen.conf")
+    status_listen = read("deploy/compose.d/status_listen.conf")
     scrape_uri = next((a.split("=", 1)[1] for a in exporter.get("command", []) if a.startswith("--nginx.scrape-uri=")), "")
     m = re.search(r"^listen (127\.0\.0\.1:\d+);", status_listen, re.MULTILINE)
     need(m is not None and scrape_uri == f"http://{m.group(1)}/nginx_status",
-         f"nginx-exporter's --nginx.scrape-uri {scrape_uri!r} is not stub_status as deploy/compose/status_listen.conf has it")
+         f"nginx-exporter's --nginx.scrape-uri {scrape_uri!r} is not stub_status as deploy/compose.d/status_listen.conf has it")
     grafana_mounts = {v.split(":")[1]: v.split(":")[0] for v in grafana.get("volumes", [])}
     for sub in ("datasources", "dashboards"):
         need(grafana_mounts.get(f"/etc/grafana/provisioning/{sub}", "").endswith(f"/deploy/grafana/provisioning/{sub}"),
@@ -317,7 +316,7 @@ def check(config, sentinel_config, defaults):
     problems = Problems()
     need = problems.need
     services = config["services"]
-    secrets_script = read("deploy/compose/secrets.sh")
+    secrets_script = read("deploy/compose.d/secrets.sh")
     uid = re.search(r"^USER (\d+):", read("deploy/Dockerfile"), re.MULTILINE)
     check_services(services, need)
     check_secrets(services, need, secrets_script, uid)

@@ -6,10 +6,39 @@
 
 use super::fleet::{Fleet, audit};
 use serde_json::{Value, json};
+use sqlx::PgPool;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+/// Where the clients pay (through nginx) and where the bank check reads the books: the test's
+/// own fleet, or the docker compose stack.
+pub trait Bank {
+    /// An HTTP client with the API token.
+    fn client(&self) -> &reqwest::Client;
+    /// A URL through nginx.
+    fn url(&self, path: &str) -> String;
+    /// The database, as its owner.
+    fn db(&self) -> &PgPool;
+    /// The same, for `walletlock audit`.
+    fn database_url(&self) -> &str;
+}
+
+impl Bank for Fleet {
+    fn client(&self) -> &reqwest::Client {
+        &self.client
+    }
+    fn url(&self, path: &str) -> String {
+        Fleet::url(self, path)
+    }
+    fn db(&self) -> &PgPool {
+        &self.db
+    }
+    fn database_url(&self) -> &str {
+        &self.database_url
+    }
+}
 
 /// What a client learned from one payment.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,17 +109,18 @@ pub struct Load {
 
 impl Load {
     /// Clients paying through the fleet's nginx.
-    pub fn start(fleet: &Fleet, wallets: &[&str], clients: usize) -> Self {
+    pub fn start(fleet: &impl Bank, wallets: &[&str], clients: usize) -> Self {
         Self::start_at(fleet, &[fleet.url("")], wallets, clients)
     }
 
     /// Clients paying at the given addresses, the clients spread over them.
-    pub fn start_at(fleet: &Fleet, urls: &[String], wallets: &[&str], clients: usize) -> Self {
+    pub fn start_at(fleet: &impl Bank, urls: &[String], wallets: &[&str], clients: usize) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let acknowledged = Arc::new(AtomicUsize::new(0));
         let clients = (0..clients)
             .map(|n| {
-                let (client, url, stop) = (fleet.client.clone(), urls[n % urls.len()].clone(), stop.clone());
+                let (client, url, stop) =
+                    (fleet.client().clone(), urls[n % urls.len()].clone(), stop.clone());
                 let acknowledged = acknowledged.clone();
                 let wallets: Vec<String> = wallets.iter().map(|w| w.to_string()).collect();
                 tokio::spawn(async move {
@@ -128,13 +158,13 @@ impl Load {
 }
 
 /// Retries every unknown outcome with its key until the answer is definite.
-pub async fn settle(fleet: &Fleet, attempts: &mut [Attempt]) {
+pub async fn settle(fleet: &impl Bank, attempts: &mut [Attempt]) {
     let deadline = Instant::now() + Duration::from_secs(30);
     for attempt in attempts.iter_mut() {
         while let Outcome::Unknown(_) = attempt.outcome {
             assert!(Instant::now() < deadline, "could not settle {attempt:?}");
             attempt.outcome =
-                pay(&fleet.client, &fleet.url(""), &attempt.wallet, attempt.amount, &attempt.key).await;
+                pay(fleet.client(), &fleet.url(""), &attempt.wallet, attempt.amount, &attempt.key).await;
             if matches!(attempt.outcome, Outcome::Unknown(_)) {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
@@ -157,7 +187,7 @@ pub fn tally(attempts: &[Attempt]) -> BTreeMap<String, usize> {
 }
 
 /// The bank check, after [`settle`]: `opening` is each wallet's opening balance.
-pub async fn check_books(fleet: &Fleet, opening: &[(&str, i64)], attempts: &[Attempt]) {
+pub async fn check_books(fleet: &impl Bank, opening: &[(&str, i64)], attempts: &[Attempt]) {
     let wallets: Vec<String> = opening.iter().map(|(w, _)| w.to_string()).collect();
     let acknowledged: Vec<uuid::Uuid> = attempts
         .iter()
@@ -173,7 +203,7 @@ pub async fn check_books(fleet: &Fleet, opening: &[(&str, i64)], attempts: &[Att
     let ledger: Vec<uuid::Uuid> =
         sqlx::query_scalar("select id from ledger_entry where kind = 'pay' and wallet_id = any($1)")
             .bind(&wallets)
-            .fetch_all(&fleet.db)
+            .fetch_all(fleet.db())
             .await
             .unwrap();
     let in_ledger: HashSet<uuid::Uuid> = ledger.iter().copied().collect();
@@ -188,20 +218,20 @@ pub async fn check_books(fleet: &Fleet, opening: &[(&str, i64)], attempts: &[Att
             .filter(|a| a.wallet == *wallet && matches!(a.outcome, Outcome::Applied(_)))
             .map(|a| a.amount)
             .sum();
-        let books = super::books(&fleet.db, wallet).await;
+        let books = super::books(fleet.db(), wallet).await;
         assert_eq!(books.balance, opening - paid, "{wallet}: balance = opening - acknowledged payments");
         assert_eq!(books.balance, books.ledger_sum, "{wallet}: balance = ledger");
         assert!(books.balance >= 0, "{wallet}: negative");
     }
-    let (ok, report) = audit(&fleet.database_url);
+    let (ok, report) = audit(fleet.database_url());
     assert!(ok, "walletlock audit: {report}");
 }
 
 /// Opens `wallets` through the fleet, each with `balance`.
-pub async fn open_wallets(fleet: &Fleet, wallets: &[&str], balance: i64) {
+pub async fn open_wallets(fleet: &impl Bank, wallets: &[&str], balance: i64) {
     for wallet in wallets {
         let created = fleet
-            .client
+            .client()
             .post(fleet.url("/wallets"))
             .json(&json!({ "id": wallet, "balance": balance }))
             .send()
@@ -214,14 +244,14 @@ pub async fn open_wallets(fleet: &Fleet, wallets: &[&str], balance: i64) {
 /// How long until a payment on `wallet` through nginx is applied again, trying every 50 ms; the
 /// probes are added to `attempts`, so the bank check counts them.
 pub async fn time_to_recover(
-    fleet: &Fleet,
+    fleet: &impl Bank,
     wallet: &str,
     limit: Duration,
     attempts: &mut Vec<Attempt>,
 ) -> Duration {
     let started = Instant::now();
     loop {
-        let attempt = pay_one(&fleet.client, &fleet.url(""), wallet).await;
+        let attempt = pay_one(fleet.client(), &fleet.url(""), wallet).await;
         let applied = matches!(attempt.outcome, Outcome::Applied(_));
         attempts.push(attempt);
         if applied {

@@ -7,6 +7,7 @@
 //! a server always start their own.
 
 pub mod app;
+pub mod compose;
 pub mod fleet;
 pub mod load;
 pub mod servers;
@@ -27,18 +28,23 @@ pub const TOKEN: &str = "test-token-0123456789";
 
 /// An HTTP client that authenticates as `tester`.
 pub fn api_client() -> reqwest::Client {
-    api_client_builder().build().expect("client")
+    api_client_with(TOKEN)
+}
+
+/// An HTTP client that sends `token` as its bearer token.
+pub fn api_client_with(token: &str) -> reqwest::Client {
+    api_client_builder(token).build().expect("client")
 }
 
 /// An HTTP client that authenticates as `tester` and trusts only the CA in `ca_pem` for HTTPS.
 pub fn api_client_trusting(ca_pem: &[u8]) -> reqwest::Client {
     let ca = reqwest::Certificate::from_pem(ca_pem).expect("a PEM certificate");
-    api_client_builder().tls_built_in_root_certs(false).add_root_certificate(ca).build().expect("client")
+    api_client_builder(TOKEN).tls_built_in_root_certs(false).add_root_certificate(ca).build().expect("client")
 }
 
-fn api_client_builder() -> reqwest::ClientBuilder {
+fn api_client_builder(token: &str) -> reqwest::ClientBuilder {
     let mut headers = reqwest::header::HeaderMap::new();
-    headers.insert("authorization", format!("Bearer {TOKEN}").parse().expect("header"));
+    headers.insert("authorization", format!("Bearer {token}").parse().expect("header"));
     reqwest::Client::builder().default_headers(headers).pool_max_idle_per_host(64)
 }
 

@@ -31,6 +31,14 @@ pub fn listening(port: u16) -> bool {
     std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
 }
 
+/// Whether process `pid` runs: it exists and is not a zombie (one that exited but whose parent has
+/// not reaped it yet has stopped), as deploy/lib.sh's wl_alive decides.
+pub fn running(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next());
+    state.is_some_and(|state| state != 'Z' && state != 'X')
+}
+
 /// Sends `signal` to a process we started.
 pub fn signal(pid: u32, signal: Signal) {
     let _ = kill(Pid::from_raw(pid as i32), signal);

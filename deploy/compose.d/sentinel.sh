@@ -1,5 +1,5 @@
 #!/bin/sh
-# deploy/compose/sentinel.sh: starts one Redis Sentinel of docker-compose.yml's `sentinel` profile
+# deploy/compose.d/sentinel.sh: starts one Redis Sentinel of docker-compose.yml's `sentinel` profile
 # (redis image, as root until the image's entrypoint drops to the `redis` user).
 #
 # Sentinel rewrites its config file as it learns the topology (replicas, the other Sentinels, the
@@ -11,7 +11,7 @@
 # Compose names every container by DNS, so the Sentinels monitor `redis` by name, announce
 # themselves by name (SENTINEL_ANNOUNCE, e.g. redis-sentinel-1), and give clients names, not
 # container addresses that change when a container is recreated. They log in to the data nodes as
-# `admin` (deploy/compose/secrets.sh writes the ACL); clients reach the Sentinels themselves without
+# `admin` (deploy/compose.d/secrets.sh writes the ACL); clients reach the Sentinels themselves without
 # a password, which is why no Sentinel port is published.
 set -eu
 conf=/data/sentinel.conf

@@ -1,5 +1,5 @@
 #!/bin/sh
-# deploy/compose/secrets.sh: the `secrets` step of docker-compose.yml (alpine, as root, no network).
+# deploy/compose.d/secrets.sh: the `secrets` step of docker-compose.yml (alpine, as root, no network).
 # It runs before Redis and the replicas on every `docker compose up`, and writes to the `secrets`
 # volume (mounted here at $SECRETS_DIR, read-only in the services that use it):
 #

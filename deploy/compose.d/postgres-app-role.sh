@@ -1,5 +1,5 @@
 #!/bin/sh
-# deploy/compose/postgres-app-role.sh: mounted into the postgres image's /docker-entrypoint-initdb.d,
+# deploy/compose.d/postgres-app-role.sh: mounted into the postgres image's /docker-entrypoint-initdb.d,
 # which runs it once, when it initialises an empty data volume (as POSTGRES_USER over the local
 # socket; the image sources it, so it neither calls `exit` nor changes shell options).
 #

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# deploy/compose.d/standins/nginx-follow-dns.sh: the entrypoint of the nginx stand-in
+# (nginx.Dockerfile), doing what nginx >= 1.27.3's `server NAME:PORT resolve` does in the mounted
+# /etc/nginx/upstream.conf, for Debian's nginx 1.22, which has no `resolve`:
+#
+# it copies the mounted nginx.conf, listen.conf and status_listen.conf to $conf, and writes
+# $conf/upstream.conf from the mounted one with the `resolver` line dropped and the `resolve` server
+# line replaced by one `server ADDRESS:PORT <its other parameters>;` per address Docker's DNS gives
+# for NAME. It runs nginx on that, resolves NAME again every $interval seconds, and when the set of
+# addresses changes (`--scale`, a replica replaced) rewrites upstream.conf and reloads nginx
+# (SIGHUP: the old workers finish their requests). An empty answer keeps the last set (nginx needs
+# one server at least; the stale addresses fail to connect and nginx tries the next). SIGQUIT and
+# SIGTERM are passed to nginx; the container exits with nginx.
+set -euo pipefail
+mounted=/etc/nginx
+conf=/run/walletlock-nginx
+interval=${NGINX_RESOLVE_INTERVAL:-1}
+
+[ "${1:-}" = nginx ] || exec "$@"
+
+# The name and port of the `server NAME:PORT ... resolve ...;` line.
+target=$(awk '$1 == "server" && / resolve[ ;]/ { print $2; exit }' "$mounted/upstream.conf")
+[ -n "$target" ] || { echo "$0: no 'server NAME:PORT resolve' line in $mounted/upstream.conf" >&2; exit 1; }
+name=${target%:*}
+
+# The addresses NAME has now, sorted, one line.
+resolve() { getent ahostsv4 "$name" | awk '{ print $1 }' | sort -u | paste -sd' ' -; }
+
+# render ADDRESSES: the mounted upstream.conf for nginx 1.22, with those addresses.
+render() {
+  awk -v addresses="$1" '
+    /^[[:space:]]*resolver[[:space:]]/ { next }
+    $1 == "server" && / resolve[ ;]/ {
+      indent = substr($0, 1, match($0, /[^[:space:]]/) - 1)
+      port = $2; sub(/^.*:/, "", port)
+      params = ""
+      for (i = 3; i <= NF; i++) { p = $i; sub(/;$/, "", p); if (p != "resolve" && p != "") params = params " " p }
+      n = split(addresses, address, " ")
+      for (i = 1; i <= n; i++) printf "%sserver %s:%s%s;\n", indent, address[i], port, params
+      next
+    }
+    { print }' "$mounted/upstream.conf"
+}
+
+mkdir -p "$conf"
+for file in nginx.conf listen.conf status_listen.conf; do cp "$mounted/$file" "$conf/$file"; done
+current=""
+until current=$(resolve) && [ -n "$current" ]; do
+  echo "$0: waiting for $name to resolve" >&2
+  sleep "$interval"
+done
+render "$current" >"$conf/upstream.conf"
+echo "$0: upstream $target: $current" >&2
+
+"$@" -c "$conf/nginx.conf" &
+nginx_pid=$!
+trap 'kill -QUIT "$nginx_pid"' QUIT
+trap 'kill -TERM "$nginx_pid"' TERM INT
+
+while kill -0 "$nginx_pid" 2>/dev/null; do
+  sleep "$interval" &
+  wait $! || true
+  latest=$(resolve || true)
+  if [ -n "$latest" ] && [ "$latest" != "$current" ]; then
+    render "$latest" >"$conf/upstream.conf.new"
+    mv "$conf/upstream.conf.new" "$conf/upstream.conf"
+    if nginx -t -q -c "$conf/nginx.conf"; then
+      kill -HUP "$nginx_pid"
+      echo "$0: upstream $target: $latest (was: $current); reloaded" >&2
+      current=$latest
+    fi
+  fi
+done
+wait "$nginx_pid"
