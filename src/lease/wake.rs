@@ -20,6 +20,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 
+/// The longest a waiter waits for its channel's subscription before it relies on its poll.
+const SUBSCRIBE_WAIT: Duration = Duration::from_millis(500);
+
 /// How long the listener waits before reconnecting a dropped Pub/Sub connection.
 const RECONNECT_PAUSE: Duration = Duration::from_millis(200);
 
@@ -28,6 +31,8 @@ pub struct Wakeups {
     source: WakeSource,
     /// Guarded by a std mutex: never held across an `.await`.
     state: Mutex<State>,
+    /// Told each time the listener has (re)connected and subscribed every watched channel.
+    subscribed: Notify,
 }
 
 #[derive(Default)]
@@ -48,21 +53,25 @@ impl std::fmt::Debug for Wakeups {
 
 impl Wakeups {
     pub fn new(source: WakeSource) -> Arc<Self> {
-        Arc::new(Self { source, state: Mutex::new(State::default()) })
+        Arc::new(Self { source, state: Mutex::new(State::default()), subscribed: Notify::new() })
     }
 
     /// Registers interest in `channel`: once this returns, a release published on it wakes the
     /// returned guard (unless Pub/Sub is down, when the caller's bounded poll covers it).
     pub async fn watch(self: &Arc<Self>, channel: &str) -> Watch {
-        let (notify, subscribe_with, start_listener) = {
+        // Made before the state is read, so a subscription the listener completes after that read
+        // still reaches us.
+        let listener_subscribed = self.subscribed.notified();
+        let (notify, subscribe_with, start_listener, connected) = {
             let mut state = self.state.lock().expect("wakeups lock");
+            let connected = state.sink.is_some();
             let start_listener = !std::mem::replace(&mut state.listening, true);
             let entry =
                 state.channels.entry(channel.to_owned()).or_insert_with(|| (0, Arc::new(Notify::new())));
             entry.0 += 1;
             let first = entry.0 == 1;
             let notify = entry.1.clone();
-            (notify, if first { state.sink.clone() } else { None }, start_listener)
+            (notify, if first { state.sink.clone() } else { None }, start_listener, connected)
         };
         if start_listener {
             tokio::spawn(self.clone().listen());
@@ -70,7 +79,13 @@ impl Wakeups {
         if let Some(mut sink) = subscribe_with {
             // A failure here leaves the waiter on its poll fallback; the listener resubscribes
             // every watched channel when it reconnects.
-            let _ = tokio::time::timeout(Duration::from_millis(500), sink.subscribe(channel)).await;
+            let _ = tokio::time::timeout(SUBSCRIBE_WAIT, sink.subscribe(channel)).await;
+        } else if start_listener && !connected {
+            // The first wait of this client has just started the listener, which subscribes this
+            // channel once it is connected: wait for that (bounded), or a release published
+            // meanwhile goes unheard until the poll fallback. (While it reconnects later, waiters
+            // do not wait for it: their poll covers them.)
+            let _ = tokio::time::timeout(SUBSCRIBE_WAIT, listener_subscribed).await;
         }
         Watch { wakeups: self.clone(), channel: channel.to_owned(), notify }
     }
@@ -108,6 +123,7 @@ impl Wakeups {
                     if !watched.is_empty() {
                         let _ = sink.subscribe(&watched).await;
                     }
+                    self.subscribed.notify_waiters();
                     let mut idle_check = tokio::time::interval(Duration::from_secs(1));
                     loop {
                         let message = tokio::select! {
