@@ -10,6 +10,7 @@
 use crate::support::TestEnv;
 use crate::support::fleet::Fleet;
 use crate::support::load::{Attempt, Outcome, check_books, open_wallets};
+use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -92,8 +93,20 @@ async fn a_flood_on_one_wallet_is_answered_whole_shed_early_and_within_memory() 
     open_wallets(&fleet, &["flooded"], OPENING).await;
     let idle: Vec<u64> = fleet.replicas.iter().map(|r| proc_status_kib(r.pid(), "VmRSS")).collect();
 
+    // The replicas are frozen while the flood arrives, so the connections nginx opens to them stay
+    // busy and every bound is met for sure: nginx's `max_conns` for what comes next, then, once
+    // they run again, each replica's requests in flight and the wallet's queue. (Replicas that
+    // answer at once would free a connection as fast as nginx fills one, and whether all three
+    // were ever full at the same instant would be up to the scheduler.)
+    for replica in &fleet.replicas {
+        replica.signal(Signal::SIGSTOP);
+    }
     let started = Instant::now();
     let flood: Vec<_> = (0..FLOOD).map(|_| tokio::spawn(pay_once(fleet.url(""), "flooded"))).collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for replica in &fleet.replicas {
+        replica.signal(Signal::SIGCONT);
+    }
     let mut answers = Vec::new();
     let mut dropped = Vec::new();
     for client in flood {
