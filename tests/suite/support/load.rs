@@ -40,10 +40,10 @@ impl Bank for Fleet {
     }
 }
 
-/// What a client learned from one payment.
+/// What a client learned from one payment or transfer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
-    /// 200: this ledger entry.
+    /// 200: this ledger entry (a payment) or transfer.
     Applied(uuid::Uuid),
     /// A definite "nothing was applied" (insufficient funds, lock timeout, lease lost, ...).
     NotApplied(String),
@@ -71,11 +71,14 @@ pub async fn pay_one(client: &reqwest::Client, url: &str, wallet: &str) -> Attem
 
 /// Sends one payment and classifies the answer.
 pub async fn pay(client: &reqwest::Client, url: &str, wallet: &str, amount: i64, key: &str) -> Outcome {
-    let request = client
-        .post(format!("{url}/wallets/{wallet}/pay"))
-        .header("idempotency-key", key)
-        .json(&json!({ "amount": amount }))
-        .timeout(Duration::from_secs(15));
+    let request = client.post(format!("{url}/wallets/{wallet}/pay")).json(&json!({ "amount": amount }));
+    send_keyed(request, key).await
+}
+
+/// Sends one movement of money (a payment, a transfer) with `key` and classifies the answer; a
+/// 200 is `Applied` with the answer's `id`.
+pub async fn send_keyed(request: reqwest::RequestBuilder, key: &str) -> Outcome {
+    let request = request.header("idempotency-key", key).timeout(Duration::from_secs(15));
     let response = match request.send().await {
         Ok(response) => response,
         Err(err) => return Outcome::Unknown(format!("no answer: {err}")),
@@ -84,9 +87,7 @@ pub async fn pay(client: &reqwest::Client, url: &str, wallet: &str, amount: i64,
     let body: Value = response.json().await.unwrap_or(Value::Null);
     let code = body["code"].as_str().unwrap_or("").to_owned();
     match (status, code.as_str()) {
-        (200, _) => {
-            Outcome::Applied(body["id"].as_str().and_then(|id| id.parse().ok()).expect("an entry id"))
-        }
+        (200, _) => Outcome::Applied(body["id"].as_str().and_then(|id| id.parse().ok()).expect("an id")),
         (422, "insufficient_funds")
         | (409, "lease_lost")
         | (503, "lock_timeout" | "overloaded" | "dependency_unavailable")

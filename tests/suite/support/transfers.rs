@@ -6,23 +6,14 @@
 //! agrees.
 
 use super::fleet::{Fleet, audit};
+pub use super::load::Outcome;
+use super::load::send_keyed;
 use rand::Rng;
-use serde_json::{Value, json};
+use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-
-/// What a client learned from one transfer.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Outcome {
-    /// 200: this transfer.
-    Applied(uuid::Uuid),
-    /// A definite "nothing was applied" (insufficient funds, lock timeout, lease lost, ...).
-    NotApplied(String),
-    /// No answer, or one that leaves it open (502, 504, request_timeout, outcome_unknown, in flight).
-    Unknown(String),
-}
 
 #[derive(Debug, Clone)]
 pub struct TransferAttempt {
@@ -42,32 +33,9 @@ pub async fn transfer(
     amount: i64,
     key: &str,
 ) -> Outcome {
-    let request = client
-        .post(format!("{url}/transfers"))
-        .header("idempotency-key", key)
-        .json(&json!({ "from": from, "to": to, "amount": amount }))
-        .timeout(Duration::from_secs(15));
-    let response = match request.send().await {
-        Ok(response) => response,
-        Err(err) => return Outcome::Unknown(format!("no answer: {err}")),
-    };
-    let status = response.status().as_u16();
-    let body: Value = response.json().await.unwrap_or(Value::Null);
-    let code = body["code"].as_str().unwrap_or("").to_owned();
-    match (status, code.as_str()) {
-        (200, _) => {
-            Outcome::Applied(body["id"].as_str().and_then(|id| id.parse().ok()).expect("a transfer id"))
-        }
-        (422, "insufficient_funds")
-        | (409, "lease_lost")
-        | (503, "lock_timeout" | "dependency_unavailable")
-        | (429, _) => Outcome::NotApplied(code),
-        (409, "idempotency_key_in_flight")
-        | (503, "request_timeout" | "outcome_unknown")
-        | (502, "bad_gateway")
-        | (504, "gateway_timeout") => Outcome::Unknown(format!("{status} {code}")),
-        _ => panic!("an answer the API does not give: {status} {body}"),
-    }
+    let request =
+        client.post(format!("{url}/transfers")).json(&json!({ "from": from, "to": to, "amount": amount }));
+    send_keyed(request, key).await
 }
 
 /// One keyed transfer, timed.
