@@ -1,25 +1,30 @@
 //! The group commit across wallets: the two statements a replica runs per round of movements,
 //! whatever the number of wallets and movements in the round.
 //!
-//! 1. [`read`] claims the wallets whose lease was just taken (raising each row's fence to the
-//!    lease's, as [`super::claim`] does for one) and reads their balances and versions, and looks
-//!    up the round's idempotency keys, in one statement. The claim only orders holders: it is
-//!    committed without waiting for its WAL flush (`synchronous_commit` off for that statement
-//!    alone). Postgres flushes WAL in order, so the [`commit`] that moves money on the claim's
-//!    strength flushes the claim with it, and a claim lost to a crash was followed by no
-//!    acknowledged movement.
-//! 2. [`commit`] writes every wallet of the round with its own conditional `UPDATE ... WHERE fence
-//!    = $ours AND version = $read`, inserts the ledger entries and the stored idempotent responses
-//!    of the wallets that matched, and nothing of those that did not. One autocommit statement:
-//!    one WAL flush for the round, and no transaction left open between statements, so a replica
-//!    that stalls or is cut off mid-round holds no row lock.
+//! 1. [`read`] reads the balance, version and fence of the wallets whose lease was just taken, and
+//!    looks up the round's idempotency keys, in one statement that writes nothing (a key past its
+//!    retention is deleted, which only makes it behave as new). A wallet whose row has seen the
+//!    lease's fence or a higher one is [`ReadOutcome::FenceBehind`]: its fence counter went
+//!    backwards, or the lease is stale, and the holder must lift it (or be refused) first.
+//! 2. [`commit`] writes every wallet of the round with its own compare-and-set, `UPDATE ... SET
+//!    fence = $ours ... WHERE fence = $read AND version = $read`, inserts the ledger entries and
+//!    the stored idempotent responses of the wallets that matched, and nothing of those that did
+//!    not. One autocommit statement: one WAL flush for the round, and no transaction left open
+//!    between statements, so a replica that stalls or is cut off mid-round holds no row lock.
 //!
-//! Neither statement ever waits for a row: both lock the round's wallet rows in id order with `SKIP
+//! The fence is claimed by the write itself, not by the read: the compare-and-set applies a
+//! holder's movements only to the very state it read, and raises the row's fence to its lease's in
+//! the same statement, so once a newer holder has written, every write of an older one matches no
+//! row (its fence or version moved) and is refused. A stale holder's write that comes first was
+//! decided on the state it replaces, so nothing is lost either way; the newer holder's write then
+//! finds the version moved and is refused, with nothing applied. This spares a payment the claim's
+//! own row update, its row lock and its WAL records.
+//!
+//! The commit never waits for a row: it locks the round's wallet rows in id order with `SKIP
 //! LOCKED` before touching them. A row locked by another statement belongs to another holder
-//! writing it right now (only a holder whose lease passed to another replica lets two meet), so
-//! that one wallet is left out of the round ([`ClaimOutcome::Busy`], or not written) and the
-//! others go on: a stalled or partitioned holder never holds up a round, and two rounds that
-//! share wallets never deadlock.
+//! writing it right now (a transfer, or a holder whose lease passed to another replica), so that
+//! one wallet is left out of the round ([`Committed::busy`]) and the others go on: a stalled or
+//! partitioned holder never holds up a round, and two rounds that share wallets never deadlock.
 
 use super::idempotency::{KeyRef, StoredResponse};
 use super::{Claimed, Entry, StoreError};
@@ -29,23 +34,25 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use uuid::Uuid;
 
-/// A wallet to claim for the lease holding `fence`.
+/// A wallet to read for the lease holding `fence`.
 #[derive(Debug, Clone, Copy)]
-pub struct ToClaim<'a> {
+pub struct ToRead<'a> {
     pub id: &'a str,
     pub fence: i64,
 }
 
-/// What a claim found.
+/// What the read found of one wallet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ClaimOutcome {
-    Claimed(Claimed),
+pub enum ReadOutcome {
+    /// The wallet as it is, with the fence of its last writer: below the lease's.
+    Ready {
+        wallet: Claimed,
+        fence: i64,
+    },
     /// The row has seen this fence or a higher one (see [`StoreError::FenceBehind`]).
     FenceBehind {
         seen: i64,
     },
-    /// Another statement had the row locked: try again shortly.
-    Busy,
     NotFound,
 }
 
@@ -58,65 +65,47 @@ pub struct FoundKey {
     pub response: Option<StoredResponse>,
 }
 
-/// What [`read`] found: each claim's outcome by wallet id, and each key still live by
+/// What [`read`] found: each wallet's outcome by id, and each key still live by
 /// `(caller, scope, key)`.
 #[derive(Debug, Default)]
 pub struct Found {
-    pub claims: HashMap<String, ClaimOutcome>,
+    pub wallets: HashMap<String, ReadOutcome>,
     pub keys: HashMap<(String, String, String), FoundKey>,
 }
 
-/// Claims `claims` and looks up `keys` (deleting those past their retention: they behave as new),
+/// Reads `wallets` and looks up `keys` (deleting those past their retention: they behave as new),
 /// in one statement.
 pub async fn read(
     conn: &mut PgConnection,
-    claims: &[ToClaim<'_>],
+    wallets: &[ToRead<'_>],
     keys: &[KeyRef<'_>],
 ) -> Result<Found, StoreError> {
-    let ids: Vec<&str> = claims.iter().map(|c| c.id).collect();
-    let fences: Vec<i64> = claims.iter().map(|c| c.fence).collect();
+    let ids: Vec<&str> = wallets.iter().map(|w| w.id).collect();
     let callers: Vec<&str> = keys.iter().map(|k| k.caller).collect();
     let scopes: Vec<&str> = keys.iter().map(|k| k.scope).collect();
     let names: Vec<&str> = keys.iter().map(|k| k.key).collect();
     let rows = sqlx::query(
         // language=PostgreSQL
-        r#"with locked as (
-               select id from wallet where id = any($1::text[]) order by id for update skip locked
-           ),
-           claimed as (
-               update wallet w set fence = c.fence
-               from locked join unnest($1::text[], $2::int8[]) as c(id, fence) on c.id = locked.id
-               where w.id = locked.id and w.fence < c.fence
-               returning w.id, w.balance, w.version
-           ),
-           expired as (
+        r#"with expired as (
                delete from idempotency_key k
-               using unnest($3::text[], $4::text[], $5::text[]) as q(caller, scope, key)
+               using unnest($2::text[], $3::text[], $4::text[]) as q(caller, scope, key)
                where k.caller = q.caller and k.scope = q.scope and k.key = q.key
                  and k.expires_at < now()
            )
-           select c.id as wallet_id, claimed.balance, claimed.version, w.fence as seen,
-                  c.id in (select id from locked) as locked, null::text as caller, null::text as scope, null::text as key,
-                  null::bytea as fingerprint, null::int2 as status, null::text as content_type,
-                  null::bytea as body
-           from unnest($1::text[]) as c(id)
-           left join claimed on claimed.id = c.id
-           left join wallet w on w.id = c.id
+           select w.id as wallet_id, w.balance, w.version, w.fence, null::text as caller,
+                  null::text as scope, null::text as key, null::bytea as fingerprint,
+                  null::int2 as status, null::text as content_type, null::bytea as body
+           from wallet w
+           where w.id = any($1::text[])
            union all
-           select null, null, null, null, null, k.caller, k.scope, k.key, k.fingerprint, k.status,
+           select null, null, null, null, k.caller, k.scope, k.key, k.fingerprint, k.status,
                   k.content_type, k.body
            from idempotency_key k
-           join unnest($3::text[], $4::text[], $5::text[]) as q(caller, scope, key)
+           join unnest($2::text[], $3::text[], $4::text[]) as q(caller, scope, key)
              on k.caller = q.caller and k.scope = q.scope and k.key = q.key
-           where k.expires_at >= now()
-           union all
-           -- Read at commit: this statement's claims need not wait for their own WAL flush.
-           select null, null, null, null, null, null, null,
-                  set_config('synchronous_commit', 'off', true),
-                  null, null, null, null"#,
+           where k.expires_at >= now()"#,
     )
     .bind(&ids)
-    .bind(&fences)
     .bind(&callers)
     .bind(&scopes)
     .bind(&names)
@@ -128,15 +117,11 @@ pub async fn read(
         if let Some(id) = row.try_get::<Option<String>, _>("wallet_id")? {
             let balance: Option<i64> = row.try_get("balance")?;
             let version: Option<i64> = row.try_get("version")?;
-            let seen: Option<i64> = row.try_get("seen")?;
-            let locked: Option<bool> = row.try_get("locked")?;
-            let outcome = match (balance, version, seen) {
-                (Some(balance), Some(version), _) => ClaimOutcome::Claimed(Claimed { balance, version }),
-                (_, _, None) => ClaimOutcome::NotFound,
-                (_, _, Some(_)) if locked != Some(true) => ClaimOutcome::Busy,
-                (_, _, Some(seen)) => ClaimOutcome::FenceBehind { seen },
+            let fence: Option<i64> = row.try_get("fence")?;
+            let (Some(balance), Some(version), Some(fence)) = (balance, version, fence) else {
+                continue;
             };
-            found.claims.insert(id, outcome);
+            found.wallets.insert(id, ReadOutcome::Ready { wallet: Claimed { balance, version }, fence });
         } else if let Some(caller) = row.try_get::<Option<String>, _>("caller")? {
             let status: Option<i16> = row.try_get("status")?;
             let content_type: Option<String> = row.try_get("content_type")?;
@@ -151,16 +136,30 @@ pub async fn read(
             found.keys.insert(at, FoundKey { fingerprint: row.try_get("fingerprint")?, response });
         }
     }
+    // A token equal to the row's fence was issued twice (the counter went backwards) and must not
+    // let two holders in: only a fence strictly above the row's may write it.
+    for wallet in wallets {
+        let outcome = match found.wallets.get(wallet.id) {
+            Some(ReadOutcome::Ready { fence: seen, .. }) if *seen >= wallet.fence => {
+                ReadOutcome::FenceBehind { seen: *seen }
+            }
+            Some(outcome) => *outcome,
+            None => ReadOutcome::NotFound,
+        };
+        found.wallets.insert(wallet.id.to_owned(), outcome);
+    }
     Ok(found)
 }
 
-/// One wallet's write in a [`commit`]: from `read_version` to `version` and `balance`, under the
-/// lease holding `fence`. With no entries (`version == read_version`) it only checks that the
-/// wallet is still ours, so refusals are stored only from a state this holder owns.
+/// One wallet's write in a [`commit`]: from the state the holder read (`read_version`, and
+/// `read_fence`, the fence of the row's last writer) to `version` and `balance`, under the lease
+/// holding `fence`. With no entries (`version == read_version`) it only checks that the wallet is
+/// still as read (and raises its fence), so refusals are stored only from a state this holder owns.
 #[derive(Debug, Clone, Copy)]
 pub struct WalletWrite<'a> {
     pub id: &'a str,
     pub fence: i64,
+    pub read_fence: i64,
     pub read_version: i64,
     pub balance: i64,
     pub version: i64,
@@ -186,9 +185,18 @@ pub struct GroupWrite<'a> {
     pub keys: Vec<KeyWrite<'a>>,
 }
 
-/// Writes a round in one statement; returns the ids of the wallets whose write matched (their
-/// entries and keys are written). A wallet missing from it was claimed or written by another holder
-/// since this one read it, or is being written by one right now: nothing of it was written.
+/// What a [`commit`] did, by wallet id.
+#[derive(Debug, Default)]
+pub struct Committed {
+    /// The wallets whose write matched: their entries and keys are written.
+    pub moved: HashSet<String>,
+    /// The wallets whose row another statement had locked right then: nothing of them was
+    /// written, and they may be tried again while the lease lasts. A wallet in neither set was
+    /// written by another holder since this one read it: nothing of it was written.
+    pub busy: HashSet<String>,
+}
+
+/// Writes a round in one statement (see the module doc).
 ///
 /// Fails whole, nothing written, with a unique violation on `idempotency_key` if another holder
 /// stored one of the round's keys after [`read`] looked (only a holder that lost its lease lets
@@ -198,7 +206,7 @@ pub async fn commit(
     write: &GroupWrite<'_>,
     created_at: DateTime<Utc>,
     retention: Duration,
-) -> Result<HashSet<String>, StoreError> {
+) -> Result<Committed, StoreError> {
     let w = &write.wallets;
     let e = &write.entries;
     let k = &write.keys;
@@ -208,11 +216,12 @@ pub async fn commit(
                select id from wallet where id = any($1::text[]) order by id for update skip locked
            ),
            moved as (
-               update wallet w set balance = b.balance, version = b.version, updated_at = now()
+               update wallet w set balance = b.balance, version = b.version, fence = b.fence,
+                                   updated_at = now()
                from locked
-               join unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[])
-                   as b(id, fence, read_version, balance, version) on b.id = locked.id
-               where w.id = locked.id and w.fence = b.fence and w.version = b.read_version
+               join unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $25::int8[])
+                   as b(id, fence, read_version, balance, version, read_fence) on b.id = locked.id
+               where w.id = locked.id and w.fence = b.read_fence and w.version = b.read_version
                returning w.id
            ),
            entries as (
@@ -236,7 +245,9 @@ pub async fn commit(
                         entry_id)
                where k.wallet_id in (select id from moved)
            )
-           select id from moved"#,
+           select id, true as moved from moved
+           union all
+           select b.id, false from unnest($1::text[]) as b(id) where b.id not in (select id from locked)"#,
     )
     .bind(w.iter().map(|w| w.id).collect::<Vec<_>>())
     .bind(w.iter().map(|w| w.fence).collect::<Vec<_>>())
@@ -262,9 +273,19 @@ pub async fn commit(
     .bind(k.iter().map(|k| k.response.body.as_slice()).collect::<Vec<_>>())
     .bind(k.iter().map(|k| k.entry_id).collect::<Vec<_>>())
     .bind(retention.as_secs_f64())
+    .bind(w.iter().map(|w| w.read_fence).collect::<Vec<_>>())
     .fetch_all(conn)
     .await?;
-    rows.iter().map(|row| row.try_get::<String, _>("id").map_err(StoreError::from)).collect()
+    let mut committed = Committed::default();
+    for row in rows {
+        let id: String = row.try_get("id")?;
+        if row.try_get::<bool, _>("moved")? {
+            committed.moved.insert(id);
+        } else {
+            committed.busy.insert(id);
+        }
+    }
+    Ok(committed)
 }
 
 impl StoreError {

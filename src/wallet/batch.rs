@@ -11,11 +11,10 @@ use super::{MovementOutcome, WalletError, WalletId};
 use crate::idempotency::{Keyed, Prior};
 use crate::ledger::group::FoundKey;
 use crate::ledger::idempotency::StoredResponse;
-use crate::ledger::{Entry, EntryKind};
+use crate::ledger::{self, Entry, EntryKind};
 use crate::wallet::{Movement, Refusal};
 use chrono::{DateTime, Utc};
 use std::collections::HashMap;
-use uuid::Uuid;
 
 /// One movement to apply, with its idempotency key if the request had one.
 #[derive(Debug)]
@@ -24,11 +23,14 @@ pub struct Op {
     pub key: Option<Keyed<MovementOutcome>>,
 }
 
-/// The wallet as its lease holder last claimed or wrote it.
+/// The wallet as its lease holder last read or wrote it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Held {
     pub balance: i64,
     pub version: i64,
+    /// The fence of the row's last writer: below the lease's when just read, the lease's own once
+    /// this holder has written.
+    pub fence: i64,
 }
 
 /// Stored keys by `(caller, scope, key)`.
@@ -147,7 +149,7 @@ pub fn decide(
                     Movement::Pay { reference, .. } => (EntryKind::Pay, reference.clone()),
                 };
                 entries.push(Entry {
-                    id: Uuid::new_v4(),
+                    id: ledger::new_entry_id(),
                     wallet_id: id.as_str().to_owned(),
                     kind,
                     amount: op.movement.amount().get(),
@@ -171,6 +173,10 @@ pub fn decide(
             responses.push((n, (key.render)(&outcome)));
         }
     }
-    let after = Held { balance, version: held.version + entries.len() as i64 };
-    Plan { decisions, entries, after, responses }
+    let mut plan = Plan { decisions, entries, after: held, responses };
+    // Only a batch that is written raises the row's fence to the lease's.
+    if plan.runs() {
+        plan.after = Held { balance, version: held.version + plan.entries.len() as i64, fence };
+    }
+    plan
 }

@@ -3,7 +3,7 @@
 //! Every wallet's worker ([`super::queue`]) that holds its lease and has movements queued hands
 //! them to the replica's rounds as a [`Job`]. A round takes every job waiting (up to
 //! [`MAX_ROUND_OPS`] movements) and runs them together in two statements
-//! ([`crate::ledger::group`]): one claims the wallets just leased and looks up the round's
+//! ([`crate::ledger::group`]): one reads the wallets just leased and looks up the round's
 //! idempotency keys, one writes every wallet conditionally on its own fence and version, with the
 //! entries and stored responses of the wallets that matched. A wallet whose fence moved is simply
 //! not written: only its movements hear `lease_lost`, the others commit. While a round runs, the
@@ -13,7 +13,7 @@
 use super::batch::{self, FoundKeys, Held, Op, Plan};
 use super::{WalletError, WalletId};
 use crate::ledger::Entry;
-use crate::ledger::group::{self as store, ClaimOutcome, GroupWrite, KeyWrite, ToClaim, WalletWrite};
+use crate::ledger::group::{self as store, GroupWrite, KeyWrite, ReadOutcome, ToRead, WalletWrite};
 use crate::ledger::idempotency::KeyRef;
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
@@ -34,7 +34,7 @@ const CONCURRENT_ROUNDS: usize = 1;
 pub struct Job {
     pub id: WalletId,
     pub fence: i64,
-    /// The wallet as this lease last claimed or wrote it; `None`: the round claims it first.
+    /// The wallet as this lease last read or wrote it; `None`: the round reads it first.
     pub held: Option<Held>,
     pub ops: Vec<Op>,
 }
@@ -167,7 +167,7 @@ async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Subm
         if kept && first_attempt && matches!(found, Err(WalletError::Unavailable { .. })) {
             // The kept connection died while idle (Postgres restarted, say), which a pool
             // checkout's ping would have caught: read again, once, on a fresh one. The read is
-            // safe to repeat: a claim that was applied finds its fence taken, and is lifted.
+            // safe to repeat: it writes nothing a second read would not find as it left it.
             conn.close_on_drop();
             conn = match connect(db, None).await {
                 Ok(fresh) => fresh,
@@ -210,9 +210,17 @@ async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Subm
                 }
                 return None;
             }
-            Ok(moved) => {
+            Ok(committed) => {
                 for (r, plan) in ready.into_iter().zip(plans) {
-                    let matched = !plan.runs() || moved.contains(r.job.id.as_str());
+                    let id = r.job.id.as_str();
+                    if plan.runs() && committed.busy.contains(id) {
+                        // Another statement is writing the row right now: nothing was written,
+                        // and the holder tries again shortly while its lease lasts.
+                        metrics::counter!("walletlock_wallet_busy_total").increment(1);
+                        let _ = r.reply.send(JobOutcome::Busy { ops: r.job.ops });
+                        continue;
+                    }
+                    let matched = !plan.runs() || committed.moved.contains(id);
                     let held = if matched { Some(plan.after) } else { None };
                     let results = plan.results(Ok(matched));
                     let _ = r.reply.send(JobOutcome::Done { held, results });
@@ -243,42 +251,41 @@ fn answer_all(pending: Vec<Submission>, ready: Vec<Ready>, err: &WalletError) ->
     None
 }
 
-/// The round's read: claims the wallets of `pending` (moving them to `ready`, or answering those
-/// not found or whose fence is behind) and looks up the keys of every ready job.
+/// The round's read: reads the wallets of `pending` not yet held (moving them to `ready`, or
+/// answering those not found or whose fence is behind) and looks up the keys of every ready job.
 async fn read(
     conn: &mut sqlx::PgConnection,
     pending: &mut Vec<Submission>,
     ready: &mut Vec<Ready>,
 ) -> Result<FoundKeys, WalletError> {
-    let to_claim: Vec<ToClaim<'_>> =
-        pending.iter().map(|(job, _)| ToClaim { id: job.id.as_str(), fence: job.fence }).collect();
+    let to_read: Vec<ToRead<'_>> = pending
+        .iter()
+        .filter(|(job, _)| job.held.is_none())
+        .map(|(job, _)| ToRead { id: job.id.as_str(), fence: job.fence })
+        .collect();
     let keys: Vec<KeyRef<'_>> = pending
         .iter()
         .map(|(job, _)| job)
         .chain(ready.iter().map(|r| &r.job))
         .flat_map(|job| job.ops.iter().filter_map(|op| op.key.as_ref().map(|key| key.at())))
         .collect();
-    if to_claim.is_empty() && keys.is_empty() {
-        return Ok(FoundKeys::new());
-    }
-    let mut found = store::read(conn, &to_claim, &keys).await.map_err(WalletError::from)?;
+    let mut found = if to_read.is_empty() && keys.is_empty() {
+        store::Found::default()
+    } else {
+        store::read(conn, &to_read, &keys).await.map_err(WalletError::from)?
+    };
     for (job, reply) in pending.drain(..) {
         let held = match job.held {
             Some(held) => held,
-            None => match found.claims.get(job.id.as_str()) {
-                Some(ClaimOutcome::Claimed(claimed)) => {
-                    Held { balance: claimed.balance, version: claimed.version }
+            None => match found.wallets.get(job.id.as_str()) {
+                Some(ReadOutcome::Ready { wallet, fence }) => {
+                    Held { balance: wallet.balance, version: wallet.version, fence: *fence }
                 }
-                Some(ClaimOutcome::FenceBehind { seen }) => {
+                Some(ReadOutcome::FenceBehind { seen }) => {
                     let _ = reply.send(JobOutcome::FenceBehind { seen: *seen, ops: job.ops });
                     continue;
                 }
-                Some(ClaimOutcome::Busy) => {
-                    metrics::counter!("walletlock_wallet_busy_total").increment(1);
-                    let _ = reply.send(JobOutcome::Busy { ops: job.ops });
-                    continue;
-                }
-                Some(ClaimOutcome::NotFound) | None => {
+                Some(ReadOutcome::NotFound) | None => {
                     let _ = reply.send(failed(job.ops.len(), &WalletError::NotFound));
                     continue;
                 }
@@ -297,6 +304,7 @@ fn group_write<'a>(ready: &'a [Ready], plans: &'a [Plan]) -> GroupWrite<'a> {
         write.wallets.push(WalletWrite {
             id,
             fence: r.job.fence,
+            read_fence: r.held.fence,
             read_version: r.held.version,
             balance: plan.after.balance,
             version: plan.after.version,

@@ -2,9 +2,10 @@
 //! commit.
 //!
 //! This is where the lease and the ledger meet, and the only place that does. Movements of money
-//! run as: take the wallet's lease (waiting up to the configured wait), start its watchdog, claim
-//! the wallet row with the lease's fence (reading the balance), decide, commit conditionally on the
-//! fence and the version read, release. It never touches Redis commands or SQL itself: those live
+//! run as: take the wallet's lease (waiting up to the configured wait), start its watchdog, read
+//! the wallet row (balance, version, fence), decide, commit conditionally on the fence and the
+//! version read while raising the row's fence to the lease's, release (a transfer claims its two
+//! rows with the fence first, inside its transaction). It never touches Redis commands or SQL itself: those live
 //! in [`crate::lease`] and [`crate::ledger`].
 //!
 //! Two ways to wait for a busy wallet ([`Strategy`]): the default queues the requests for one

@@ -4,7 +4,7 @@
 //! wallet's worker) contends for the lease in Redis, however many arrived at this replica. Once
 //! the worker holds the lease, it hands what is queued to the replica's rounds
 //! ([`super::group`]) in batches: up to [`MAX_BATCH`] movements at a time, for at most
-//! [`MAX_HOLD`] per lease. The first batch claims the wallet; later ones write from what the last
+//! [`MAX_HOLD`] per lease. The first batch reads the wallet; later ones write from what the last
 //! one left. It releases as soon as the queue is empty, the hold is up, or another replica is waiting
 //! for the wallet; after a release that woke another replica it lets that replica go first. A
 //! request that waited longer than the lease wait without the worker getting the lease is answered
@@ -176,7 +176,7 @@ impl Wallets {
     async fn hold(&self, id: &WalletId, lease: &mut Lease) {
         let held_since = Instant::now();
         let mut held: Option<Held> = None;
-        // A batch whose claim found the fence behind runs again, once, after the fence is lifted.
+        // A batch whose read found the fence behind runs again, once, after the fence is lifted.
         let mut again: Option<Vec<Pending>> = None;
         let mut resynced = false;
         loop {

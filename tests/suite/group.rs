@@ -5,7 +5,7 @@
 use crate::support::{TestEnv, books, eventually, render};
 use std::time::{Duration, Instant};
 use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
-use walletlock::ledger::group::{self, ClaimOutcome, GroupWrite, ToClaim, WalletWrite};
+use walletlock::ledger::group::{self, GroupWrite, ReadOutcome, ToRead, WalletWrite};
 use walletlock::ledger::{self, Entry, EntryKind};
 use walletlock::wallet::{Amount, Movement, WalletError, WalletId, lease_name};
 
@@ -31,42 +31,107 @@ fn payment(id: &WalletId, fence: i64, version: i64, amount: i64, balance: i64) -
     }
 }
 
+/// The first write of each of `ids` (opened with 100, never written) under the lease holding
+/// `fence`: a payment of 10.
+fn first_writes(ids: &[WalletId], fence: i64) -> Vec<WalletWrite<'_>> {
+    ids.iter()
+        .map(|id| WalletWrite {
+            id: id.as_str(),
+            fence,
+            read_fence: 0,
+            read_version: 1,
+            balance: 90,
+            version: 2,
+        })
+        .collect()
+}
+
 #[tokio::test]
-async fn a_round_writes_every_wallet_but_the_one_another_holder_claimed() {
+async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_read() {
     let env = TestEnv::new();
     let (_schema, db) = env.database(2).await;
     let ids = [wallet_with(&db, 100).await, wallet_with(&db, 100).await, wallet_with(&db, 100).await];
     let mut conn = db.acquire().await.unwrap();
-    let claims: Vec<ToClaim> = ids.iter().map(|id| ToClaim { id: id.as_str(), fence: 5 }).collect();
-    let found = group::read(&mut conn, &claims, &[]).await.unwrap();
+    let reads: Vec<ToRead> = ids.iter().map(|id| ToRead { id: id.as_str(), fence: 5 }).collect();
+    let found = group::read(&mut conn, &reads, &[]).await.unwrap();
     for id in &ids {
-        assert!(matches!(found.claims[id.as_str()], ClaimOutcome::Claimed(_)), "{:?}", found.claims);
+        assert!(
+            matches!(found.wallets[id.as_str()], ReadOutcome::Ready { fence: 0, .. }),
+            "{:?}",
+            found.wallets
+        );
     }
-
-    // The second wallet's lease passes to a newer holder, which claims it.
-    let newer = [ToClaim { id: ids[1].as_str(), fence: 6 }];
+    // The second wallet's lease passes to a newer holder, which reads and writes it first.
+    let newer = [ToRead { id: ids[1].as_str(), fence: 6 }];
     assert!(matches!(
-        group::read(&mut conn, &newer, &[]).await.unwrap().claims[ids[1].as_str()],
-        ClaimOutcome::Claimed(_)
+        group::read(&mut conn, &newer, &[]).await.unwrap().wallets[ids[1].as_str()],
+        ReadOutcome::Ready { .. }
     ));
+    let newer_entry = payment(&ids[1], 6, 2, 10, 90);
+    let write =
+        GroupWrite { wallets: first_writes(&ids[1..2], 6), entries: vec![&newer_entry], keys: Vec::new() };
+    let committed =
+        group::commit(&mut conn, &write, chrono::Utc::now(), Duration::from_secs(60)).await.unwrap();
+    assert!(committed.moved.contains(ids[1].as_str()), "{committed:?}");
 
     let entries: Vec<Entry> = ids.iter().map(|id| payment(id, 5, 2, 10, 90)).collect();
-    let write = GroupWrite {
-        wallets: ids
-            .iter()
-            .map(|id| WalletWrite { id: id.as_str(), fence: 5, read_version: 1, balance: 90, version: 2 })
-            .collect(),
-        entries: entries.iter().collect(),
-        keys: Vec::new(),
-    };
-    let moved = group::commit(&mut conn, &write, chrono::Utc::now(), Duration::from_secs(60)).await.unwrap();
+    let write =
+        GroupWrite { wallets: first_writes(&ids, 5), entries: entries.iter().collect(), keys: Vec::new() };
+    let committed =
+        group::commit(&mut conn, &write, chrono::Utc::now(), Duration::from_secs(60)).await.unwrap();
 
-    assert!(moved.contains(ids[0].as_str()) && moved.contains(ids[2].as_str()), "{moved:?}");
+    let moved = &committed.moved;
+    assert!(moved.contains(ids[0].as_str()) && moved.contains(ids[2].as_str()), "{committed:?}");
     assert!(!moved.contains(ids[1].as_str()), "the stale holder's write is refused");
-    for (id, expected) in [(&ids[0], 90), (&ids[1], 100), (&ids[2], 90)] {
+    assert!(committed.busy.is_empty(), "{committed:?}");
+    for id in &ids {
         let books = books(&db, id.as_str()).await;
-        assert_eq!((books.balance, books.ledger_sum), (expected, expected), "{id}");
+        assert_eq!((books.balance, books.ledger_sum, books.pays), (90, 90, 1), "{id}: one payment each");
     }
+    // The stale holder can read no more: the row has seen a higher fence than its lease's.
+    let stale = [ToRead { id: ids[1].as_str(), fence: 5 }];
+    let found = group::read(&mut conn, &stale, &[]).await.unwrap();
+    assert_eq!(found.wallets[ids[1].as_str()], ReadOutcome::FenceBehind { seen: 6 });
+}
+
+#[tokio::test]
+async fn a_round_leaves_out_a_wallet_whose_row_another_statement_holds_and_writes_the_others() {
+    let env = TestEnv::new();
+    let (_schema, db) = env.database(2).await;
+    let ids = [wallet_with(&db, 100).await, wallet_with(&db, 100).await];
+    let mut blocker = db.begin().await.unwrap();
+    sqlx::query("select 1 from wallet where id = $1 for update")
+        .bind(ids[0].as_str())
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+
+    let mut conn = db.acquire().await.unwrap();
+    let entries: Vec<Entry> = ids.iter().map(|id| payment(id, 5, 2, 10, 90)).collect();
+    let wallets = ids
+        .iter()
+        .map(|id| WalletWrite {
+            id: id.as_str(),
+            fence: 5,
+            read_fence: 0,
+            read_version: 1,
+            balance: 90,
+            version: 2,
+        })
+        .collect();
+    let write = GroupWrite { wallets, entries: entries.iter().collect(), keys: Vec::new() };
+    let started = Instant::now();
+    let committed =
+        group::commit(&mut conn, &write, chrono::Utc::now(), Duration::from_secs(60)).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(1), "the round did not wait for the row");
+    assert!(
+        committed.busy.contains(ids[0].as_str()) && !committed.moved.contains(ids[0].as_str()),
+        "{committed:?}"
+    );
+    assert!(committed.moved.contains(ids[1].as_str()), "{committed:?}");
+    blocker.rollback().await.unwrap();
+    assert_eq!(books(&db, ids[0].as_str()).await.balance, 100);
+    assert_eq!(books(&db, ids[1].as_str()).await.balance, 90);
 }
 
 fn pay(amount: i64) -> Movement {
@@ -157,7 +222,7 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
     let before = deadlocks().await;
 
     // Four writers, as stale and current holders of the same wallets would be, each taking the
-    // wallets in its own order: claim all, then write all.
+    // wallets in its own order: read all, then write all.
     let stop_at = Instant::now() + Duration::from_secs(2);
     let writers: Vec<_> = (0..4i64)
         .map(|writer| {
@@ -170,17 +235,19 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                 let (mut rounds, mut fence) = (0, writer);
                 while Instant::now() < stop_at {
                     fence += 4;
-                    let claims: Vec<ToClaim> =
-                        ids.iter().map(|id| ToClaim { id: id.as_str(), fence }).collect();
-                    let found = group::read(&mut conn, &claims, &[]).await.expect("no deadlock at the claim");
+                    let reads: Vec<ToRead> = ids.iter().map(|id| ToRead { id: id.as_str(), fence }).collect();
+                    let found = group::read(&mut conn, &reads, &[]).await.expect("no deadlock at the read");
                     let mut entries = Vec::new();
                     let mut wallets = Vec::new();
                     for id in &ids {
-                        if let ClaimOutcome::Claimed(read) = found.claims[id.as_str()] {
+                        if let ReadOutcome::Ready { wallet: read, fence: read_fence } =
+                            found.wallets[id.as_str()]
+                        {
                             entries.push(payment(id, fence, read.version + 1, 1, read.balance - 1));
                             wallets.push(WalletWrite {
                                 id: id.as_str(),
                                 fence,
+                                read_fence,
                                 read_version: read.version,
                                 balance: read.balance - 1,
                                 version: read.version + 1,
