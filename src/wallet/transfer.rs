@@ -24,7 +24,7 @@ use crate::domain::{self, Parties};
 use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
 use crate::ledger::transfer::{self as store, FoundTransfer, LockedWallet, Transfer, WalletWrite};
-use crate::ledger::{Entry, EntryKind, StoreError};
+use crate::ledger::{self, Entry, EntryKind, StoreError};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use uuid::Uuid;
@@ -325,7 +325,7 @@ impl Wallets {
                     domain::refund_amount(refund.amount, payment.amount, refunded).and_then(|amount| {
                         let balance = Movement::Deposit { amount }.apply_to(wallet.balance)?;
                         Ok(Entry {
-                            id: Uuid::new_v4(),
+                            id: ledger::new_entry_id(),
                             wallet_id: refund.wallet.as_str().to_owned(),
                             kind: EntryKind::Refund,
                             amount: amount.get(),
@@ -381,7 +381,7 @@ fn plan_transfer(
     let to_balance = Movement::Deposit { amount }.apply_to(to.1.balance)?;
     let id = Uuid::new_v4();
     let leg = |(wallet, row, fence): Side<'_>, kind, balance| Entry {
-        id: Uuid::new_v4(),
+        id: ledger::new_entry_id(),
         wallet_id: wallet.as_str().to_owned(),
         kind,
         amount: amount.get(),
