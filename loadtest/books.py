@@ -6,7 +6,7 @@
 (API_TOKEN in the environment, if the API wants one: sent as `Authorization: Bearer`.)
 
 The client's side is the k6 console log of the run (pay.js with ACK_LOG=1): one `WL {...}` line
-per wallet it opened (with the balance the API acknowledged) and per deposit or payment, with its
+(a console message may hold several, one per line) per wallet it opened (with the balance the API acknowledged) and per deposit or payment, with its
 final outcome as the client saw it: 200 with the ledger entry's id, a refusal (nothing applied), or
 undecided. Undecided operations are settled first, the way a client would: by sending the same
 request with the same Idempotency-Key until the API decides it (a stored answer is replayed; a
@@ -66,6 +66,14 @@ def console_messages(path):
                     yield json.loads('"' + match.group(1) + '"')
 
 
+def ack_records(path):
+    """The `WL {...}` records of a k6 console log, in order (a message may hold several, a line each)."""
+    for msg in console_messages(path):
+        for line in msg.split("\n"):
+            if line.startswith("WL "):
+                yield json.loads(line[3:])
+
+
 class Client:
     """One keep-alive HTTP connection per thread."""
 
@@ -116,10 +124,7 @@ def load_acks(path):
     opened = {}
     ops = {}
     problems = []
-    for msg in console_messages(path):
-        if not msg.startswith("WL "):
-            continue
-        record = json.loads(msg[3:])
+    for record in ack_records(path):
         if record["op"] == "open":
             opened[record["w"]] = record["amount"]
             continue

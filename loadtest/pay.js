@@ -31,8 +31,9 @@
 // scenario below),
 // API_TOKEN (sent as `Authorization: Bearer`; loadtest/run takes it from `deploy/local token`),
 // MAX_ERROR_RATE (0.001, unexpected answers per request), SUMMARY_JSON (where handleSummary writes
-// the JSON summary; none when unset), ACK_LOG=1 (one `WL {...}` console line per finished
-// operation: what the client saw acknowledged, read by loadtest/books.py).
+// the JSON summary; none when unset), ACK_LOG=1 (one `WL {...}` line per finished
+// operation: what the client saw acknowledged, read by loadtest/books.py; a VU logs its lines in
+// batches, see ack()).
 //
 // Phases, for a runner that measures the run alone (loadtest/run with COSTS=1): OPEN_ONLY=1 runs
 // setup() only (opens the wallets, one iteration that does nothing, no summary file); OPENED=1
@@ -54,6 +55,7 @@
 
 import http from 'k6/http';
 import { check, fail, sleep } from 'k6';
+import exec from 'k6/execution';
 import { Counter, Rate } from 'k6/metrics';
 
 // Latency thresholds (p95_ms, p99_ms) are per scenario: every payment on the hot wallet waits for
@@ -226,8 +228,36 @@ function code(res) {
   }
 }
 
+// The acknowledgements this VU has not logged yet, and when the oldest was added. A console line
+// costs k6 about as much CPU as a request's own checks, so in the closed model a VU logs up to
+// ACK_BATCH of them in one message (one `WL {...}` per line), at the latest ACK_HOLD_MS after the
+// first, and in the scenario's last ACK_TAIL_MS each as it comes: a constant-vus VU's last
+// iteration ends after the scenario does, so nothing is left unlogged when the run ends. Elsewhere
+// (setup, the open model, the flood: a VU may run no further iteration) every iteration logs its
+// own at its end.
+const ACK_BATCH = 64;
+const ACK_HOLD_MS = 500;
+const ACK_TAIL_MS = 2000;
+const ACKS_BATCHED = MODEL === 'closed' && SCENARIO !== 'flood';
+let unlogged = [];
+let unloggedSince = 0;
+
 function ack(record) {
-  if (ACK_LOG) console.log(`WL ${JSON.stringify(record)}`);
+  if (!ACK_LOG) return;
+  if (unlogged.length === 0) unloggedSince = Date.now();
+  unlogged.push(`WL ${JSON.stringify(record)}`);
+}
+
+// Logs what ack() gathered, unless it may wait for a fuller batch (see above).
+function flushAcks(batched) {
+  if (unlogged.length === 0) return;
+  if (batched) {
+    const now = Date.now();
+    const ends = exec.scenario.startTime + DURATION_S * 1000;
+    if (unlogged.length < ACK_BATCH && now - unloggedSince < ACK_HOLD_MS && now < ends - ACK_TAIL_MS) return;
+  }
+  console.log(unlogged.join('\n'));
+  unlogged = [];
 }
 
 function randomInt(min, max) {
@@ -278,6 +308,7 @@ export function setup() {
     pending = retry;
   }
   if (pending.length > 0) fail(`could not open ${pending.length} wallets (first: ${walletId(runId, pending[0])})`);
+  flushAcks(false);
   console.info(`opened ${WALLETS} wallets ${walletId(runId, 0)}..${WALLETS - 1} in ${Date.now() - started} ms`);
   return { runId };
 }
@@ -509,6 +540,7 @@ export default function (data) {
       flood(runId, walletId(runId, 0));
       break;
   }
+  flushAcks(ACKS_BATCHED);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    records = [json.loads(m[3:]) for m in books.console_messages(args.acks) if m.startswith("WL ")]
+    records = list(books.ack_records(args.acks))
     if args.mode == "first-pay":
         first = next((r for r in records if r["op"] == "pay" and r["s"] == 200), None)
         if first is None:
