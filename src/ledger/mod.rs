@@ -267,7 +267,7 @@ pub fn entry_time() -> DateTime<Utc> {
     now.duration_trunc(TimeDelta::microseconds(1)).unwrap_or(now)
 }
 
-/// What a holder read when it claimed a wallet.
+/// A wallet's balance and version, as a holder read it (or claimed it, for a transfer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Claimed {
     pub balance: i64,

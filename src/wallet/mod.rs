@@ -47,7 +47,7 @@ pub fn describe_metrics() {
     }
     describe_counter!(
         "walletlock_wallet_busy_total",
-        "Claims that found the wallet's row locked by another holder's statement, and tried again."
+        "Writes that found the wallet's row locked by another statement (a transfer, a holder that lost its lease), and tried again."
     );
     metrics::counter!("walletlock_wallet_busy_total").absolute(0);
     describe_counter!(
