@@ -6,11 +6,11 @@
 (API_TOKEN in the environment, if the API wants one: sent as `Authorization: Bearer`.)
 
 The client's side is the k6 console log of the run (pay.js with ACK_LOG=1): one `WL {...}` line
-(a console message may hold several, one per line) per wallet it opened (with the balance the API acknowledged) and per deposit or payment, with its
-final outcome as the client saw it: 200 with the ledger entry's id, a refusal (nothing applied), or
-undecided. Undecided operations are settled first, the way a client would: by sending the same
-request with the same Idempotency-Key until the API decides it (a stored answer is replayed; a
-request that never ran runs now).
+(a console message may hold several, one per line) per wallet it opened (with the balance the API
+acknowledged) and per deposit or payment, with its final outcome as the client saw it: 200 with
+the ledger entry's id, a refusal (nothing applied), or undecided. Undecided operations are settled
+first, the way a client would: by sending the same request with the same Idempotency-Key until the
+API decides it (a stored answer is replayed; a request that never ran runs now).
 
 Then, for every wallet of the run, through the API (GET /wallets/{id} and every page of
 GET /wallets/{id}/transactions):

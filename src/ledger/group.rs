@@ -113,15 +113,12 @@ pub async fn read(
     .await?;
 
     let mut found = Found::default();
+    // Each wallet row as it is: (balance and version, the fence of its last writer).
+    let mut rows_read: HashMap<String, (Claimed, i64)> = HashMap::new();
     for row in rows {
         if let Some(id) = row.try_get::<Option<String>, _>("wallet_id")? {
-            let balance: Option<i64> = row.try_get("balance")?;
-            let version: Option<i64> = row.try_get("version")?;
-            let fence: Option<i64> = row.try_get("fence")?;
-            let (Some(balance), Some(version), Some(fence)) = (balance, version, fence) else {
-                continue;
-            };
-            found.wallets.insert(id, ReadOutcome::Ready { wallet: Claimed { balance, version }, fence });
+            let wallet = Claimed { balance: row.try_get("balance")?, version: row.try_get("version")? };
+            rows_read.insert(id, (wallet, row.try_get("fence")?));
         } else if let Some(caller) = row.try_get::<Option<String>, _>("caller")? {
             let status: Option<i16> = row.try_get("status")?;
             let content_type: Option<String> = row.try_get("content_type")?;
@@ -138,16 +135,17 @@ pub async fn read(
     }
     // A token equal to the row's fence was issued twice (the counter went backwards) and must not
     // let two holders in: only a fence strictly above the row's may write it.
-    for wallet in wallets {
-        let outcome = match found.wallets.get(wallet.id) {
-            Some(ReadOutcome::Ready { fence: seen, .. }) if *seen >= wallet.fence => {
-                ReadOutcome::FenceBehind { seen: *seen }
-            }
-            Some(outcome) => *outcome,
-            None => ReadOutcome::NotFound,
-        };
-        found.wallets.insert(wallet.id.to_owned(), outcome);
-    }
+    found.wallets = wallets
+        .iter()
+        .map(|wallet| {
+            let outcome = match rows_read.get(wallet.id) {
+                Some(&(_, seen)) if seen >= wallet.fence => ReadOutcome::FenceBehind { seen },
+                Some(&(wallet, fence)) => ReadOutcome::Ready { wallet, fence },
+                None => ReadOutcome::NotFound,
+            };
+            (wallet.id.to_owned(), outcome)
+        })
+        .collect();
     Ok(found)
 }
 
