@@ -25,8 +25,8 @@
 //! | `LISTEN_BACKLOG` | `4096` | the listening socket's accept queue (the kernel caps it at `net.core.somaxconn`) |
 //! | `IDEMPOTENCY_RETENTION` | `24h` | how long a stored response is replayed for its key |
 //! | `IDEMPOTENCY_STALE_AFTER` | `10s` | when an in-flight key counts as abandoned by a dead replica |
-//! | `API_TOKENS` | (one of the two required) | `caller:token` entries, comma-separated; secret, never logged |
-//! | `API_TOKENS_FILE` | | a file of `caller:token` lines |
+//! | `API_TOKENS` | (one of the two required) | `caller:token` and `grant` entries (README, "Callers and their wallets"), comma-separated; secret, never logged |
+//! | `API_TOKENS_FILE` | | a file of `caller:token` and `grant` lines |
 //! | `LOG_FORMAT` | `pretty` | `pretty` or `json` |
 
 use crate::lease::{

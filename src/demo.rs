@@ -25,6 +25,9 @@ use std::{
 };
 use tokio::sync::Barrier;
 
+/// The caller that owns the wallets the demos open.
+pub const DEMO_CALLER: &str = "demo";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Demo {
     /// No lease: read, work, overwrite. Lost updates.
@@ -238,10 +241,10 @@ impl Sandbox {
         Ok(LeaseClient::new(self.redis.clone(), self.prefix.clone(), settings))
     }
 
-    /// A fresh wallet holding `balance`.
+    /// A fresh wallet holding `balance`, owned by the caller [`DEMO_CALLER`].
     pub async fn wallet(&self, balance: i64) -> anyhow::Result<WalletId> {
         let id = WalletId::generate();
-        ledger::create_wallet(&mut *self.db.acquire().await?, id.as_str(), balance).await?;
+        ledger::create_wallet(&mut *self.db.acquire().await?, id.as_str(), DEMO_CALLER, balance).await?;
         Ok(id)
     }
 

@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 use std::fmt;
+use std::sync::Arc;
 
 /// Input that breaks one of the rules below; names the field and the rule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -40,6 +41,37 @@ impl WalletId {
 impl fmt::Display for WalletId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
+    }
+}
+
+/// Whose wallets a request may see and move: the wallets its caller opened, or every wallet when
+/// the token file grants the caller that (an operator, a back office). Everything else is hidden:
+/// a wallet the caller may not use is answered as if it did not exist. A transfer may also pay into
+/// the wallets of the callers the token file lets this one pay into.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Access {
+    /// The caller (the API token's name): it owns the wallets it opens, and scopes its keys.
+    pub caller: Arc<str>,
+    pub every_wallet: bool,
+    /// Callers into whose wallets this one's transfers may pay, besides its own.
+    pub pays_into: Arc<[Arc<str>]>,
+}
+
+impl Access {
+    /// A caller with no grant: its own wallets only.
+    pub fn own_wallets(caller: &str) -> Self {
+        Self { caller: Arc::from(caller), every_wallet: false, pays_into: Arc::new([]) }
+    }
+
+    /// Whether the caller may see and move the money of a wallet owned by `owner` (`None`: a
+    /// wallet opened before owners were recorded, which only callers granted every wallet see).
+    pub fn may_use(&self, owner: Option<&str>) -> bool {
+        self.every_wallet || owner == Some(&*self.caller)
+    }
+
+    /// Whether a transfer of this caller's may pay into a wallet owned by `owner`.
+    pub fn may_pay_into(&self, owner: Option<&str>) -> bool {
+        self.may_use(owner) || owner.is_some_and(|owner| self.pays_into.iter().any(|payee| **payee == *owner))
     }
 }
 
@@ -194,6 +226,22 @@ mod tests {
         assert_eq!(refund_amount(some(71), 100, 30), Err(Refusal::RefundExceedsPayment { refundable: 70 }));
         assert_eq!(refund_amount(None, 100, 100), Err(Refusal::RefundExceedsPayment { refundable: 0 }));
         assert_eq!(refund_amount(some(1), 100, 100), Err(Refusal::RefundExceedsPayment { refundable: 0 }));
+    }
+
+    #[test]
+    fn a_caller_uses_its_own_wallets_and_pays_into_those_it_is_granted() {
+        let shop = Access::own_wallets("shop");
+        assert!(shop.may_use(Some("shop")));
+        assert!(!shop.may_use(Some("bank")), "another caller's wallet");
+        assert!(!shop.may_use(None), "a wallet opened before owners were recorded");
+        assert!(!shop.may_pay_into(Some("bank")));
+        let granted = Access { pays_into: Arc::from([Arc::from("bank")]), ..shop };
+        assert!(
+            granted.may_pay_into(Some("bank")) && !granted.may_use(Some("bank")),
+            "pays into, cannot move"
+        );
+        let ops = Access { every_wallet: true, ..Access::own_wallets("ops") };
+        assert!(ops.may_use(Some("shop")) && ops.may_use(None) && ops.may_pay_into(Some("bank")));
     }
 
     #[test]

@@ -1,11 +1,11 @@
 //! `/transfers` and `/wallets/{id}/refunds`: money between wallets, and back.
 
 use super::ApiContext;
-use super::auth::Caller;
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
 use super::idempotent::{self, Keyed, render_movement, render_transfer};
 use crate::domain;
+use crate::domain::Access;
 use crate::idempotency::Scope;
 use crate::ledger::Entry;
 use crate::ledger::transfer::Transfer;
@@ -94,7 +94,7 @@ struct NewTransfer {
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
         (status = 404, body = ProblemDocument, content_type = PROBLEM_JSON,
-            description = "`wallet_not_found` (`field`: `from` or `to`)"),
+            description = "`wallet_not_found` (`field`: `from` or `to`; also a wallet the caller may not pay from or into)"),
         (status = 409, description = CONFLICT, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
         (status = 413, description = TOO_LARGE, body = ProblemDocument, content_type = PROBLEM_JSON),
@@ -109,7 +109,7 @@ struct NewTransfer {
 )]
 async fn transfer(
     State(ctx): State<ApiContext>,
-    Extension(caller): Extension<Caller>,
+    Extension(access): Extension<Access>,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
     body: JsonBody<NewTransfer>,
@@ -121,8 +121,8 @@ async fn transfer(
     let between =
         Between { parties, amount: Amount::new(*amount)?, reference: domain::reference(reference.clone())? };
     let keyed = Keyed { key, path: uri.path(), body: &body.raw };
-    let key = idempotent::keyed(Scope::transfers(&caller.0), keyed, render_transfer);
-    Ok(idempotent::transfer_response(ctx.wallets.transfer(between, key).await))
+    let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_transfer);
+    Ok(idempotent::transfer_response(ctx.wallets.transfer(&access, between, key).await))
 }
 
 /// A transfer and what has been refunded of it.
@@ -147,7 +147,7 @@ struct TransferState {
         (status = 400, description = "`invalid_transfer_id`", body = ProblemDocument, content_type = PROBLEM_JSON),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
-        (status = 404, description = "`transfer_not_found`", body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 404, description = "`transfer_not_found` (also one with neither wallet the caller's)", body = ProblemDocument, content_type = PROBLEM_JSON),
         (status = 503, description = "`dependency_unavailable`, `request_timeout`: retry after `Retry-After`",
             body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
@@ -155,9 +155,10 @@ struct TransferState {
 )]
 async fn get_transfer(
     State(ctx): State<ApiContext>,
+    Extension(access): Extension<Access>,
     TransferPath(id): TransferPath,
 ) -> Result<Json<TransferState>, ApiError> {
-    let found = ctx.wallets.find_transfer(id).await?;
+    let found = ctx.wallets.find_transfer(&access, id).await?;
     Ok(Json(TransferState { transfer: found.transfer, refunded: found.refunded }))
 }
 
@@ -188,7 +189,7 @@ struct TransferRefund {
                            `malformed_json`, `invalid_body`"),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
-        (status = 404, description = "`transfer_not_found`", body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 404, description = "`transfer_not_found` (also one the caller may not refund: the wallet it paid into is not the caller's)", body = ProblemDocument, content_type = PROBLEM_JSON),
         (status = 409, description = CONFLICT, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
         (status = 413, description = TOO_LARGE, body = ProblemDocument, content_type = PROBLEM_JSON),
@@ -203,7 +204,7 @@ struct TransferRefund {
 )]
 async fn refund_transfer(
     State(ctx): State<ApiContext>,
-    Extension(caller): Extension<Caller>,
+    Extension(access): Extension<Access>,
     TransferPath(id): TransferPath,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
@@ -211,8 +212,8 @@ async fn refund_transfer(
 ) -> Result<Response, ApiError> {
     let amount = body.value.amount.map(Amount::new).transpose()?;
     let keyed = Keyed { key, path: uri.path(), body: &body.raw };
-    let key = idempotent::keyed(Scope::transfers(&caller.0), keyed, render_transfer);
-    Ok(idempotent::transfer_response(ctx.wallets.refund_transfer(id, amount, key).await))
+    let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_transfer);
+    Ok(idempotent::transfer_response(ctx.wallets.refund_transfer(&access, id, amount, key).await))
 }
 
 /// Money back into a wallet for one of its payments. Unknown fields are refused.
@@ -260,7 +261,7 @@ struct PaymentRefund {
 )]
 async fn refund_payment(
     State(ctx): State<ApiContext>,
-    Extension(caller): Extension<Caller>,
+    Extension(access): Extension<Access>,
     WalletPath(id): WalletPath,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
@@ -270,7 +271,7 @@ async fn refund_payment(
         .map_err(|_| InvalidInput { field: "payment", rule: "the id of a pay entry (a UUID)" })?;
     let amount = body.value.amount.map(Amount::new).transpose()?;
     let keyed = Keyed { key, path: uri.path(), body: &body.raw };
-    let key = idempotent::keyed(Scope::wallet(&caller.0, &id), keyed, render_movement);
+    let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_movement);
     let refund = Refund { wallet: id, payment, amount };
-    Ok(idempotent::movement_response(ctx.wallets.refund_payment(refund, key).await))
+    Ok(idempotent::movement_response(ctx.wallets.refund_payment(&access, refund, key).await))
 }

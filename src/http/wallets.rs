@@ -1,11 +1,11 @@
 //! `/wallets`: open, read, deposit, pay, and page through the ledger.
 
 use super::ApiContext;
-use super::auth::Caller;
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, QueryParams, WalletPath};
 use super::idempotent::{self, Keyed, render_movement, render_open};
 use crate::domain;
+use crate::domain::Access;
 use crate::idempotency::{Receipt, Scope};
 use crate::ledger::{Entry, Wallet};
 use crate::wallet::{AlreadyExists, Amount, InvalidInput, Movement, WalletError, WalletId};
@@ -21,7 +21,7 @@ use utoipa::ToSchema;
 
 // Response descriptions shared by the operations' documentation.
 const UNAUTHORIZED: &str = "`unauthorized`: no known bearer token";
-const NO_WALLET: &str = "`wallet_not_found`; `not_found` for an empty id";
+const NO_WALLET: &str = "`wallet_not_found` (also a wallet of another caller: to it, it does not exist); `not_found` for an empty id";
 const TOO_LARGE: &str = "`payload_too_large`: the body is over 16 KiB";
 const NOT_JSON: &str = "`unsupported_media_type`: the body is not `application/json`";
 const KEY_REUSED: &str = "`idempotency_key_reused`: the key was used for a different request";
@@ -93,7 +93,7 @@ struct OpenWallet {
 )]
 async fn open_wallet(
     State(ctx): State<ApiContext>,
-    Extension(caller): Extension<Caller>,
+    Extension(access): Extension<Access>,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
     body: JsonBody<OpenWallet>,
@@ -104,13 +104,13 @@ async fn open_wallet(
     };
     tracing::Span::current().record("wallet_id", id.as_str());
     let balance = domain::opening_balance(body.value.balance.unwrap_or(0))?;
-    let scope = Scope::wallet_creation(&caller.0);
+    let scope = Scope::wallet_creation(&access.caller);
     let claim = match idempotent::begin(&ctx, scope, Keyed { key, path: uri.path(), body: &body.raw }).await {
         Ok(claim) => claim,
         Err(answered) => return Ok(answered),
     };
     let receipt = claim.map(|claim| Receipt { claim, render: render_open });
-    let outcome = match ctx.wallets.open(&id, balance, receipt).await {
+    let outcome = match ctx.wallets.open(&access.caller, &id, balance, receipt).await {
         Ok(wallet) => Ok(wallet),
         Err(WalletError::Exists) => Err(AlreadyExists),
         Err(err) => return Err(err.into()),
@@ -138,9 +138,10 @@ async fn open_wallet(
 )]
 async fn get_wallet(
     State(ctx): State<ApiContext>,
+    Extension(access): Extension<Access>,
     WalletPath(id): WalletPath,
 ) -> Result<Json<Wallet>, ApiError> {
-    Ok(Json(ctx.wallets.get(&id).await?))
+    Ok(Json(ctx.wallets.get(&access, &id).await?))
 }
 
 /// Money in. Unknown fields are refused.
@@ -187,7 +188,7 @@ struct Deposit {
 )]
 async fn deposit(
     State(ctx): State<ApiContext>,
-    Extension(caller): Extension<Caller>,
+    Extension(access): Extension<Access>,
     WalletPath(id): WalletPath,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
@@ -195,7 +196,7 @@ async fn deposit(
 ) -> Result<Response, ApiError> {
     let movement = Movement::Deposit { amount: Amount::new(body.value.amount)? };
     let keyed = Keyed { key, path: uri.path(), body: &body.raw };
-    Ok(move_money(&ctx, &caller, &id, movement, keyed).await)
+    Ok(move_money(&ctx, &access, &id, movement, keyed).await)
 }
 
 /// Money out. Unknown fields are refused.
@@ -245,7 +246,7 @@ struct Pay {
 )]
 async fn pay(
     State(ctx): State<ApiContext>,
-    Extension(caller): Extension<Caller>,
+    Extension(access): Extension<Access>,
     WalletPath(id): WalletPath,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
@@ -254,19 +255,19 @@ async fn pay(
     let Pay { amount, reference } = body.value;
     let movement = Movement::Pay { amount: Amount::new(amount)?, reference: domain::reference(reference)? };
     let keyed = Keyed { key, path: uri.path(), body: &body.raw };
-    Ok(move_money(&ctx, &caller, &id, movement, keyed).await)
+    Ok(move_money(&ctx, &access, &id, movement, keyed).await)
 }
 
 /// Runs a validated movement, honouring its idempotency key.
 async fn move_money(
     ctx: &ApiContext,
-    caller: &Caller,
+    access: &Access,
     id: &WalletId,
     movement: Movement,
     keyed: Keyed<'_>,
 ) -> Response {
-    let key = idempotent::keyed(Scope::wallet(&caller.0, id), keyed, render_movement);
-    let result = ctx.wallets.apply(id, movement, key).await;
+    let key = idempotent::keyed(Scope::wallet(&access.caller, id), keyed, render_movement);
+    let result = ctx.wallets.apply(access, id, movement, key).await;
     if let Ok(entry) = &result {
         tracing::Span::current().record("fence", entry.fence);
     }
@@ -319,6 +320,7 @@ struct Page {
 )]
 async fn transactions(
     State(ctx): State<ApiContext>,
+    Extension(access): Extension<Access>,
     WalletPath(id): WalletPath,
     QueryParams(query): QueryParams<PageQuery>,
 ) -> Result<Json<Page>, ApiError> {
@@ -337,7 +339,7 @@ async fn transactions(
                 .ok_or(InvalidInput { field: "before", rule: "a next_cursor returned by this endpoint" })?,
         ),
     };
-    let transactions = ctx.wallets.history(&id, before, limit).await?;
+    let transactions = ctx.wallets.history(&access, &id, before, limit).await?;
     // Versions are contiguous from 1, so there is an older page exactly when the oldest entry on
     // this one is not the wallet's first.
     let next_cursor =

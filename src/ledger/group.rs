@@ -42,12 +42,13 @@ pub struct ToRead<'a> {
 }
 
 /// What the read found of one wallet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReadOutcome {
-    /// The wallet as it is, with the fence of its last writer: below the lease's.
+    /// The wallet as it is, with the fence of its last writer (below the lease's) and its owner.
     Ready {
         wallet: Claimed,
         fence: i64,
+        owner: Option<String>,
     },
     /// The row has seen this fence or a higher one (see [`StoreError::FenceBehind`]).
     FenceBehind {
@@ -92,13 +93,13 @@ pub async fn read(
                where k.caller = q.caller and k.scope = q.scope and k.key = q.key
                  and k.expires_at < now()
            )
-           select w.id as wallet_id, w.balance, w.version, w.fence, null::text as caller,
+           select w.id as wallet_id, w.balance, w.version, w.fence, w.owner, null::text as caller,
                   null::text as scope, null::text as key, null::bytea as fingerprint,
                   null::int2 as status, null::text as content_type, null::bytea as body
            from wallet w
            where w.id = any($1::text[])
            union all
-           select null, null, null, null, k.caller, k.scope, k.key, k.fingerprint, k.status,
+           select null, null, null, null, null, k.caller, k.scope, k.key, k.fingerprint, k.status,
                   k.content_type, k.body
            from idempotency_key k
            join unnest($2::text[], $3::text[], $4::text[]) as q(caller, scope, key)
@@ -113,12 +114,12 @@ pub async fn read(
     .await?;
 
     let mut found = Found::default();
-    // Each wallet row as it is: (balance and version, the fence of its last writer).
-    let mut rows_read: HashMap<String, (Claimed, i64)> = HashMap::new();
+    // Each wallet row as it is: (balance and version, the fence of its last writer, its owner).
+    let mut rows_read: HashMap<String, (Claimed, i64, Option<String>)> = HashMap::new();
     for row in rows {
         if let Some(id) = row.try_get::<Option<String>, _>("wallet_id")? {
             let wallet = Claimed { balance: row.try_get("balance")?, version: row.try_get("version")? };
-            rows_read.insert(id, (wallet, row.try_get("fence")?));
+            rows_read.insert(id, (wallet, row.try_get("fence")?, row.try_get("owner")?));
         } else if let Some(caller) = row.try_get::<Option<String>, _>("caller")? {
             let status: Option<i16> = row.try_get("status")?;
             let content_type: Option<String> = row.try_get("content_type")?;
@@ -139,8 +140,10 @@ pub async fn read(
         .iter()
         .map(|wallet| {
             let outcome = match rows_read.get(wallet.id) {
-                Some(&(_, seen)) if seen >= wallet.fence => ReadOutcome::FenceBehind { seen },
-                Some(&(wallet, fence)) => ReadOutcome::Ready { wallet, fence },
+                Some(&(_, seen, _)) if seen >= wallet.fence => ReadOutcome::FenceBehind { seen },
+                Some((wallet, fence, owner)) => {
+                    ReadOutcome::Ready { wallet: *wallet, fence: *fence, owner: owner.clone() }
+                }
                 None => ReadOutcome::NotFound,
             };
             (wallet.id.to_owned(), outcome)

@@ -99,6 +99,9 @@ pub struct Wallet {
     pub version: i64,
     #[serde(skip)]
     pub fence: i64,
+    /// The caller that opened it; `None` for a wallet opened before owners were recorded.
+    #[serde(skip)]
+    pub owner: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -274,21 +277,23 @@ pub struct Claimed {
     pub version: i64,
 }
 
-/// Creates a wallet with an opening balance and its `open` entry, so that from its first moment
-/// the wallet's balance equals the sum of its ledger. No lease is needed: a new row has no other
-/// writer, and its primary key refuses a second creation.
+/// Creates a wallet owned by `owner` with an opening balance and its `open` entry, so that from
+/// its first moment the wallet's balance equals the sum of its ledger. No lease is needed: a new
+/// row has no other writer, and its primary key refuses a second creation.
 pub async fn create_wallet(
     conn: &mut PgConnection,
     id: &str,
+    owner: &str,
     balance: i64,
 ) -> Result<(Wallet, Entry), StoreError> {
     let wallet = sqlx::query_as!(
         Wallet,
         // language=PostgreSQL
-        r#"insert into wallet (id, balance, version) values ($1, $2, 1)
-           returning id, balance, version, fence, created_at, updated_at"#,
+        r#"insert into wallet (id, balance, version, owner) values ($1, $2, 1, $3)
+           returning id, balance, version, fence, owner, created_at, updated_at"#,
         id,
         balance,
+        owner,
     )
     .fetch_one(&mut *conn)
     .await
@@ -315,7 +320,7 @@ pub async fn find_wallet(conn: &mut PgConnection, id: &str) -> Result<Option<Wal
     Ok(sqlx::query_as!(
         Wallet,
         // language=PostgreSQL
-        "select id, balance, version, fence, created_at, updated_at from wallet where id = $1",
+        "select id, balance, version, fence, owner, created_at, updated_at from wallet where id = $1",
         id,
     )
     .fetch_optional(conn)

@@ -19,7 +19,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
 }
 
 /// Grants `role` exactly what the service needs on the tables of the current schema, and nothing
-/// else: it reads and writes wallets, appends to the ledger and the transfers (never updates or
+/// else: it reads wallets and writes their balance, version and fence, appends to the ledger and the transfers (never updates or
 /// deletes them), and manages idempotency keys. Replicas connect as that role; migrations run as the owner. Granting
 /// again is harmless, so every `walletlock migrate --app-role` re-applies it.
 pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
@@ -32,7 +32,11 @@ pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
     let mut tx = pool.begin().await?;
     for statement in [
         format!(r#"grant usage on schema "{schema}" to {role}"#),
-        format!(r#"grant select, insert, update on "{schema}".wallet to {role}"#),
+        // The columns a movement writes, and no other: a wallet's id and owner never change.
+        format!(r#"revoke update on "{schema}".wallet from {role}"#),
+        format!(
+            r#"grant select, insert, update (balance, version, fence, updated_at) on "{schema}".wallet to {role}"#
+        ),
         format!(r#"grant select, insert on "{schema}".ledger_entry to {role}"#),
         format!(r#"grant select, insert on "{schema}".transfer to {role}"#),
         format!(r#"grant select, insert, update, delete on "{schema}".idempotency_key to {role}"#),

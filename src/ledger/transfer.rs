@@ -19,12 +19,13 @@ use std::time::Duration;
 use uuid::Uuid;
 
 /// A wallet row as locked by [`lock_wallets`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LockedWallet {
     pub balance: i64,
     pub version: i64,
     /// The highest fence any holder has claimed the row with.
     pub fence: i64,
+    pub owner: Option<String>,
 }
 
 /// Locks the rows of `ids` in id order until the transaction ends, waiting at most `lock_timeout`
@@ -42,7 +43,7 @@ pub async fn lock_wallets(
         .await?;
     let rows = sqlx::query(
         // language=PostgreSQL
-        "select id, balance, version, fence from wallet where id = any($1) order by id for update",
+        "select id, balance, version, fence, owner from wallet where id = any($1) order by id for update",
     )
     .bind(ids)
     .fetch_all(&mut *tx)
@@ -53,6 +54,7 @@ pub async fn lock_wallets(
                 balance: row.try_get("balance")?,
                 version: row.try_get("version")?,
                 fence: row.try_get("fence")?,
+                owner: row.try_get("owner")?,
             };
             Ok((row.try_get("id")?, locked))
         })
@@ -162,11 +164,12 @@ pub async fn insert_transfer(tx: &mut PgConnection, transfer: &Transfer) -> Resu
     Ok(())
 }
 
-/// A transfer and how much of it has been refunded so far.
+/// A transfer, how much of it has been refunded so far, and the owners of its two wallets.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FoundTransfer {
     pub transfer: Transfer,
     pub refunded: i64,
+    pub owners: [Option<String>; 2],
 }
 
 /// The transfer `id`, with its legs and what its refunds add up to.
@@ -175,7 +178,9 @@ pub async fn find_transfer(conn: &mut PgConnection, id: Uuid) -> Result<Option<F
         // language=PostgreSQL
         r#"select t.id, t.from_wallet, t.to_wallet, t.amount, t.reference, t.refund_of, t.created_at,
                   (select coalesce(sum(r.amount), 0)::int8 from transfer r where r.refund_of = t.id)
-                      as refunded
+                      as refunded,
+                  (select owner from wallet where id = t.from_wallet) as from_owner,
+                  (select owner from wallet where id = t.to_wallet) as to_owner
            from transfer t where t.id = $1"#,
     )
     .bind(id)
@@ -211,7 +216,8 @@ pub async fn find_transfer(conn: &mut PgConnection, id: Uuid) -> Result<Option<F
         to_entry: leg(super::EntryKind::TransferIn)?,
         created_at: row.try_get("created_at")?,
     };
-    Ok(Some(FoundTransfer { transfer, refunded: row.try_get("refunded")? }))
+    let owners = [row.try_get("from_owner")?, row.try_get("to_owner")?];
+    Ok(Some(FoundTransfer { transfer, refunded: row.try_get("refunded")?, owners }))
 }
 
 /// What the refunds of transfer `id` add up to. Call with both of its wallets locked: every refund

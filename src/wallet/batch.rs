@@ -5,9 +5,10 @@
 //! A payment that does not fit is refused alone; the rest go through. A request whose key is
 //! already stored does not run: it gets the stored response (or `idempotency_key_reused`). A
 //! request whose key an earlier request of the same batch carries waits for that one and gets its
-//! response too, so a double tap that lands in one batch charges once.
+//! response too, so a double tap that lands in one batch charges once. A request from a caller
+//! that may not use the wallet ([`Access`]) is answered as if the wallet did not exist.
 
-use super::{MovementOutcome, WalletError, WalletId};
+use super::{Access, MovementOutcome, WalletError, WalletId};
 use crate::idempotency::{Keyed, Prior};
 use crate::ledger::group::FoundKey;
 use crate::ledger::idempotency::StoredResponse;
@@ -15,22 +16,26 @@ use crate::ledger::{self, Entry, EntryKind};
 use crate::wallet::{Movement, Refusal};
 use chrono::{DateTime, Utc};
 use std::collections::HashMap;
+use std::sync::Arc;
 
-/// One movement to apply, with its idempotency key if the request had one.
+/// One movement to apply for a caller, with its idempotency key if the request had one.
 #[derive(Debug)]
 pub struct Op {
     pub movement: Movement,
+    pub access: Access,
     pub key: Option<Keyed<MovementOutcome>>,
 }
 
 /// The wallet as its lease holder last read or wrote it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Held {
     pub balance: i64,
     pub version: i64,
     /// The fence of the row's last writer: below the lease's when just read, the lease's own once
     /// this holder has written.
     pub fence: i64,
+    /// The caller that owns the wallet (it never changes).
+    pub owner: Option<Arc<str>>,
 }
 
 /// Stored keys by `(caller, scope, key)`.
@@ -46,6 +51,8 @@ enum Decision {
     Prior(Prior),
     /// Its key is the one an earlier op of this batch (the n-th) carries, for the same request.
     SameAs(usize),
+    /// Its caller may not use the wallet: answered as if the wallet did not exist.
+    Hidden,
 }
 
 /// A batch decided: what to write, and how to answer each op once the write is known.
@@ -89,6 +96,7 @@ impl Plan {
                 Decision::Accepted(entry) => ran(Ok(self.entries[*entry].clone())),
                 Decision::Refused(refusal) => ran(Err(WalletError::Refused(*refusal))),
                 Decision::Prior(prior) => Err(WalletError::AlreadyRan(prior.clone())),
+                Decision::Hidden => Err(WalletError::NotFound),
                 Decision::SameAs(first) => match &results[*first] {
                     Ok(_) | Err(WalletError::Refused(_)) => {
                         let stored =
@@ -112,7 +120,7 @@ impl Plan {
 pub fn decide(
     id: &WalletId,
     fence: i64,
-    held: Held,
+    held: &Held,
     ops: &[Op],
     found: &FoundKeys,
     now: DateTime<Utc>,
@@ -124,6 +132,10 @@ pub fn decide(
     let mut first_with_key: HashMap<(&str, &str, &str), (usize, &[u8; 32])> = HashMap::new();
     let mut decisions = Vec::with_capacity(ops.len());
     for (n, op) in ops.iter().enumerate() {
+        if !op.access.may_use(held.owner.as_deref()) {
+            decisions.push(Decision::Hidden);
+            continue;
+        }
         if let Some(key) = &op.key {
             let at = key.at();
             let stored = found.get(&(at.caller.to_owned(), at.scope.to_owned(), at.key.to_owned()));
@@ -173,10 +185,11 @@ pub fn decide(
             responses.push((n, (key.render)(&outcome)));
         }
     }
-    let mut plan = Plan { decisions, entries, after: held, responses };
+    let mut plan = Plan { decisions, entries, after: held.clone(), responses };
     // Only a batch that is written raises the row's fence to the lease's.
     if plan.runs() {
-        plan.after = Held { balance, version: held.version + plan.entries.len() as i64, fence };
+        let version = held.version + plan.entries.len() as i64;
+        plan.after = Held { balance, version, fence, owner: held.owner.clone() };
     }
     plan
 }

@@ -17,6 +17,7 @@ use crate::ledger::group::{self as store, GroupWrite, KeyWrite, ReadOutcome, ToR
 use crate::ledger::idempotency::KeyRef;
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
@@ -185,7 +186,7 @@ async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Subm
         let now = round_time();
         let plans: Vec<Plan> = ready
             .iter()
-            .map(|r| batch::decide(&r.job.id, r.job.fence, r.held, &r.job.ops, &found, now))
+            .map(|r| batch::decide(&r.job.id, r.job.fence, &r.held, &r.job.ops, &found, now))
             .collect();
         let write = group_write(&ready, &plans);
         let written = if write.wallets.is_empty() {
@@ -221,8 +222,8 @@ async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Subm
                         continue;
                     }
                     let matched = !plan.runs() || committed.moved.contains(id);
-                    let held = if matched { Some(plan.after) } else { None };
                     let results = plan.results(Ok(matched));
+                    let held = if matched { Some(plan.after) } else { None };
                     let _ = r.reply.send(JobOutcome::Done { held, results });
                 }
                 return Some(conn);
@@ -278,9 +279,12 @@ async fn read(
         let held = match job.held {
             Some(held) => held,
             None => match found.wallets.get(job.id.as_str()) {
-                Some(ReadOutcome::Ready { wallet, fence }) => {
-                    Held { balance: wallet.balance, version: wallet.version, fence: *fence }
-                }
+                Some(ReadOutcome::Ready { wallet, fence, owner }) => Held {
+                    balance: wallet.balance,
+                    version: wallet.version,
+                    fence: *fence,
+                    owner: owner.as_deref().map(Arc::from),
+                },
                 Some(ReadOutcome::FenceBehind { seen }) => {
                     let _ = reply.send(JobOutcome::FenceBehind { seen: *seen, ops: job.ops });
                     continue;
@@ -291,7 +295,7 @@ async fn read(
                 }
             },
         };
-        ready.push(Ready { job: Job { held: Some(held), ..job }, held, reply });
+        ready.push(Ready { job: Job { held: Some(held.clone()), ..job }, held, reply });
     }
     Ok(std::mem::take(&mut found.keys))
 }

@@ -18,7 +18,7 @@ mod group;
 mod queue;
 mod transfer;
 
-pub use crate::domain::{Amount, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId};
+pub use crate::domain::{Access, Amount, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId};
 pub use queue::{MAX_BATCH, MAX_HOLD};
 pub use transfer::{Between, Refund, RefundOutcome, TransferOutcome};
 
@@ -321,18 +321,20 @@ impl Wallets {
         Ok(idempotency::begin(&self.db, settings, scope, key, fingerprint).await?)
     }
 
-    /// Opens a wallet with an opening balance (recorded as its `open` entry). With a receipt, the
-    /// outcome is stored for its idempotency key in the same transaction.
+    /// Opens a wallet owned by `owner` (a caller) with an opening balance (recorded as its `open`
+    /// entry). With a receipt, the outcome is stored for its idempotency key in the same
+    /// transaction.
     pub async fn open(
         &self,
+        owner: &str,
         id: &WalletId,
         balance: i64,
         receipt: Option<Receipt<OpenOutcome>>,
     ) -> Result<Wallet, WalletError> {
-        let (this, id) = (self.clone(), id.clone());
+        let (this, id, owner) = (self.clone(), id.clone(), owner.to_owned());
         self.run_to_end(receipt.as_ref().map(|r| r.claim.clone()), async move {
             let mut tx = this.db.begin().await?;
-            match ledger::create_wallet(&mut tx, id.as_str(), balance).await {
+            match ledger::create_wallet(&mut tx, id.as_str(), &owner, balance).await {
                 Ok((wallet, open)) => {
                     if let Some(receipt) = &receipt
                         && !idempotency::complete(&mut tx, receipt, &Ok(wallet.clone()), Some(open.id))
@@ -360,33 +362,42 @@ impl Wallets {
         .await
     }
 
-    pub async fn get(&self, id: &WalletId) -> Result<Wallet, WalletError> {
+    /// The wallet, if `access` may use it: to a caller that may not, it does not exist.
+    pub async fn get(&self, access: &Access, id: &WalletId) -> Result<Wallet, WalletError> {
         let mut conn = self.connection().await?;
-        ledger::find_wallet(&mut conn, id.as_str()).await?.ok_or(WalletError::NotFound)
+        ledger::find_wallet(&mut conn, id.as_str())
+            .await?
+            .filter(|wallet| access.may_use(wallet.owner.as_deref()))
+            .ok_or(WalletError::NotFound)
     }
 
-    /// A page of the wallet's ledger, newest first, below version `before`.
+    /// A page of the wallet's ledger, newest first, below version `before`, if `access` may use
+    /// the wallet.
     pub async fn history(
         &self,
+        access: &Access,
         id: &WalletId,
         before: Option<i64>,
         limit: i64,
     ) -> Result<Vec<Entry>, WalletError> {
         let mut conn = self.connection().await?;
-        let page = ledger::entries_page(&mut conn, id.as_str(), before, limit).await?;
-        // Every wallet has its `open` entry, so an empty page means no wallet or past its start.
-        if page.is_empty() && ledger::find_wallet(&mut conn, id.as_str()).await?.is_none() {
+        let visible = ledger::find_wallet(&mut conn, id.as_str())
+            .await?
+            .is_some_and(|wallet| access.may_use(wallet.owner.as_deref()));
+        if !visible {
             return Err(WalletError::NotFound);
         }
-        Ok(page)
+        Ok(ledger::entries_page(&mut conn, id.as_str(), before, limit).await?)
     }
 
-    /// Applies a movement under the wallet's lease with a fenced commit. With a key, the key is
-    /// looked up first by the lease holder: a key used before answers
+    /// Applies a movement for `access` under the wallet's lease with a fenced commit. With a key,
+    /// the key is looked up first by the lease holder: a key used before answers
     /// [`WalletError::AlreadyRan`] and applies nothing; a new key's outcome is stored in the
-    /// statement that moves the money.
+    /// statement that moves the money. A wallet `access` may not use is [`WalletError::NotFound`],
+    /// decided by the lease holder from the row it read, with nothing applied.
     pub async fn apply(
         &self,
+        access: &Access,
         id: &WalletId,
         movement: Movement,
         key: Option<Keyed<MovementOutcome>>,
@@ -395,7 +406,7 @@ impl Wallets {
             Movement::Deposit { .. } => "deposit",
             Movement::Pay { .. } => "pay",
         };
-        let op = batch::Op { movement, key };
+        let op = batch::Op { movement, access: access.clone(), key };
         let result = match self.strategy {
             Strategy::Queue => {
                 let reply = self.apply_queued(id, op).await;

@@ -193,7 +193,7 @@ impl Wallets {
                 .map(|Pending { op, enqueued, deadline, reply }| ((enqueued, deadline, reply), op))
                 .unzip();
             metrics::histogram!(crate::telemetry::metrics::BATCH_SIZE).record(ops.len() as f64);
-            let job = Job { id: id.clone(), fence: lease.fence(), held, ops };
+            let job = Job { id: id.clone(), fence: lease.fence(), held: held.clone(), ops };
             let rejoin =
                 |waiters: Vec<(Instant, Instant, oneshot::Sender<Reply>)>, ops: Vec<Op>| -> Vec<Pending> {
                     waiters

@@ -15,11 +15,16 @@
 //! rows locked. Every refund of one payment or transfer locks the same rows, so two refunds racing
 //! on two replicas take turns and never add up to more than what they refund.
 //!
+//! Who may: a transfer pays from a wallet its caller may use into one it may use or may pay into
+//! ([`Access`]); a refund of a transfer is made by a caller that may use the wallet it paid into
+//! (the money goes back where it came from, whoever owns that); a refund of a payment by a caller
+//! that may use the paying wallet. To anyone else the wallet (or the transfer) does not exist.
+//!
 //! The known cost: on one replica, a wallet's queue worker may hold that wallet's lease while a
 //! transfer waits for it, as another replica would (bounded by the lease wait); the worker hands
 //! the lease over after its current batch, because the transfer marks it contended.
 
-use super::{Amount, Movement, MovementOutcome, Refusal, WalletError, WalletId, Wallets, lease_name};
+use super::{Access, Amount, Movement, MovementOutcome, Refusal, WalletError, WalletId, Wallets, lease_name};
 use crate::domain::{self, Parties};
 use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
@@ -61,6 +66,7 @@ enum Work {
     /// Money from `parties.from` to `parties.to`. A refund of a transfer names it and the amount it
     /// moved (`refunds`), and may leave `amount` to be the rest.
     Transfer {
+        access: Access,
         parties: Parties,
         amount: Option<Amount>,
         reference: Option<String>,
@@ -68,7 +74,7 @@ enum Work {
         key: Option<Keyed<TransferOutcome>>,
     },
     /// Money back into a wallet, for one of its payments.
-    PaymentRefund { refund: Refund, key: Option<Keyed<RefundOutcome>> },
+    PaymentRefund { access: Access, refund: Refund, key: Option<Keyed<RefundOutcome>> },
 }
 
 /// What a committed [`Work`] wrote.
@@ -107,9 +113,20 @@ impl Work {
         }
     }
 
-    /// The answer when `wallet` does not exist.
+    /// Whether the caller may move the money of `wallet`, owned by `owner` (see the module doc).
+    fn may_touch(&self, wallet: &WalletId, owner: Option<&str>) -> bool {
+        match self {
+            Work::Transfer { access, parties, .. } if *wallet == parties.from => access.may_use(owner),
+            Work::Transfer { refunds: Some(_), .. } => true,
+            Work::Transfer { access, .. } => access.may_pay_into(owner),
+            Work::PaymentRefund { access, .. } => access.may_use(owner),
+        }
+    }
+
+    /// The answer when `wallet` does not exist, or is not the caller's to touch.
     fn missing(&self, wallet: &WalletId) -> WalletError {
         match self {
+            Work::Transfer { refunds: Some(_), .. } => WalletError::TransferNotFound,
             Work::Transfer { parties, .. } => {
                 WalletError::PartyNotFound { field: if *wallet == parties.from { "from" } else { "to" } }
             }
@@ -156,11 +173,13 @@ impl Wallets {
     /// key's outcome is stored in the transaction that moves the money.
     pub async fn transfer(
         &self,
+        access: &Access,
         between: Between,
         key: Option<Keyed<TransferOutcome>>,
     ) -> Result<Transfer, WalletError> {
         let Between { parties, amount, reference } = between;
-        let work = Work::Transfer { parties, amount: Some(amount), reference, refunds: None, key };
+        let access = access.clone();
+        let work = Work::Transfer { access, parties, amount: Some(amount), reference, refunds: None, key };
         match self.run_work(work).await? {
             Done::Transfer(transfer) => Ok(*transfer),
             Done::Entry(_) => Err(WalletError::internal("a transfer wrote an entry alone")),
@@ -172,14 +191,16 @@ impl Wallets {
     /// ([`Refusal::RefundExceedsPayment`]).
     pub async fn refund_transfer(
         &self,
+        access: &Access,
         id: Uuid,
         amount: Option<Amount>,
         key: Option<Keyed<TransferOutcome>>,
     ) -> Result<Transfer, WalletError> {
-        let original = self.find_transfer(id).await?.transfer;
+        let original = self.find_transfer(access, id).await?.transfer;
         let wallet = |id: &str| WalletId::parse(id).map_err(|_| WalletError::internal("a stored wallet id"));
         let parties = Parties { from: wallet(&original.to)?, to: wallet(&original.from)? };
         let work = Work::Transfer {
+            access: access.clone(),
             parties,
             amount,
             reference: None,
@@ -196,19 +217,23 @@ impl Wallets {
     /// payment. Its refunds never add up to more than it ([`Refusal::RefundExceedsPayment`]).
     pub async fn refund_payment(
         &self,
+        access: &Access,
         refund: Refund,
         key: Option<Keyed<RefundOutcome>>,
     ) -> Result<Entry, WalletError> {
-        match self.run_work(Work::PaymentRefund { refund, key }).await? {
+        match self.run_work(Work::PaymentRefund { access: access.clone(), refund, key }).await? {
             Done::Entry(entry) => Ok(entry),
             Done::Transfer(_) => Err(WalletError::internal("a payment refund wrote a transfer")),
         }
     }
 
-    /// The transfer `id` and what has been refunded of it.
-    pub async fn find_transfer(&self, id: Uuid) -> Result<FoundTransfer, WalletError> {
+    /// The transfer `id` and what has been refunded of it, if `access` may use one of its wallets.
+    pub async fn find_transfer(&self, access: &Access, id: Uuid) -> Result<FoundTransfer, WalletError> {
         let mut conn = self.connection().await?;
-        store::find_transfer(&mut conn, id).await?.ok_or(WalletError::TransferNotFound)
+        store::find_transfer(&mut conn, id)
+            .await?
+            .filter(|found| found.owners.iter().any(|owner| access.may_use(owner.as_deref())))
+            .ok_or(WalletError::TransferNotFound)
     }
 
     /// Runs `work` to its end (even if the client hangs up) and counts its outcome.
@@ -279,7 +304,8 @@ impl Wallets {
         let mut tx = self.db.begin().await?;
         let locked = store::lock_wallets(&mut tx, &ids, ROW_LOCK_TIMEOUT).await?;
         for wallet in &wallets {
-            let Some(row) = locked.get(wallet.as_str()) else { return Err(work.missing(wallet).into()) };
+            let row = locked.get(wallet.as_str()).filter(|row| work.may_touch(wallet, row.owner.as_deref()));
+            let Some(row) = row else { return Err(work.missing(wallet).into()) };
             let fence = fences.get(&lease_name(wallet)).copied().unwrap_or_default();
             if row.fence >= fence {
                 return Err(Failure::FenceBehind { wallet: (*wallet).clone(), seen: row.fence });
@@ -291,7 +317,7 @@ impl Wallets {
         let now = crate::ledger::entry_time();
         let fence_of = |id: &WalletId| fences.get(&lease_name(id)).copied().unwrap_or_default();
         let outcome: Result<Done, Refusal> = match work {
-            Work::Transfer { parties, amount, reference, refunds, key } => {
+            Work::Transfer { parties, amount, reference, refunds, key, .. } => {
                 let amount = match refunds {
                     Some((original, paid)) => {
                         let refunded = store::refunded_of_transfer(&mut tx, *original).await?;
@@ -299,8 +325,8 @@ impl Wallets {
                     }
                     None => amount.ok_or(Refusal::RefundExceedsPayment { refundable: 0 }),
                 };
-                let from = (&parties.from, locked[parties.from.as_str()], fence_of(&parties.from));
-                let to = (&parties.to, locked[parties.to.as_str()], fence_of(&parties.to));
+                let from = (&parties.from, &locked[parties.from.as_str()], fence_of(&parties.from));
+                let to = (&parties.to, &locked[parties.to.as_str()], fence_of(&parties.to));
                 let outcome = amount.and_then(|amount| {
                     plan_transfer(from, to, amount, reference.clone(), refunds.map(|(id, _)| id), now)
                 });
@@ -313,8 +339,8 @@ impl Wallets {
                 }
                 outcome.map(|transfer| Done::Transfer(Box::new(transfer)))
             }
-            Work::PaymentRefund { refund, key } => {
-                let wallet = locked[refund.wallet.as_str()];
+            Work::PaymentRefund { refund, key, .. } => {
+                let wallet = &locked[refund.wallet.as_str()];
                 let Some((payment, refunded)) =
                     store::find_payment(&mut tx, refund.wallet.as_str(), refund.payment).await?
                 else {
@@ -365,7 +391,7 @@ impl Wallets {
     }
 }
 
-type Side<'a> = (&'a WalletId, LockedWallet, i64);
+type Side<'a> = (&'a WalletId, &'a LockedWallet, i64);
 
 /// Decides a transfer of `amount` from `from` to `to` (each: its id, its locked row, its lease's
 /// fence): the payer's balance must cover it and the payee's must hold it.

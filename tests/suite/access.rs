@@ -1,10 +1,11 @@
 //! Access: every /wallets route needs a bearer token, checked before anything is read or stored;
-//! idempotency keys belong to their caller; health stays open; secrets stay out of logs.
+//! a wallet belongs to the caller that opened it; idempotency keys belong to their caller; health
+//! stays open; secrets stay out of logs.
 
 use crate::support::app::spawn_app;
 use crate::support::fleet::Fleet;
 use crate::support::load::open_wallets;
-use crate::support::{TestEnv, books};
+use crate::support::{OPS_TOKEN, OTHER_TOKEN, TestEnv, api_client_with, books};
 use serde_json::{Value, json};
 use std::process::Command;
 
@@ -78,12 +79,98 @@ async fn idempotency_keys_belong_to_their_caller() {
     };
 
     assert_eq!(pay("test-token-0123456789").await.unwrap().status(), 200);
-    let other = pay("other-token-0123456789").await.unwrap();
+    let other = pay(OPS_TOKEN).await.unwrap();
     assert_eq!(other.status(), 200);
     assert!(other.headers().get("idempotent-replayed").is_none(), "another caller's key is another key");
     let again = pay("test-token-0123456789").await.unwrap();
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(books(&app.db, "shared").await.pays, 2);
+}
+
+#[tokio::test]
+async fn another_callers_wallet_does_not_exist_for_it_and_nothing_it_sends_moves_money() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    app.open_wallet("mine", 100).await;
+    let other = api_client_with(OTHER_TOKEN);
+    let send = |method: reqwest::Method, path: &str, body: Option<Value>| {
+        let request = other.request(method, app.url(path)).header("idempotency-key", format!("k{path}"));
+        match body {
+            Some(body) => request.json(&body).send(),
+            None => request.send(),
+        }
+    };
+    for (method, path, body) in [
+        (reqwest::Method::GET, "/wallets/mine", None),
+        (reqwest::Method::GET, "/wallets/mine/transactions", None),
+        (reqwest::Method::POST, "/wallets/mine/pay", Some(json!({ "amount": 10 }))),
+        (reqwest::Method::POST, "/wallets/mine/deposit", Some(json!({ "amount": 10 }))),
+    ] {
+        let response = send(method.clone(), path, body).await.unwrap();
+        assert_eq!(response.status(), 404, "{method} {path}");
+        let problem: Value = response.json().await.unwrap();
+        assert_eq!(problem["code"], "wallet_not_found", "{method} {path}: as if it did not exist");
+    }
+    // The same answer as for a wallet nobody opened.
+    let none = send(reqwest::Method::GET, "/wallets/nobodys", None).await.unwrap();
+    assert_eq!(none.status(), 404);
+
+    let after = books(&app.db, "mine").await;
+    assert_eq!((after.balance, after.ledger_sum, after.pays), (100, 100, 0), "nothing moved");
+    // The owner sees its wallet; a caller granted every wallet sees and moves it.
+    assert_eq!(app.get("/wallets/mine").await.status(), 200);
+    let ops = api_client_with(OPS_TOKEN);
+    let paid = ops.post(app.url("/wallets/mine/pay")).json(&json!({ "amount": 10 })).send().await.unwrap();
+    assert_eq!(paid.status(), 200);
+    assert_eq!(books(&app.db, "mine").await.balance, 90);
+}
+
+#[tokio::test]
+async fn a_transfer_pays_only_from_the_callers_wallets_into_those_it_may_pay_into() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    app.open_wallet("tester-a", 100).await;
+    app.open_wallet("tester-b", 100).await;
+    let other = api_client_with(OTHER_TOKEN);
+    let opened = other.post(app.url("/wallets")).json(&json!({ "id": "other-a", "balance": 100 })).send();
+    assert_eq!(opened.await.unwrap().status(), 201);
+    let transfer = |client: &reqwest::Client, from: &str, to: &str| {
+        client.post(app.url("/transfers")).json(&json!({ "from": from, "to": to, "amount": 10 })).send()
+    };
+    let problem = |response: reqwest::Response| async move {
+        let status = response.status().as_u16();
+        let body: Value = response.json().await.unwrap();
+        (status, body["code"].as_str().unwrap_or_default().to_owned(), body["field"].clone())
+    };
+
+    // Another caller's wallet is missing on either side, unless the token list lets this caller pay
+    // into that caller's wallets (`grant tester pays-into other`), and the grant goes one way.
+    let (status, code, _) = problem(transfer(&other, "tester-a", "other-a").await.unwrap()).await;
+    assert_eq!((status, code.as_str()), (404, "wallet_not_found"), "from another caller's wallet");
+    let (status, _, _) = problem(transfer(&other, "other-a", "tester-a").await.unwrap()).await;
+    assert_eq!(status, 404, "into a caller's wallet without a grant");
+    assert_eq!(transfer(&app.client, "tester-a", "tester-b").await.unwrap().status(), 200, "its own");
+    let granted = transfer(&app.client, "tester-a", "other-a").await.unwrap();
+    assert_eq!(granted.status(), 200, "into a caller it may pay into");
+    let paid: Value = granted.json().await.unwrap();
+
+    // The payee sees the transfer and may refund it; a caller with neither wallet does not see it.
+    let id = paid["id"].as_str().unwrap();
+    assert_eq!(other.get(app.url(&format!("/transfers/{id}"))).send().await.unwrap().status(), 200);
+    let unrelated = other.post(app.url("/wallets")).json(&json!({ "id": "other-b" })).send().await.unwrap();
+    assert_eq!(unrelated.status(), 201);
+    let ops = api_client_with(OPS_TOKEN);
+    assert_eq!(
+        ops.get(app.url(&format!("/transfers/{id}"))).send().await.unwrap().status(),
+        200,
+        "every wallet"
+    );
+    let refund =
+        other.post(app.url(&format!("/transfers/{id}/refund"))).json(&json!({})).send().await.unwrap();
+    assert_eq!(refund.status(), 200, "the payee refunds");
+    assert_eq!(books(&app.db, "tester-a").await.balance, 90);
+    assert_eq!(books(&app.db, "tester-b").await.balance, 110);
+    assert_eq!(books(&app.db, "other-a").await.balance, 100);
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! Group commit: movements queued for one wallet are applied in batches under one lease, each still
 //! decided on its own, none applied if the batch's fenced commit is refused.
 
-use crate::support::{TestEnv, books, eventually, render};
+use crate::support::{CALLER, TestEnv, books, eventually, render, tester};
 use std::time::{Duration, Instant};
 use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
 use walletlock::wallet::{
@@ -35,7 +35,7 @@ async fn one_batch(
     let mut queued = Vec::new();
     for (movement, key) in movements {
         let (wallets, id) = (wallets.clone(), id.clone());
-        queued.push(tokio::spawn(async move { wallets.apply(&id, movement, key).await }));
+        queued.push(tokio::spawn(async move { wallets.apply(&tester(), &id, movement, key).await }));
         // Let each one reach the queue before the next, so the order is the order given.
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -53,7 +53,7 @@ async fn a_payment_that_does_not_fit_is_refused_alone_in_its_batch() {
     let (schema, db) = env.database(2).await;
     let wallets = env.replica(&schema, Duration::from_secs(2), Duration::from_secs(5)).await;
     let id = WalletId::generate();
-    wallets.open(&id, 100, None).await.unwrap();
+    wallets.open(CALLER, &id, 100, None).await.unwrap();
 
     let results =
         one_batch(&env, &wallets, &id, vec![(pay(60), None), (pay(50), None), (pay(30), None)]).await;
@@ -75,7 +75,7 @@ async fn two_requests_with_one_key_in_one_batch_charge_once() {
     let (schema, db) = env.database(2).await;
     let wallets = env.replica(&schema, Duration::from_secs(2), Duration::from_secs(5)).await;
     let id = WalletId::generate();
-    wallets.open(&id, 100, None).await.unwrap();
+    wallets.open(CALLER, &id, 100, None).await.unwrap();
 
     // A double tap: the same request twice, queued behind one lease, lands in one batch.
     let results = one_batch(
@@ -105,7 +105,7 @@ async fn a_lease_lost_while_the_wallet_is_busy_applies_none_of_the_batch_and_eve
     let (schema, db) = env.database(2).await;
     let wallets = env.replica(&schema, Duration::from_millis(300), Duration::from_secs(5)).await;
     let id = WalletId::generate();
-    wallets.open(&id, 100, None).await.unwrap();
+    wallets.open(CALLER, &id, 100, None).await.unwrap();
 
     // Another statement holds the wallet's row, so the batch's round finds it busy and tries
     // again; meanwhile Redis loses the lease (as in a failover).
@@ -120,7 +120,7 @@ async fn a_lease_lost_while_the_wallet_is_busy_applies_none_of_the_batch_and_eve
     let mut queued = Vec::new();
     for (amount, key) in [(10, Some(keyed(&id, "held"))), (20, None), (30, None)] {
         let (wallets, id) = (wallets.clone(), id.clone());
-        queued.push(tokio::spawn(async move { wallets.apply(&id, pay(amount), key).await }));
+        queued.push(tokio::spawn(async move { wallets.apply(&tester(), &id, pay(amount), key).await }));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     holder.release().await.unwrap();
@@ -150,7 +150,7 @@ async fn a_batch_that_outlives_the_ttl_keeps_its_lease_through_the_watchdog() {
     let ttl = Duration::from_millis(300);
     let wallets = env.replica(&schema, ttl, Duration::from_secs(5)).await;
     let id = WalletId::generate();
-    wallets.open(&id, 100, None).await.unwrap();
+    wallets.open(CALLER, &id, 100, None).await.unwrap();
 
     // The batch is stuck behind a row lock for three TTLs.
     let mut row = db.begin().await.unwrap();
@@ -161,7 +161,7 @@ async fn a_batch_that_outlives_the_ttl_keeps_its_lease_through_the_watchdog() {
         .unwrap();
     let payment = tokio::spawn({
         let (wallets, id) = (wallets.clone(), id.clone());
-        async move { wallets.apply(&id, pay(10), None).await }
+        async move { wallets.apply(&tester(), &id, pay(10), None).await }
     });
     let key = env.lease_key(&lease_name(&id));
     eventually("the worker holds the lease", Duration::from_secs(2), || async {
@@ -185,7 +185,7 @@ async fn two_replicas_hammering_one_wallet_are_both_served() {
     let (ttl, wait) = (Duration::from_secs(2), Duration::from_secs(5));
     let replicas = [env.replica(&schema, ttl, wait).await, env.replica(&schema, ttl, wait).await];
     let id = WalletId::generate();
-    replicas[0].open(&id, 10_000_000, None).await.unwrap();
+    replicas[0].open(CALLER, &id, 10_000_000, None).await.unwrap();
 
     let stop_at = Instant::now() + Duration::from_millis(1_500);
     let clients: Vec<_> = (0..16)
@@ -194,7 +194,7 @@ async fn two_replicas_hammering_one_wallet_are_both_served() {
             tokio::spawn(async move {
                 let mut accepted = 0;
                 while Instant::now() < stop_at {
-                    replica.apply(&id, pay(1), None).await.expect("served, not timed out");
+                    replica.apply(&tester(), &id, pay(1), None).await.expect("served, not timed out");
                     accepted += 1;
                 }
                 (n % 2, accepted)

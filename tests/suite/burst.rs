@@ -1,6 +1,6 @@
 //! The race: many replicas spend from one wallet at the same instant.
 
-use crate::support::{TestEnv, books, eventually};
+use crate::support::{CALLER, TestEnv, books, eventually, tester};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Barrier;
@@ -14,7 +14,7 @@ fn pay(amount: i64) -> Movement {
 
 async fn open(wallets: &Wallets, balance: i64) -> WalletId {
     let id = WalletId::generate();
-    wallets.open(&id, balance, None).await.unwrap();
+    wallets.open(CALLER, &id, balance, None).await.unwrap();
     id
 }
 
@@ -36,7 +36,7 @@ async fn fifty_concurrent_spends_through_three_replicas_accept_exactly_ten() {
             let (replica, id, start) = (replicas[n % 3].clone(), id.clone(), start.clone());
             tokio::spawn(async move {
                 start.wait().await;
-                replica.apply(&id, pay(10), None).await
+                replica.apply(&tester(), &id, pay(10), None).await
             })
         })
         .collect();
@@ -59,7 +59,7 @@ async fn without_the_lease_concurrent_spends_lose_updates() {
     let env = TestEnv::new();
     let (_schema, db) = env.database(50).await;
     let id = WalletId::generate();
-    ledger::create_wallet(&mut db.acquire().await.unwrap(), id.as_str(), 100).await.unwrap();
+    ledger::create_wallet(&mut db.acquire().await.unwrap(), id.as_str(), CALLER, 100).await.unwrap();
 
     // Everyone reads before anyone writes back: the interleaving a busy fleet produces by chance.
     let all_read = Arc::new(Barrier::new(50));
@@ -90,8 +90,9 @@ async fn a_dropped_caller_leaves_no_lease_behind_and_no_half_applied_spend() {
     // The client hangs up at every moment of the spend: while it waits for the lease, holds it,
     // commits. Whatever moment, the spend is either fully applied or not at all, and the lease
     // does not linger until its TTL.
+    let tester = tester();
     for cutoff_us in [0, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000] {
-        let spend = wallets.apply(&id, pay(1), None);
+        let spend = wallets.apply(&tester, &id, pay(1), None);
         let _ = tokio::time::timeout(Duration::from_micros(cutoff_us), spend).await;
     }
     assert!(wallets.drain(Duration::from_secs(5)).await, "every abandoned spend finished");
@@ -114,7 +115,8 @@ async fn a_spend_whose_caller_left_still_runs_to_its_end() {
     // Another holder keeps the wallet busy, so our spend is waiting for the lease when its
     // caller gives up.
     let blocker = wallets.leases().acquire(&walletlock::wallet::lease_name(&id)).await.unwrap();
-    let spend = wallets.apply(&id, pay(10), None);
+    let tester = tester();
+    let spend = wallets.apply(&tester, &id, pay(10), None);
     assert!(tokio::time::timeout(Duration::from_millis(50), spend).await.is_err());
     blocker.release().await.unwrap();
 

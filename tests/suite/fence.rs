@@ -1,7 +1,7 @@
 //! The fence: Postgres refuses a holder whose lease has passed to another, and survives Redis
 //! forgetting its fence counter.
 
-use crate::support::{TestEnv, books};
+use crate::support::{CALLER, TestEnv, books};
 use std::time::Duration;
 use walletlock::lease::Lease;
 use walletlock::ledger::{self, EntryKind, NewEntry, StoreError};
@@ -36,7 +36,7 @@ async fn commit(
 
 async fn wallet_with(db: &sqlx::PgPool, balance: i64) -> WalletId {
     let id = WalletId::generate();
-    ledger::create_wallet(&mut db.acquire().await.unwrap(), id.as_str(), balance).await.unwrap();
+    ledger::create_wallet(&mut db.acquire().await.unwrap(), id.as_str(), CALLER, balance).await.unwrap();
     id
 }
 

@@ -2,7 +2,7 @@
 //! own fence and version; a wallet whose lease was lost is left out alone, a key sent twice runs
 //! once, and rounds that share wallets wait for each other instead of deadlocking.
 
-use crate::support::{TestEnv, books, eventually, render};
+use crate::support::{CALLER, TestEnv, books, eventually, render, tester};
 use std::time::{Duration, Instant};
 use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
 use walletlock::ledger::group::{self, GroupWrite, ReadOutcome, ToRead, WalletWrite};
@@ -11,7 +11,7 @@ use walletlock::wallet::{Amount, Movement, WalletError, WalletId, lease_name};
 
 async fn wallet_with(db: &sqlx::PgPool, balance: i64) -> WalletId {
     let id = WalletId::generate();
-    ledger::create_wallet(&mut db.acquire().await.unwrap(), id.as_str(), balance).await.unwrap();
+    ledger::create_wallet(&mut db.acquire().await.unwrap(), id.as_str(), CALLER, balance).await.unwrap();
     id
 }
 
@@ -152,7 +152,7 @@ async fn one_key_twice_in_a_round_of_several_wallets_charges_once() {
     let mut blocked = Vec::new();
     for id in &stuck {
         let (wallets, id) = (wallets.clone(), id.clone());
-        blocked.push(tokio::spawn(async move { wallets.apply(&id, pay(1), None).await }));
+        blocked.push(tokio::spawn(async move { wallets.apply(&tester(), &id, pay(1), None).await }));
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let keyed = || Keyed {
@@ -164,7 +164,7 @@ async fn one_key_twice_in_a_round_of_several_wallets_charges_once() {
     let mut queued = Vec::new();
     for (id, key) in [(&ids[0], Some(keyed())), (&ids[0], Some(keyed())), (&ids[1], None), (&ids[2], None)] {
         let (wallets, id) = (wallets.clone(), id.clone());
-        queued.push(tokio::spawn(async move { wallets.apply(&id, pay(10), key).await }));
+        queued.push(tokio::spawn(async move { wallets.apply(&tester(), &id, pay(10), key).await }));
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     eventually("every wallet's worker holds its lease", Duration::from_secs(2), || async {
@@ -240,7 +240,7 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                     let mut entries = Vec::new();
                     let mut wallets = Vec::new();
                     for id in &ids {
-                        if let ReadOutcome::Ready { wallet: read, fence: read_fence } =
+                        if let ReadOutcome::Ready { wallet: read, fence: read_fence, .. } =
                             found.wallets[id.as_str()]
                         {
                             entries.push(payment(id, fence, read.version + 1, 1, read.balance - 1));

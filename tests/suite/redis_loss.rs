@@ -1,7 +1,7 @@
 //! Redis forgets everything mid-run (a restart without persistence, FLUSHALL): spends continue,
 //! no wallet is wedged, no update is lost.
 
-use crate::support::{TestEnv, books};
+use crate::support::{CALLER, TestEnv, books, tester};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -24,7 +24,7 @@ async fn spend_through(loss: Loss) {
         env.replica(&schema, ttl, wait).await,
     ];
     let id = WalletId::generate();
-    replicas[0].open(&id, 1_000_000, None).await.unwrap();
+    replicas[0].open(CALLER, &id, 1_000_000, None).await.unwrap();
 
     let accepted = Arc::new(AtomicUsize::new(0));
     let run = Duration::from_millis(1_500);
@@ -35,7 +35,12 @@ async fn spend_through(loss: Loss) {
             tokio::spawn(async move {
                 while Instant::now() < stop_at {
                     match replica
-                        .apply(&id, Movement::Pay { amount: Amount::new(1).unwrap(), reference: None }, None)
+                        .apply(
+                            &tester(),
+                            &id,
+                            Movement::Pay { amount: Amount::new(1).unwrap(), reference: None },
+                            None,
+                        )
                         .await
                     {
                         Ok(_) => {

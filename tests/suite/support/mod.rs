@@ -21,10 +21,23 @@ use walletlock::lease::{LeaseClient, LeaseSettings, Ttl};
 use walletlock::ledger::schema::ScratchSchema;
 use walletlock::wallet::Wallets;
 
-/// The API tokens every test replica accepts: the `tester` caller, and a second caller.
-pub const API_TOKENS: &str = "tester:test-token-0123456789,other:other-token-0123456789";
+/// The API tokens every test replica accepts: the `tester` caller, a second caller `other`, and
+/// `ops`, granted every wallet; `tester`'s transfers may pay into `other`'s wallets.
+pub const API_TOKENS: &str = "tester:test-token-0123456789,other:other-token-0123456789,\
+                              ops:ops-token-0123456789,grant ops every-wallet,grant tester pays-into other";
+/// The `other` caller's token.
+pub const OTHER_TOKEN: &str = "other-token-0123456789";
+/// The `ops` caller's token (every wallet).
+pub const OPS_TOKEN: &str = "ops-token-0123456789";
 /// The `tester` caller's token.
 pub const TOKEN: &str = "test-token-0123456789";
+/// The caller `TOKEN` authenticates, who owns the wallets the tests open.
+pub const CALLER: &str = "tester";
+
+/// What `tester` may use: the wallets it opened.
+pub fn tester() -> walletlock::wallet::Access {
+    walletlock::wallet::Access::own_wallets(CALLER)
+}
 
 /// An HTTP client that authenticates as `tester`.
 pub fn api_client() -> reqwest::Client {
