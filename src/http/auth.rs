@@ -73,19 +73,17 @@ impl Callers {
             .iter()
             .map(|(caller, _): &(Arc<str>, _)| (caller.clone(), Access::own_wallets(caller)))
             .collect();
+        let unknown = |name: &str| format!("grant: {name:?} has no API token");
         for grant in grants {
-            let known = |name: &str| {
-                access.contains_key(name).then_some(()).ok_or(format!("grant: {name:?} has no API token"))
-            };
             match grant[..] {
                 [caller, "every-wallet"] => {
-                    known(caller)?;
-                    access.get_mut(caller).expect("known").every_wallet = true;
+                    access.get_mut(caller).ok_or_else(|| unknown(caller))?.every_wallet = true;
                 }
                 [caller, "pays-into", payee] => {
-                    known(caller)?;
-                    known(payee)?;
-                    let granted = access.get_mut(caller).expect("known");
+                    if !access.contains_key(payee) {
+                        return Err(unknown(payee));
+                    }
+                    let granted = access.get_mut(caller).ok_or_else(|| unknown(caller))?;
                     granted.pays_into = granted.pays_into.iter().cloned().chain([Arc::from(payee)]).collect();
                 }
                 _ => {

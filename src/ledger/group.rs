@@ -31,6 +31,7 @@ use super::{Claimed, Entry, StoreError};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row};
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -48,7 +49,7 @@ pub enum ReadOutcome {
     Ready {
         wallet: Claimed,
         fence: i64,
-        owner: Option<String>,
+        owner: Option<Arc<str>>,
     },
     /// The row has seen this fence or a higher one (see [`StoreError::FenceBehind`]).
     FenceBehind {
@@ -115,11 +116,12 @@ pub async fn read(
 
     let mut found = Found::default();
     // Each wallet row as it is: (balance and version, the fence of its last writer, its owner).
-    let mut rows_read: HashMap<String, (Claimed, i64, Option<String>)> = HashMap::new();
+    let mut rows_read: HashMap<String, (Claimed, i64, Option<Arc<str>>)> = HashMap::new();
     for row in rows {
         if let Some(id) = row.try_get::<Option<String>, _>("wallet_id")? {
             let wallet = Claimed { balance: row.try_get("balance")?, version: row.try_get("version")? };
-            rows_read.insert(id, (wallet, row.try_get("fence")?, row.try_get("owner")?));
+            let owner = row.try_get::<Option<&str>, _>("owner")?.map(Arc::from);
+            rows_read.insert(id, (wallet, row.try_get("fence")?, owner));
         } else if let Some(caller) = row.try_get::<Option<String>, _>("caller")? {
             let status: Option<i16> = row.try_get("status")?;
             let content_type: Option<String> = row.try_get("content_type")?;

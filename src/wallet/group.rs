@@ -17,7 +17,6 @@ use crate::ledger::group::{self as store, GroupWrite, KeyWrite, ReadOutcome, ToR
 use crate::ledger::idempotency::KeyRef;
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
@@ -283,7 +282,7 @@ async fn read(
                     balance: wallet.balance,
                     version: wallet.version,
                     fence: *fence,
-                    owner: owner.as_deref().map(Arc::from),
+                    owner: owner.clone(),
                 },
                 Some(ReadOutcome::FenceBehind { seen }) => {
                     let _ = reply.send(JobOutcome::FenceBehind { seen: *seen, ops: job.ops });
