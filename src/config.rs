@@ -17,6 +17,7 @@
 //! | `REDIS_TIMEOUT` | `500ms` | bound on any single Redis call |
 //! | `LEASE_TTL` | `2s` | a lease's life without a refresh; at least 1ms |
 //! | `LEASE_WAIT` | `3s` | how long a payment waits for its wallet's lease before 503 `lock_timeout` |
+//! | `LEASE_NOTE_TTL` | `1h` | how long Redis keeps a wallet's last known state after its lease's release, so that its next payment need not read it from Postgres (checked by the commit's compare-and-set); `0s`: never kept |
 //! | `LEASE_STRATEGY` | `queue` | `queue`: per-wallet queues, wake-ups, group commit; `tutorial`: every request polls the lease every 5-15 ms (the benchmark's baseline) |
 //! | `SHUTDOWN_GRACE` | `10s` | how long shutdown waits for open connections and payments in flight |
 //! | `REQUEST_TIMEOUT` | `8s` | bound on one request (503 past it); above `LEASE_WAIT`, below nginx's read timeout |
@@ -491,6 +492,11 @@ pub struct LeaseArgs {
     /// How long a payment waits for its wallet's lease before 503 lock_timeout.
     #[arg(long, env = "LEASE_WAIT", default_value = "3s", value_parser = duration)]
     pub lease_wait: Duration,
+    /// How long Redis keeps a wallet's last known state (balance, version, fence, owner) after its
+    /// lease is released, so that the wallet's next payment need not read it from Postgres: the
+    /// commit's compare-and-set checks it, and a stale one costs a read. 0s: never kept.
+    #[arg(long, env = "LEASE_NOTE_TTL", default_value = "1h", value_parser = duration)]
+    pub lease_note_ttl: Duration,
     /// How payments wait for a busy wallet: `queue` (requests for one wallet queue on each
     /// replica behind one worker that applies them in batches under one lease, woken when the
     /// lease is released) or `tutorial` (every request polls the lease every 5 to 15 ms and commits
@@ -509,15 +515,19 @@ pub enum LeaseStrategy {
 impl LeaseArgs {
     /// The lease client for this strategy: with wake-ups on release, or the tutorial's polling.
     pub fn client(&self, redis: &RedisArgs) -> anyhow::Result<LeaseClient> {
-        let settings =
-            LeaseSettings::new(self.lease_ttl, self.lease_wait).with_op_timeout(redis.redis_timeout);
+        let settings = LeaseSettings::new(self.lease_ttl, self.lease_wait)
+            .with_op_timeout(redis.redis_timeout)
+            .with_note_retention(self.lease_note_ttl);
         let (pool, wake_source) = redis.connect()?;
         let prefix = redis.redis_key_prefix.clone();
         Ok(match self.lease_strategy {
             LeaseStrategy::Queue => LeaseClient::new(pool, prefix, settings).with_wakeups(wake_source),
-            LeaseStrategy::Tutorial => {
-                LeaseClient::new(pool, prefix, settings.with_backoff(Backoff::TUTORIAL))
-            }
+            // The tutorial's lock reads the wallet for every payment: no notes.
+            LeaseStrategy::Tutorial => LeaseClient::new(
+                pool,
+                prefix,
+                settings.with_backoff(Backoff::TUTORIAL).with_note_retention(Duration::ZERO),
+            ),
         })
     }
 

@@ -32,9 +32,20 @@
 //! lets a holder that just released step back for them: leases pass around instead of staying with
 //! whoever is fastest to ask again.
 //!
+//! # Notes
+//! A holder may leave a note for the next one when it releases ([`Lease::release_with_note`]): a
+//! few bytes, opaque here, that the next [`LeaseClient::acquire`] hands over with the lease in the
+//! same round trip ([`Lease::take_note`]), and deletes. The distributed lock managers of VMS and
+//! Linux call it the lock value block: what the last holder knew, so that the next need not ask the
+//! store again. A note is advice and never proof, for the same reasons a lease is not: only a
+//! holder that releases in time leaves one, Redis can lose it or keep an older one, and anyone
+//! with a Redis credential can write it. Whoever uses a note checks it against the store it
+//! describes, in the same write that depends on it. [`LeaseClient::leave_note`] leaves one without
+//! holding the lease, where none is: for a name whose store was just written outside any lease.
+//!
 //! # Keys
 //! For prefix `P` and name `N`, `{P:N}:lease` holds the holder's token, `{P:N}:fence` the fence
-//! counter and `{P:N}:contended` the waiters' mark. The braces are a Redis Cluster hash tag: all
+//! counter, `{P:N}:contended` the waiters' mark and `{P:N}:note` the note. The braces are a Redis Cluster hash tag: all
 //! live in one slot, so every script that touches several runs on one node.
 
 mod scripts;
@@ -265,14 +276,14 @@ impl LeaseClient {
         }
         loop {
             let outcome = self
-                .run::<(i64, i64)>(
+                .run::<scripts::Acquired>(
                     &scripts::ACQUIRE,
-                    &[&keys.lease, &keys.fence, &keys.contended],
+                    &[&keys.lease, &keys.fence, &keys.contended, &keys.note],
                     (&token.0, self.settings.ttl.as_millis(), FENCE_RETENTION_MS),
                 )
                 .await;
             let last_error = match outcome {
-                Ok((taken @ (1 | 2), fence)) => {
+                Ok(scripts::Acquired { taken: taken @ (1 | 2), fence, note }) => {
                     if taken == 2 {
                         tracing::warn!(
                             lease = name,
@@ -296,6 +307,7 @@ impl LeaseClient {
                         fence,
                         acquired_at: Instant::now(),
                         waited: started.elapsed(),
+                        note,
                         watchdog: None,
                         lost: CancellationToken::new(),
                         released: false,
@@ -456,9 +468,35 @@ impl LeaseClient {
         }
     }
 
-    async fn release_token(&self, name: &str, keys: &Keys, token: &Token) -> Result<Released, LeaseError> {
-        let keys_touched = [keys.lease.as_str(), keys.contended.as_str()];
-        match self.run::<(i64, i64)>(&scripts::RELEASE, &keys_touched, (&token.0, &keys.channel)).await? {
+    /// Leaves `note` on `name` for its next holder, unless a note is there already (a holder's is
+    /// newer than ours); whether it was left. For a name whose store was just written without the
+    /// lease (a wallet just opened, say), so that its first holder need not read the store. Without
+    /// note retention ([`LeaseSettings::note_retention`] zero), leaves nothing.
+    pub async fn leave_note(&self, name: &str, note: &str) -> Result<bool, RedisFailure> {
+        let Some(retention) = self.note_retention_ms() else { return Ok(false) };
+        let mut set = redis::cmd("SET");
+        set.arg(Keys::new(&self.prefix, name).note).arg(note).arg("NX").arg("PX").arg(retention);
+        Ok(self.query::<Option<String>>(&set).await?.is_some())
+    }
+
+    /// The note retention in whole milliseconds, as `PX` takes them; `None` when notes are off.
+    fn note_retention_ms(&self) -> Option<u64> {
+        let ms = u64::try_from(self.settings.note_retention.as_millis()).unwrap_or(u64::MAX);
+        (ms > 0).then_some(ms)
+    }
+
+    async fn release_token(
+        &self,
+        name: &str,
+        keys: &Keys,
+        token: &Token,
+        note: Option<&str>,
+    ) -> Result<Released, LeaseError> {
+        let keys_touched = [keys.lease.as_str(), keys.contended.as_str(), keys.note.as_str()];
+        let retention = self.note_retention_ms();
+        let note = if retention.is_some() { note.unwrap_or_default() } else { "" };
+        let args = (&token.0, &keys.channel, note, retention.unwrap_or(0));
+        match self.run::<(i64, i64)>(&scripts::RELEASE, &keys_touched, args).await? {
             (1, contended) => {
                 metrics::counter!("walletlock_lease_releases_total").increment(1);
                 Ok(Released { contended: contended == 1 })
@@ -485,6 +523,7 @@ struct Keys {
     lease: String,
     fence: String,
     contended: String,
+    note: String,
     channel: String,
 }
 
@@ -495,6 +534,7 @@ impl Keys {
             lease: format!("{tag}:lease"),
             fence: format!("{tag}:fence"),
             contended: format!("{tag}:contended"),
+            note: format!("{tag}:note"),
             channel: format!("{tag}:released"),
         }
     }
@@ -526,6 +566,8 @@ pub struct Lease {
     fence: i64,
     acquired_at: Instant,
     waited: Duration,
+    /// The note the last holder left, until taken.
+    note: Option<String>,
     /// The refresh task, once [`Lease::keep_alive`] started it; stopped when the lease goes.
     watchdog: Option<JoinHandle<()>>,
     /// Cancelled by the watchdog when it could not keep the lease.
@@ -562,6 +604,12 @@ impl Lease {
     /// How long this lease has been held.
     pub fn held_for(&self) -> Duration {
         self.acquired_at.elapsed()
+    }
+
+    /// The note the last holder left when it released (see the module doc), once: advice to check
+    /// against the store, never proof.
+    pub fn take_note(&mut self) -> Option<String> {
+        self.note.take()
     }
 
     /// Starts the watchdog: it refreshes the lease every TTL/3, each refresh bounded by TTL/3, and
@@ -659,10 +707,20 @@ impl Lease {
 
     /// Releases the lease if it is still ours, waking whoever waits for it; [`LeaseError::NotHeld`]
     /// (with nothing deleted) if it expired or passed to another holder.
-    pub async fn release(mut self) -> Result<Released, LeaseError> {
+    pub async fn release(self) -> Result<Released, LeaseError> {
+        self.release_inner(None).await
+    }
+
+    /// Releases the lease like [`Lease::release`], and leaves `note` for the next holder (see the
+    /// module doc), in the same round trip. A lease found gone leaves no note.
+    pub async fn release_with_note(self, note: &str) -> Result<Released, LeaseError> {
+        self.release_inner(Some(note)).await
+    }
+
+    async fn release_inner(mut self, note: Option<&str>) -> Result<Released, LeaseError> {
         self.released = true;
         self.stop_watchdog();
-        let result = self.client.release_token(&self.name, &self.keys, &self.token).await;
+        let result = self.client.release_token(&self.name, &self.keys, &self.token, note).await;
         tracing::debug!(lease = %self.name, fence = self.fence, held_ms = self.held_for().as_millis() as u64, ok = result.is_ok(), "lease released");
         result
     }
@@ -697,7 +755,7 @@ impl Drop for Lease {
             let (client, name, keys, token) =
                 (self.client.clone(), std::mem::take(&mut self.name), self.keys.clone(), self.token.clone());
             runtime.spawn(async move {
-                let result = client.release_token(&name, &keys, &token).await;
+                let result = client.release_token(&name, &keys, &token, None).await;
                 tracing::debug!(lease = %name, ok = result.is_ok(), "lease released on drop");
             });
         }

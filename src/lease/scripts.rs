@@ -1,9 +1,10 @@
 //! The lease's Lua scripts, and how they are sent.
 //!
-//! Each operation that must compare and then act (take the lease and issue a fence, delete only our
-//! own token, extend only our own token) is one script, because Redis runs a script atomically:
-//! nothing can happen between the comparison and the action. Every key a script touches is passed
-//! in `KEYS` and shares the lease's hash tag, so the script also runs unchanged on Redis Cluster.
+//! Each operation that must compare and then act (take the lease, issue a fence and hand over the
+//! last holder's note; delete only our own token and leave ours; extend only our own token) is one
+//! script, because Redis runs a script atomically: nothing can happen between the comparison and
+//! the action. Every key a script touches is passed in `KEYS` and shares the lease's hash tag, so
+//! the script also runs unchanged on Redis Cluster.
 //!
 //! # Two ways to run them
 //! The same scripts are a Redis Functions library, [`LIBRARY`] (`walletlock`), which the deploy
@@ -215,13 +216,18 @@ impl Scripting {
     }
 }
 
-/// Takes the lease if it is free and issues the next fencing token, in one round trip.
+/// Takes the lease if it is free and issues the next fencing token, and hands over the note its
+/// last holder left, in one round trip.
 ///
-/// KEYS: lease, fence counter, contended flag. ARGV: token, ttl in ms (at least 1: `Ttl`
-/// guarantees it, so the key always expires), fence retention in ms. Returns `{1, fence}` when
-/// taken (`{2, fence}` when the counter could not grow and started over: see `next_fence`),
-/// `{0, pttl}` when another holder has it; then the lease is marked contended for one TTL, so its
-/// holder publishes a wake-up when it releases.
+/// KEYS: lease, fence counter, contended flag, note. ARGV: token, ttl in ms (at least 1: `Ttl`
+/// guarantees it, so the key always expires), fence retention in ms. Returns `{1, fence, note}`
+/// when taken (`{2, fence, note}` when the counter could not grow and started over: see
+/// `next_fence`), `{0, pttl, nil}` when another holder has it; then the lease is marked contended
+/// for one TTL, so its holder publishes a wake-up when it releases.
+///
+/// The note is deleted as it is handed over: a holder that takes the lease and never releases it
+/// (it crashed, or lost the lease) leaves no note, so the next holder reads the store instead. A
+/// caller without a note key (a replica of the build before notes) passes three keys and gets none.
 ///
 /// The counter expires after the retention without an acquisition, so names that went idle do not
 /// hold Redis memory forever; a counter that restarts from zero is the same case as a counter lost
@@ -237,28 +243,69 @@ pub(super) static ACQUIRE: LazyLock<LeaseScript> = LazyLock::new(|| {
         r#"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local fence, restarted = next_fence(KEYS[2], ARGV[3])
-  return {1 + restarted, fence}
+  local note = false
+  if KEYS[4] then
+    note = redis.call('GET', KEYS[4])
+    if note then
+      redis.call('DEL', KEYS[4])
+    end
+  end
+  return {1 + restarted, fence, note}
 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, redis.call('GET', KEYS[2]) or '0'}
+  return {1, redis.call('GET', KEYS[2]) or '0', false}
 end
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
-return {0, redis.call('PTTL', KEYS[1])}
+return {0, redis.call('PTTL', KEYS[1]), false}
 "#,
     )
 });
 
-/// Deletes the lease only if it still holds our token, and wakes the waiters if there are any.
-/// KEYS: lease, contended flag. ARGV: token, release channel. Returns `{1, contended}` if deleted
+/// What [`ACQUIRE`] answered: `taken` 1 or 2 with the fence and the note handed over, or 0 with
+/// the lease's remaining time in `fence`. A library loaded by the build before notes answers two
+/// items, and hands over no note.
+pub(super) struct Acquired {
+    pub(super) taken: i64,
+    pub(super) fence: i64,
+    pub(super) note: Option<String>,
+}
+
+impl FromRedisValue for Acquired {
+    fn from_redis_value_ref(value: &redis::Value) -> Result<Self, redis::ParsingError> {
+        let items: Vec<redis::Value> = Vec::from_redis_value_ref(value)?;
+        let (taken, fence, note) = match items.as_slice() {
+            [taken, fence] => (taken, fence, None),
+            [taken, fence, note] => (taken, fence, Some(note)),
+            _ => return Err(format!("the acquire script answered {} items", items.len()).into()),
+        };
+        Ok(Self {
+            taken: i64::from_redis_value_ref(taken)?,
+            fence: i64::from_redis_value_ref(fence)?,
+            note: note.map(Option::<String>::from_redis_value_ref).transpose()?.flatten(),
+        })
+    }
+
+    fn from_redis_value(value: redis::Value) -> Result<Self, redis::ParsingError> {
+        Self::from_redis_value_ref(&value)
+    }
+}
+
+/// Deletes the lease only if it still holds our token, leaves the holder's note for the next one,
+/// and wakes the waiters if there are any. KEYS: lease, contended flag, note. ARGV: token, release
+/// channel, note (empty: none), note retention in ms. Returns `{1, contended}` if deleted
 /// (`contended` is 1 when someone was waiting, and then a wake-up was published), `{0, 0}` if the
-/// lease had expired or belongs to someone else (then nothing is deleted).
+/// lease had expired or belongs to someone else (then nothing is deleted and no note is left: only
+/// the holder may leave one).
 pub(super) static RELEASE: LazyLock<LeaseScript> = LazyLock::new(|| {
     LeaseScript::new(
         "walletlock_release",
         r#"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
+  if KEYS[3] and ARGV[3] and ARGV[3] ~= '' then
+    redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
+  end
   local contended = redis.call('DEL', KEYS[2])
   if contended == 1 then
     redis.call('PUBLISH', ARGV[2], '1')

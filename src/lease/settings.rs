@@ -74,6 +74,10 @@ impl Backoff {
     }
 }
 
+/// How long a note outlives its lease by default (`LEASE_NOTE_TTL`): an hour, so a name used now and
+/// then finds its last holder's note; a name idle for longer costs Redis nothing.
+pub const DEFAULT_NOTE_RETENTION: Duration = Duration::from_secs(3600);
+
 /// Everything a [`super::LeaseClient`] needs to know about timing.
 #[derive(Debug, Clone)]
 pub struct LeaseSettings {
@@ -88,6 +92,9 @@ pub struct LeaseSettings {
     /// With wake-ups, the longest a waiter waits for a release notification before asking again
     /// anyway (a lost notification costs at most this).
     pub poll_fallback: Duration,
+    /// How long Redis keeps a note a holder left (see [`super::Lease::release_with_note`]) for the
+    /// next holder; zero: no note is left.
+    pub note_retention: Duration,
 }
 
 impl LeaseSettings {
@@ -98,6 +105,7 @@ impl LeaseSettings {
             backoff: Backoff::Jittered { min: Duration::from_millis(1), max: Duration::from_millis(8) },
             op_timeout: Duration::from_millis(500),
             poll_fallback: Duration::from_millis(20),
+            note_retention: DEFAULT_NOTE_RETENTION,
         }
     }
 
@@ -108,6 +116,11 @@ impl LeaseSettings {
 
     pub fn with_op_timeout(mut self, op_timeout: Duration) -> Self {
         self.op_timeout = op_timeout;
+        self
+    }
+
+    pub fn with_note_retention(mut self, retention: Duration) -> Self {
+        self.note_retention = retention;
         self
     }
 }

@@ -98,8 +98,60 @@ async fn every_path_that_writes_the_lease_gives_it_an_expiry() {
     lease.advance_fence(100).await.unwrap();
     assert!(pttl(env.lease_key("w")).await > 0, "after a fence resynchronization");
     assert!(pttl(env.fence_key("w")).await > 0, "the fence counter expires too, after its retention");
-    lease.release().await.unwrap();
+    lease.release_with_note("n").await.unwrap();
     assert_eq!(pttl(env.lease_key("w")).await, -2, "released: gone");
+    assert!(pttl(env.note_key("w")).await > 0, "the note expires too, after its retention");
+    assert!(leases.leave_note("v", "n").await.unwrap());
+    assert!(pttl(env.note_key("v")).await > 0, "a note left without the lease too");
+}
+
+#[tokio::test]
+async fn a_note_left_at_release_is_handed_to_the_next_holder_once() {
+    let env = TestEnv::new();
+    let leases = env.leases(ms(5_000), ms(100));
+    let mut first = leases.acquire("w").await.unwrap();
+    assert_eq!(first.take_note(), None, "nobody held it before");
+    first.release_with_note("balance 70").await.unwrap();
+
+    let mut second = env.leases(ms(5_000), ms(100)).acquire("w").await.unwrap();
+    assert_eq!(second.take_note().as_deref(), Some("balance 70"), "from another client too");
+    assert_eq!(second.take_note(), None, "taken once");
+    let left: Option<String> = env.redis_cmd(&["GET", &env.note_key("w")]).await;
+    assert_eq!(left, None, "handing it over deletes it: a holder that never releases leaves none");
+    second.release().await.unwrap();
+
+    let mut third = leases.acquire("w").await.unwrap();
+    assert_eq!(third.take_note(), None, "a plain release leaves no note");
+    third.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_holder_whose_lease_expired_leaves_no_note() {
+    let env = TestEnv::new();
+    let stale = env.leases(ms(50), ms(100)).acquire("w").await.unwrap();
+    tokio::time::sleep(ms(100)).await;
+
+    assert!(matches!(stale.release_with_note("stale").await, Err(LeaseError::NotHeld { .. })));
+    let mut next = env.leases(ms(5_000), ms(100)).acquire("w").await.unwrap();
+    assert_eq!(next.take_note(), None, "only the holder may leave a note");
+    next.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_note_left_without_the_lease_never_replaces_a_holders() {
+    let env = TestEnv::new();
+    let leases = env.leases(ms(5_000), ms(100));
+    leases.acquire("w").await.unwrap().release_with_note("the holder's").await.unwrap();
+    assert!(!leases.leave_note("w", "an older one").await.unwrap(), "a note is there");
+    assert_eq!(leases.acquire("w").await.unwrap().take_note().as_deref(), Some("the holder's"));
+
+    let off = env.leases_with(
+        LeaseSettings::new(Ttl::new(ms(5_000)).unwrap(), ms(100)).with_note_retention(Duration::ZERO),
+    );
+    assert!(!off.leave_note("v", "n").await.unwrap(), "no note retention: no notes");
+    off.acquire("v").await.unwrap().release_with_note("n").await.unwrap();
+    let left: Option<String> = env.redis_cmd(&["GET", &env.note_key("v")]).await;
+    assert_eq!(left, None);
 }
 
 #[tokio::test]

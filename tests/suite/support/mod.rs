@@ -206,6 +206,11 @@ impl TestEnv {
     pub fn fence_key(&self, name: &str) -> String {
         format!("{{{}:{name}}}:fence", self.prefix)
     }
+
+    /// The Redis key that keeps the note the last holder of `name` left.
+    pub fn note_key(&self, name: &str) -> String {
+        format!("{{{}:{name}}}:note", self.prefix)
+    }
 }
 
 /// Polls `check` every few milliseconds until it holds, or panics with `what` after `limit`.
