@@ -1,16 +1,20 @@
-//! The group commit across wallets: the two statements a replica runs per round of movements,
-//! whatever the number of wallets and movements in the round.
+//! The group commit across wallets: the statements a replica runs per round of movements, two at
+//! most, whatever the number of wallets and movements in the round.
 //!
 //! 1. [`read`] reads the balance, version and fence of the wallets whose lease was just taken, and
 //!    looks up the round's idempotency keys, in one statement that writes nothing (a key past its
 //!    retention is deleted, which only makes it behave as new). A wallet whose row has seen the
 //!    lease's fence or a higher one is [`ReadOutcome::FenceBehind`]: its fence counter went
-//!    backwards, or the lease is stale, and the holder must lift it (or be refused) first.
+//!    backwards, or the lease is stale, and the holder must lift it (or be refused) first. A round
+//!    whose every wallet its holder already knows (from its last write, or the lease's note) need
+//!    not read: its keys are then checked by the write itself (below).
 //! 2. [`commit`] writes every wallet of the round with its own compare-and-set, `UPDATE ... SET
-//!    fence = $ours ... WHERE fence = $read AND version = $read`, inserts the ledger entries and
-//!    the stored idempotent responses of the wallets that matched, and nothing of those that did
-//!    not. One autocommit statement: one WAL flush for the round, and no transaction left open
-//!    between statements, so a replica that stalls or is cut off mid-round holds no row lock.
+//!    fence = $ours ... WHERE fence = $read AND version = $read AND balance = $read ...`, inserts
+//!    the ledger entries and the stored idempotent responses of the wallets that matched, and
+//!    nothing of those that did not. One autocommit statement: one WAL flush for the round, and
+//!    no transaction left open between statements, so a replica that stalls or is cut off
+//!    mid-round holds no row lock. A key stored before fails it whole on the key's primary key,
+//!    nothing written: the round reads the keys then, and writes again.
 //!
 //! The fence is claimed by the write itself, not by the read: the compare-and-set applies a
 //! holder's movements only to the very state it read, and raises the row's fence to its lease's in
@@ -154,16 +158,22 @@ pub async fn read(
     Ok(found)
 }
 
-/// One wallet's write in a [`commit`]: from the state the holder read (`read_version`, and
-/// `read_fence`, the fence of the row's last writer) to `version` and `balance`, under the lease
-/// holding `fence`. With no entries (`version == read_version`) it only checks that the wallet is
-/// still as read (and raises its fence), so refusals are stored only from a state this holder owns.
+/// One wallet's write in a [`commit`]: from the state the holder read (`read_balance`,
+/// `read_version`, `owner`, and `read_fence`, the fence of the row's last writer) to `version` and
+/// `balance`, under the lease holding `fence`. With no entries (`version == read_version`) it only
+/// checks that the wallet is still as read (and raises its fence), so refusals are stored only
+/// from a state this holder owns.
+///
+/// The write matches only a row that is exactly as the holder believes, every field it decided on
+/// included, so the state may come from anywhere (the lease's note, say): a wrong one moves nothing.
 #[derive(Debug, Clone, Copy)]
 pub struct WalletWrite<'a> {
     pub id: &'a str,
     pub fence: i64,
     pub read_fence: i64,
     pub read_version: i64,
+    pub read_balance: i64,
+    pub owner: Option<&'a str>,
     pub balance: i64,
     pub version: i64,
 }
@@ -222,9 +232,12 @@ pub async fn commit(
                update wallet w set balance = b.balance, version = b.version, fence = b.fence,
                                    updated_at = now()
                from locked
-               join unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $25::int8[])
-                   as b(id, fence, read_version, balance, version, read_fence) on b.id = locked.id
+               join unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $25::int8[],
+                           $26::int8[], $27::text[])
+                   as b(id, fence, read_version, balance, version, read_fence, read_balance, owner)
+                   on b.id = locked.id
                where w.id = locked.id and w.fence = b.read_fence and w.version = b.read_version
+                 and w.balance = b.read_balance and w.owner is not distinct from b.owner
                returning w.id
            ),
            entries as (
@@ -277,6 +290,8 @@ pub async fn commit(
     .bind(k.iter().map(|k| k.entry_id).collect::<Vec<_>>())
     .bind(retention.as_secs_f64())
     .bind(w.iter().map(|w| w.read_fence).collect::<Vec<_>>())
+    .bind(w.iter().map(|w| w.read_balance).collect::<Vec<_>>())
+    .bind(w.iter().map(|w| w.owner).collect::<Vec<_>>())
     .fetch_all(conn)
     .await?;
     let mut committed = Committed::default();

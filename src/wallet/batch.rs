@@ -26,7 +26,7 @@ pub struct Op {
     pub key: Option<Keyed<MovementOutcome>>,
 }
 
-/// The wallet as its lease holder last read or wrote it.
+/// The wallet as its lease holder last read or wrote it, or as the last holder's note says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Held {
     pub balance: i64,
@@ -36,6 +36,44 @@ pub struct Held {
     pub fence: i64,
     /// The caller that owns the wallet (it never changes).
     pub owner: Option<Arc<str>>,
+    /// Only the lease's note says so (see [`Held::from_note`]): no write of this holder has matched
+    /// it yet, so a write that does not match means the note was stale, not that the lease was lost.
+    pub from_note: bool,
+}
+
+/// The version of the notes' layout: a note of another layout is not read.
+const NOTE_LAYOUT: &str = "w1";
+
+impl Held {
+    /// The note a holder leaves for the wallet's next one when it releases the lease
+    /// ([`crate::lease::Lease::release_with_note`]): this state, `w1:balance:version:fence:owner`.
+    pub fn to_note(&self) -> String {
+        let owner = self.owner.as_deref().unwrap_or_default();
+        format!("{NOTE_LAYOUT}:{}:{}:{}:{owner}", self.balance, self.version, self.fence)
+    }
+
+    /// The wallet as `note` says it was left, for the lease holding `fence`; `None` if it is not a
+    /// note of this layout, or names a fence at or above the lease's (Redis's fence counter went
+    /// backwards: the holder reads the row, which says how far). Advice only: the holder's write is
+    /// conditional on every field of it (see [`crate::ledger::group::commit`]), so a stale or forged
+    /// note moves nothing and costs a read.
+    pub fn from_note(note: &str, fence: i64) -> Option<Held> {
+        let mut fields = note.splitn(5, ':');
+        if fields.next() != Some(NOTE_LAYOUT) {
+            return None;
+        }
+        let mut number = || fields.next().and_then(|field| field.parse::<i64>().ok());
+        let (balance, version, written_by) = (number()?, number()?, number()?);
+        let owner = fields.next()?;
+        let owner = (!owner.is_empty()).then(|| Arc::from(owner));
+        (written_by < fence && balance >= 0 && version >= 1).then_some(Held {
+            balance,
+            version,
+            fence: written_by,
+            owner,
+            from_note: true,
+        })
+    }
 }
 
 /// Stored keys by `(caller, scope, key)`.
@@ -72,6 +110,11 @@ impl Plan {
     /// checked) before it is answered.
     pub fn runs(&self) -> bool {
         self.decisions.iter().any(|d| matches!(d, Decision::Accepted(_) | Decision::Refused(_)))
+    }
+
+    /// Whether an op is answered as if the wallet did not exist (its caller may not use it).
+    pub fn hides(&self) -> bool {
+        self.decisions.iter().any(|d| matches!(d, Decision::Hidden))
     }
 
     /// The ledger entry op `n` wrote, if it ran and was accepted.
@@ -189,7 +232,8 @@ pub fn decide(
     // Only a batch that is written raises the row's fence to the lease's.
     if plan.runs() {
         let version = held.version + plan.entries.len() as i64;
-        plan.after = Held { balance, version, fence, owner: held.owner.clone() };
+        // The write is conditional on the held state: once it matches, the state is confirmed.
+        plan.after = Held { balance, version, fence, owner: held.owner.clone(), from_note: false };
     }
     plan
 }

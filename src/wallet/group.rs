@@ -2,13 +2,19 @@
 //!
 //! Every wallet's worker ([`super::queue`]) that holds its lease and has movements queued hands
 //! them to the replica's rounds as a [`Job`]. A round takes every job waiting (up to
-//! [`MAX_ROUND_OPS`] movements) and runs them together in two statements
+//! [`MAX_ROUND_OPS`] movements) and runs them together in two statements at most
 //! ([`crate::ledger::group`]): one reads the wallets just leased and looks up the round's
 //! idempotency keys, one writes every wallet conditionally on its own fence and version, with the
 //! entries and stored responses of the wallets that matched. A wallet whose fence moved is simply
 //! not written: only its movements hear `lease_lost`, the others commit. While a round runs, the
 //! next one's jobs gather, so a busy replica writes many wallets per WAL flush and an idle one
 //! writes each job at once: no timer, no added wait.
+//!
+//! A round in which every wallet is held already, from its holder's last write or from the note
+//! the lease's last holder left ([`Held::from_note`]), and whose connection answered just now
+//! ([`LANE_FRESH`]), does not read: it writes at once, its keys checked by the write. A wallet
+//! whose note was stale matches nothing; its job comes back ([`JobOutcome::Stale`]) to be read
+//! and run again, and the others commit.
 
 use super::batch::{self, FoundKeys, Held, Op, Plan};
 use super::{WalletError, WalletId};
@@ -48,6 +54,9 @@ pub enum JobOutcome {
     /// The wallet's row has seen a fence at least as high as the lease's: nothing ran, the ops come
     /// back, to run again once the lease's fence is lifted above `seen`.
     FenceBehind { seen: i64, ops: Vec<Op> },
+    /// The wallet was held from the lease's note, and the row is not as the note says: nothing
+    /// ran, the ops come back, to run again from the row itself.
+    Stale { ops: Vec<Op> },
     /// Another holder was writing the wallet's row right then: nothing ran, the ops come back, to
     /// run again shortly while the lease is still held.
     Busy { ops: Vec<Op> },
@@ -88,10 +97,23 @@ fn failed(ops: usize, err: &WalletError) -> JobOutcome {
 }
 
 /// A round's connection, kept from one round to the next while its rounds succeed: a round then
-/// runs its two statements and nothing else, where a pool checkout would add a health-check ping
+/// runs its statements and nothing else, where a pool checkout would add a health-check ping
 /// (one more round trip per round) and its own timeout. `None` until first used and after a failed
 /// round; the next round then takes a fresh connection from the pool.
-type Lane = Option<PoolConnection<Postgres>>;
+type Lane = Option<Kept>;
+
+/// A kept connection, and when it last answered.
+struct Kept {
+    conn: PoolConnection<Postgres>,
+    answered: Instant,
+}
+
+/// How recently a kept connection must have answered for a round on it to skip its read. A read
+/// that fails on a connection that died meanwhile (Postgres restarted) is retried on a fresh one,
+/// nothing applied; a write that fails that way may have happened or not (`outcome_unknown`). So
+/// only a connection in use a moment ago takes a write first; a busy replica's rounds follow each
+/// other well within this, and an idle one pays one read.
+const LANE_FRESH: Duration = Duration::from_millis(10);
 
 async fn gather(
     db: PgPool,
@@ -153,17 +175,20 @@ struct Ready {
 async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Submission>) -> Lane {
     metrics::histogram!(crate::telemetry::metrics::ROUND_WALLETS).record(round.len() as f64);
     let kept = lane.is_some();
+    let fresh = lane.as_ref().is_some_and(|lane| lane.answered.elapsed() < LANE_FRESH);
     let mut conn = match connect(db, lane).await {
         Ok(conn) => conn,
         Err(err) => return answer_all(round, Vec::new(), &err.into()),
     };
     let mut pending = round;
     let mut ready: Vec<Ready> = Vec::new();
-    // A key stored by another holder between our read and our write fails the write whole; the
-    // second read finds it and replays it.
+    // A key stored before (by a request this round did not look it up for, or by another holder
+    // between our read and our write) fails the write whole; the second read finds it and
+    // replays it.
     let mut first_attempt = true;
     loop {
-        let mut found = read(&mut conn, &mut pending, &mut ready).await;
+        let look_up_keys = !(first_attempt && fresh);
+        let mut found = read(&mut conn, &mut pending, &mut ready, look_up_keys).await;
         if kept && first_attempt && matches!(found, Err(WalletError::Unavailable { .. })) {
             // The kept connection died while idle (Postgres restarted, say), which a pool
             // checkout's ping would have caught: read again, once, on a fresh one. The read is
@@ -173,7 +198,7 @@ async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Subm
                 Ok(fresh) => fresh,
                 Err(err) => return answer_all(pending, ready, &err.into()),
             };
-            found = read(&mut conn, &mut pending, &mut ready).await;
+            found = read(&mut conn, &mut pending, &mut ready, true).await;
         }
         let found = match found {
             Ok(found) => found,
@@ -221,11 +246,18 @@ async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Subm
                         continue;
                     }
                     let matched = !plan.runs() || committed.moved.contains(id);
+                    // Only a write that matched confirms a note; one that hides the wallet from a
+                    // caller without writing never rests on the note alone.
+                    if r.held.from_note && (!matched || (!plan.runs() && plan.hides())) {
+                        metrics::counter!("walletlock_lease_note_stale_total").increment(1);
+                        let _ = r.reply.send(JobOutcome::Stale { ops: r.job.ops });
+                        continue;
+                    }
                     let results = plan.results(Ok(matched));
                     let held = if matched { Some(plan.after) } else { None };
                     let _ = r.reply.send(JobOutcome::Done { held, results });
                 }
-                return Some(conn);
+                return Some(Kept { conn, answered: Instant::now() });
             }
         }
     }
@@ -233,7 +265,7 @@ async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Subm
 
 /// The lane's connection, or a fresh one from the pool.
 async fn connect(db: &PgPool, lane: Lane) -> Result<PoolConnection<Postgres>, sqlx::Error> {
-    if let Some(conn) = lane {
+    if let Some(Kept { conn, .. }) = lane {
         return Ok(conn);
     }
     let started = Instant::now();
@@ -253,22 +285,28 @@ fn answer_all(pending: Vec<Submission>, ready: Vec<Ready>, err: &WalletError) ->
 
 /// The round's read: reads the wallets of `pending` not yet held (moving them to `ready`, or
 /// answering those not found or whose fence is behind) and looks up the keys of every ready job.
+/// With every wallet held and `look_up_keys` false, reads nothing: the write checks the keys.
 async fn read(
     conn: &mut sqlx::PgConnection,
     pending: &mut Vec<Submission>,
     ready: &mut Vec<Ready>,
+    look_up_keys: bool,
 ) -> Result<FoundKeys, WalletError> {
     let to_read: Vec<ToRead<'_>> = pending
         .iter()
         .filter(|(job, _)| job.held.is_none())
         .map(|(job, _)| ToRead { id: job.id.as_str(), fence: job.fence })
         .collect();
-    let keys: Vec<KeyRef<'_>> = pending
-        .iter()
-        .map(|(job, _)| job)
-        .chain(ready.iter().map(|r| &r.job))
-        .flat_map(|job| job.ops.iter().filter_map(|op| op.key.as_ref().map(|key| key.at())))
-        .collect();
+    let keys: Vec<KeyRef<'_>> = if look_up_keys || !to_read.is_empty() {
+        pending
+            .iter()
+            .map(|(job, _)| job)
+            .chain(ready.iter().map(|r| &r.job))
+            .flat_map(|job| job.ops.iter().filter_map(|op| op.key.as_ref().map(|key| key.at())))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut found = if to_read.is_empty() && keys.is_empty() {
         store::Found::default()
     } else {
@@ -283,6 +321,7 @@ async fn read(
                     version: wallet.version,
                     fence: *fence,
                     owner: owner.clone(),
+                    from_note: false,
                 },
                 Some(ReadOutcome::FenceBehind { seen }) => {
                     let _ = reply.send(JobOutcome::FenceBehind { seen: *seen, ops: job.ops });
@@ -309,6 +348,8 @@ fn group_write<'a>(ready: &'a [Ready], plans: &'a [Plan]) -> GroupWrite<'a> {
             fence: r.job.fence,
             read_fence: r.held.fence,
             read_version: r.held.version,
+            read_balance: r.held.balance,
+            owner: r.held.owner.as_deref(),
             balance: plan.after.balance,
             version: plan.after.version,
         });

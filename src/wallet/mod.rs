@@ -2,11 +2,12 @@
 //! commit.
 //!
 //! This is where the lease and the ledger meet, and the only place that does. Movements of money
-//! run as: take the wallet's lease (waiting up to the configured wait), start its watchdog, read
-//! the wallet row (balance, version, fence), decide, commit conditionally on the fence and the
-//! version read while raising the row's fence to the lease's, release (a transfer claims its two
-//! rows with the fence first, inside its transaction). It never touches Redis commands or SQL itself: those live
-//! in [`crate::lease`] and [`crate::ledger`].
+//! run as: take the wallet's lease (waiting up to the configured wait), start its watchdog, start
+//! from the wallet as the lease's note says the last holder left it or read the wallet row
+//! (balance, version, fence, owner), decide, commit conditionally on all of that while raising the
+//! row's fence to the lease's, release leaving the wallet as written in the note (a transfer claims
+//! its two rows with the fence first, inside its transaction). It never touches Redis commands or
+//! SQL itself: those live in [`crate::lease`] and [`crate::ledger`].
 //!
 //! Two ways to wait for a busy wallet ([`Strategy`]): the default queues the requests for one
 //! wallet on this replica behind a single worker that applies them in batches under one lease
@@ -55,6 +56,11 @@ pub fn describe_metrics() {
         "Claims or commits the fence refused: the lease was lost."
     );
     metrics::counter!("walletlock_fence_refusals_total").absolute(0);
+    describe_counter!(
+        "walletlock_lease_note_stale_total",
+        "Batches begun from the lease's note that found the wallet's row otherwise, and were read and run again."
+    );
+    metrics::counter!("walletlock_lease_note_stale_total").absolute(0);
     describe_histogram!(
         crate::telemetry::metrics::BATCH_SIZE,
         "Movements of one wallet per group commit (under one lease)."
@@ -343,6 +349,7 @@ impl Wallets {
                         return Err(WalletError::KeyTakenOver);
                     }
                     commit(tx).await?;
+                    this.leave_note(&id, &wallet);
                     Ok(wallet)
                 }
                 Err(StoreError::WalletExists) => {
@@ -360,6 +367,25 @@ impl Wallets {
             }
         })
         .await
+    }
+
+    /// Leaves the wallet just opened, as it is, in its lease's note, so that its first payment need
+    /// not read it (see [`queue`]), in the background: opening a wallet does not wait for Redis or
+    /// fail without it. The note is only advice, checked by the first write that uses it.
+    fn leave_note(&self, id: &WalletId, wallet: &Wallet) {
+        let opened = batch::Held {
+            balance: wallet.balance,
+            version: wallet.version,
+            fence: wallet.fence,
+            owner: wallet.owner.as_deref().map(Arc::from),
+            from_note: false,
+        };
+        let (leases, name, note) = (self.leases.clone(), lease_name(id), opened.to_note());
+        self.in_flight.spawn(async move {
+            if let Err(err) = leases.leave_note(&name, &note).await {
+                tracing::debug!(lease = %name, error = %err, "no note left for the new wallet; its first payment reads it");
+            }
+        });
     }
 
     /// The wallet, if `access` may use it: to a caller that may not, it does not exist.
@@ -515,6 +541,8 @@ impl Wallets {
                     tokio::time::sleep(BUSY_PAUSE).await;
                     op = ops.remove(0);
                 }
+                // Not from a job that reads its wallet, as this one does; run it again all the same.
+                group::JobOutcome::Stale { mut ops } => op = ops.remove(0),
             }
         }
     }

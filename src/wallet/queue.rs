@@ -4,9 +4,11 @@
 //! wallet's worker) contends for the lease in Redis, however many arrived at this replica. Once
 //! the worker holds the lease, it hands what is queued to the replica's rounds
 //! ([`super::group`]) in batches: up to [`MAX_BATCH`] movements at a time, for at most
-//! [`MAX_HOLD`] per lease. The first batch reads the wallet; later ones write from what the last
-//! one left. It releases as soon as the queue is empty, the hold is up, or another replica is waiting
-//! for the wallet; after a release that woke another replica it lets that replica go first. A
+//! [`MAX_HOLD`] per lease. The first batch starts from the note the lease's last holder left, or
+//! reads the wallet; later ones write from what the last one left. It releases as soon as the queue
+//! is empty, the hold is up, or another replica is waiting for the wallet, and leaves the wallet as
+//! it knows it in the lease's note for the next holder; after a release that woke another replica
+//! it lets that replica go first. A
 //! request that waited longer than the lease wait without the worker getting the lease is answered
 //! `lock_timeout`. A request whose client left is still applied in its turn: the client (or its
 //! retry, with the same idempotency key) may still want to learn its outcome.
@@ -160,8 +162,12 @@ impl Wallets {
                 }
             };
             lease.keep_alive();
-            self.hold(id, &mut lease).await;
-            yield_first = match lease.release().await {
+            let note = lease.take_note().and_then(|note| Held::from_note(&note, lease.fence()));
+            let released = match self.hold(id, &mut lease, note).await {
+                Some(known) => lease.release_with_note(&known.to_note()).await,
+                None => lease.release().await,
+            };
+            yield_first = match released {
                 Ok(Released { contended }) => contended,
                 Err(LeaseError::NotHeld { .. }) => false,
                 Err(err) => {
@@ -172,17 +178,20 @@ impl Wallets {
         }
     }
 
-    /// Serves the queue while holding the lease: batch after batch, each written by a round.
-    async fn hold(&self, id: &WalletId, lease: &mut Lease) {
+    /// Serves the queue while holding the lease: batch after batch, each written by a round,
+    /// starting from `note` if the last holder left one. Returns the wallet as the last batch left
+    /// it, for the next holder's note; `None` when that is not known (a write failed or was
+    /// refused, the lease was lost).
+    async fn hold(&self, id: &WalletId, lease: &mut Lease, note: Option<Held>) -> Option<Held> {
         let held_since = Instant::now();
-        let mut held: Option<Held> = None;
+        let mut held = note;
         // A batch whose read found the fence behind runs again, once, after the fence is lifted.
         let mut again: Option<Vec<Pending>> = None;
         let mut resynced = false;
         loop {
             let batch = again.take().unwrap_or_else(|| self.queues.take(id, MAX_BATCH));
             if batch.is_empty() {
-                return;
+                return held;
             }
             if lease.is_lost() {
                 return fail(batch, &WalletError::LeaseLost);
@@ -215,6 +224,13 @@ impl Wallets {
                     again = Some(batch);
                     continue;
                 }
+                JobOutcome::Stale { ops } => {
+                    // The note was wrong (the row was written without a note being left since):
+                    // read the row and run the batch again.
+                    held = None;
+                    again = Some(rejoin(waiters, ops));
+                    continue;
+                }
                 JobOutcome::Busy { ops } => {
                     // Until the lease is lost (checked above) the wallet is ours; the busy row
                     // belongs to a holder that lost it, and frees when its statement ends. A row
@@ -236,16 +252,16 @@ impl Wallets {
                     }
                     match after {
                         Some(after) => held = Some(after),
-                        None => return,
+                        None => return None,
                     }
                 }
             }
             if held_since.elapsed() >= MAX_HOLD || self.queues.is_empty(id) {
-                return;
+                return held;
             }
             // Another replica waits for this wallet: hand the lease over after each batch.
             if lease.contended().await.unwrap_or(true) {
-                return;
+                return held;
             }
         }
     }
@@ -257,9 +273,11 @@ fn answer(pending: Pending, result: Result<Entry, WalletError>, db: Duration) {
     let _ = pending.reply.send(Reply { result, waited, db });
 }
 
-/// Answers every request of `batch` with `err`: none of it was written.
-fn fail(batch: Vec<Pending>, err: &WalletError) {
+/// Answers every request of `batch` with `err`: none of it was written. The wallet's state is then
+/// not known for the next holder's note: `None`.
+fn fail(batch: Vec<Pending>, err: &WalletError) -> Option<Held> {
     for pending in batch {
         answer(pending, Err(err.clone()), Duration::ZERO);
     }
+    None
 }

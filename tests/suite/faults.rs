@@ -137,8 +137,12 @@ async fn a_paused_lease_holder_is_refused_when_it_wakes() {
     wait_for_lease(&env, "paused").await;
     wait_for_blocked_claim(&fleet).await;
     fleet.replicas[0].signal(Signal::SIGSTOP);
+    // A write the holder sent just before it froze is still its own, sent under a live lease: it
+    // finds the row held (it never waits for a row) as long as the row stays held until Postgres
+    // has run it, which takes milliseconds. Only then is the row let go.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     row.rollback().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
 
     // Meanwhile replica-2 takes the lease over and commits.
     let current = pay(&fleet.client, &fleet.replicas[1].url(""), "paused", 1, "current").await;

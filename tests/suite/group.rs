@@ -40,6 +40,8 @@ fn first_writes(ids: &[WalletId], fence: i64) -> Vec<WalletWrite<'_>> {
             fence,
             read_fence: 0,
             read_version: 1,
+            read_balance: 100,
+            owner: Some(CALLER),
             balance: 90,
             version: 2,
         })
@@ -115,6 +117,8 @@ async fn a_round_leaves_out_a_wallet_whose_row_another_statement_holds_and_write
             fence: 5,
             read_fence: 0,
             read_version: 1,
+            read_balance: 100,
+            owner: Some(CALLER),
             balance: 90,
             version: 2,
         })
@@ -249,6 +253,8 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                                 fence,
                                 read_fence,
                                 read_version: read.version,
+                                read_balance: read.balance,
+                                owner: Some(CALLER),
                                 balance: read.balance - 1,
                                 version: read.version + 1,
                             });

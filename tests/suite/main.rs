@@ -18,6 +18,7 @@ mod group;
 mod idempotency;
 mod lease;
 mod metrics;
+mod notes;
 mod openapi;
 mod overload;
 mod redis_loss;
