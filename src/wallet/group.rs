@@ -64,6 +64,21 @@ pub enum JobOutcome {
 
 type Submission = (Job, oneshot::Sender<JobOutcome>);
 
+/// How the rounds write.
+#[derive(Debug, Clone, Copy)]
+pub struct RoundSettings {
+    /// How long a stored response is replayed for its key.
+    pub retention: Duration,
+    /// How long a round's statement may go unanswered before the round gives it up (the wallets'
+    /// lease TTL). Postgres answers a round in milliseconds, and bounds every statement itself
+    /// (`statement_timeout`), but a connection whose packets vanish (a partition, a black-holed
+    /// route) gets no answer and no error: TCP keepalives and `tcp_user_timeout` see a healthy
+    /// peer wherever a middlebox still acknowledges. Given up, the connection is closed, the
+    /// round's requests hear 503 (`outcome_unknown` for a write: the fence decides whether it
+    /// lands), and their holders release the wallets' leases, so another replica can take them.
+    pub answer_within: Duration,
+}
+
 /// The replica's rounds. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Rounds {
@@ -73,9 +88,9 @@ pub struct Rounds {
 impl Rounds {
     /// Starts gathering jobs into rounds, each round a task on `tracker` (so a drain waits for
     /// rounds in flight). Stops when the last clone is dropped.
-    pub fn start(db: PgPool, retention: Duration, tracker: TaskTracker) -> Self {
+    pub fn start(db: PgPool, settings: RoundSettings, tracker: TaskTracker) -> Self {
         let (jobs, queued) = mpsc::unbounded_channel();
-        tokio::spawn(gather(db, retention, tracker, queued));
+        tokio::spawn(gather(db, settings, tracker, queued));
         Self { jobs }
     }
 
@@ -117,7 +132,7 @@ const LANE_FRESH: Duration = Duration::from_millis(10);
 
 async fn gather(
     db: PgPool,
-    retention: Duration,
+    settings: RoundSettings,
     tracker: TaskTracker,
     mut queued: mpsc::UnboundedReceiver<Submission>,
 ) {
@@ -158,7 +173,7 @@ async fn gather(
         }
         let (db, lane_back) = (db.clone(), lane_back.clone());
         tracker.spawn(async move {
-            let lane = run_round(&db, lane, retention, round).await;
+            let lane = run_round(&db, lane, settings, round).await;
             let _ = lane_back.send(lane).await;
         });
     }
@@ -172,7 +187,7 @@ struct Ready {
 }
 
 /// Runs one round on `lane`'s connection; the lane to keep for the next round.
-async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Submission>) -> Lane {
+async fn run_round(db: &PgPool, lane: Lane, settings: RoundSettings, round: Vec<Submission>) -> Lane {
     metrics::histogram!(crate::telemetry::metrics::ROUND_WALLETS).record(round.len() as f64);
     let kept = lane.is_some();
     let fresh = lane.as_ref().is_some_and(|lane| lane.answered.elapsed() < LANE_FRESH);
@@ -188,8 +203,12 @@ async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Subm
     let mut first_attempt = true;
     loop {
         let look_up_keys = !(first_attempt && fresh);
-        let mut found = read(&mut conn, &mut pending, &mut ready, look_up_keys).await;
-        if kept && first_attempt && matches!(found, Err(WalletError::Unavailable { .. })) {
+        let reading = read(&mut conn, &mut pending, &mut ready, look_up_keys);
+        let (mut found, gave_up) = match tokio::time::timeout(settings.answer_within, reading).await {
+            Ok(found) => (found, false),
+            Err(_) => (Err(WalletError::from(unanswered(settings.answer_within))), true),
+        };
+        if kept && first_attempt && !gave_up && matches!(found, Err(WalletError::Unavailable { .. })) {
             // The kept connection died while idle (Postgres restarted, say), which a pool
             // checkout's ping would have caught: read again, once, on a fresh one. The read is
             // safe to repeat: it writes nothing a second read would not find as it left it.
@@ -217,7 +236,10 @@ async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Subm
             Ok(Default::default())
         } else {
             crate::failpoint::hit("before_commit");
-            let written = store::commit(&mut conn, &write, now, retention).await;
+            let writing = store::commit(&mut conn, &write, now, settings.retention);
+            let written = tokio::time::timeout(settings.answer_within, writing)
+                .await
+                .unwrap_or_else(|_| Err(unanswered(settings.answer_within).into()));
             crate::failpoint::hit("after_commit");
             written
         };
@@ -261,6 +283,13 @@ async fn run_round(db: &PgPool, lane: Lane, retention: Duration, round: Vec<Subm
             }
         }
     }
+}
+
+/// A statement given up unanswered after `waited` (see [`RoundSettings::answer_within`]): to the
+/// round, its connection failed.
+fn unanswered(waited: Duration) -> sqlx::Error {
+    let cause = format!("Postgres did not answer the round within {waited:?}");
+    sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, cause))
 }
 
 /// The lane's connection, or a fresh one from the pool.

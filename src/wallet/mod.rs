@@ -251,7 +251,7 @@ impl Wallets {
     pub fn new(db: PgPool, leases: LeaseClient) -> Self {
         let in_flight = TaskTracker::new();
         let retention = KeySettings::default().retention;
-        let rounds = group::Rounds::start(db.clone(), retention, in_flight.clone());
+        let rounds = group::Rounds::start(db.clone(), round_settings(&leases, retention), in_flight.clone());
         Self {
             db,
             leases,
@@ -277,7 +277,8 @@ impl Wallets {
 
     /// Stores movements' responses for `keys.retention`.
     pub fn with_keys(mut self, keys: KeySettings) -> Self {
-        self.rounds = group::Rounds::start(self.db.clone(), keys.retention, self.in_flight.clone());
+        let settings = round_settings(&self.leases, keys.retention);
+        self.rounds = group::Rounds::start(self.db.clone(), settings, self.in_flight.clone());
         self.retention = keys.retention;
         self
     }
@@ -546,6 +547,12 @@ impl Wallets {
             }
         }
     }
+}
+
+/// The rounds give up a statement left unanswered for one lease TTL: by then the lease would have
+/// expired without its watchdog, and the wallet is better in another holder's hands.
+fn round_settings(leases: &LeaseClient, retention: Duration) -> group::RoundSettings {
+    group::RoundSettings { retention, answer_within: leases.settings().ttl.get() }
 }
 
 /// How long a holder that found its wallet's row busy waits before it tries again (while its

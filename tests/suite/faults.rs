@@ -6,6 +6,7 @@ use crate::support::fleet::Fleet;
 use crate::support::load::{
     Attempt, Load, Outcome, check_books, open_wallets, pay, pay_one, settle, tally, time_to_recover,
 };
+use crate::support::proxy::TcpProxy;
 use nix::sys::signal::Signal;
 use std::time::{Duration, Instant};
 
@@ -290,6 +291,54 @@ async fn a_postgres_restart_is_a_503_while_it_is_down_and_nothing_partial() {
     assert!(recovered <= Duration::from_secs(5), "recovered {recovered:?} after Postgres came back");
     settle(&fleet, &mut attempts).await;
     check_books(&fleet, &opening(&[]), &attempts).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_cut_off_from_postgres_frees_its_wallet_within_two_lease_ttls() {
+    let env = TestEnv::new();
+    let mut fleet = Fleet::start(&env, 2, &FAULT_SETTINGS).await;
+    // replica-1 reaches Postgres through a proxy that can black-hole the route: no reset, no
+    // error, every byte acknowledged and dropped, as in a partition behind a middlebox.
+    let direct = fleet.replicas[0].env.iter().find(|(k, _)| k == "DATABASE_URL").unwrap().1.clone();
+    let at = direct.find("@127.0.0.1:").expect("a local Postgres") + "@127.0.0.1:".len();
+    let port: String = direct[at..].chars().take_while(char::is_ascii_digit).collect();
+    let proxy = TcpProxy::start(format!("127.0.0.1:{port}").parse().unwrap()).await;
+    let proxied = format!("{}{}{}", &direct[..at], proxy.port, &direct[at + port.len()..]);
+    fleet.replicas[0].set_env("DATABASE_URL", Some(&proxied));
+    fleet.replicas[0].start();
+    open_wallets(&fleet, &["cut"], OPENING).await;
+    let load = Load::start_at(&fleet, &[fleet.replicas[0].url("")], &["cut"], 4);
+    let paying = Instant::now();
+    while load.acknowledged() < 20 {
+        assert!(paying.elapsed() < Duration::from_secs(5), "replica-1 pays from the wallet");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // replica-1 holds the wallet's lease, and its Redis still answers its watchdog.
+    proxy.black_hole();
+    let cut_at = Instant::now();
+    let mut attempts = Vec::new();
+    loop {
+        let attempt = pay_one(&fleet.client, &fleet.replicas[1].url(""), "cut").await;
+        let applied = matches!(attempt.outcome, Outcome::Applied(_));
+        attempts.push(attempt);
+        if applied {
+            break;
+        }
+        assert!(cut_at.elapsed() < Duration::from_secs(15), "the wallet stayed with replica-1: {attempts:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let freed = cut_at.elapsed();
+    // One TTL for replica-1 to give its round up and release, one for the wait and the write.
+    assert!(freed <= Duration::from_secs(2), "replica-2 paid from the wallet after {freed:?}");
+
+    attempts.extend(load.finish().await);
+    // nginx then sends the wallet's requests, the retries that settle the books among them, to
+    // the replica that can reach Postgres.
+    fleet.replicas[0].stop(Signal::SIGKILL);
+    settle(&fleet, &mut attempts).await;
+    check_books(&fleet, &[("cut", OPENING)], &attempts).await;
+    eprintln!("cut off: the wallet was paid from elsewhere after {freed:?}; {:?}", tally(&attempts));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
