@@ -52,6 +52,11 @@ pub enum Command {
     RedisFunctions {
         #[command(flatten)]
         redis: RedisArgs,
+        /// Stay running and keep the library loaded: check every this long (`1s`, say) and load
+        /// it again whenever Redis lost it (a restart without persistence, a replica promoted that
+        /// never had it). Without it, load once and exit.
+        #[arg(long, env = "REDIS_FUNCTIONS_KEEP", value_parser = crate::config::duration)]
+        keep: Option<std::time::Duration>,
     },
     /// Print a fresh random API token (256 bits, hex), for API_TOKENS as `caller:<token>`.
     Token,
@@ -133,9 +138,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(ExitCode::FAILURE)
             }
         }
-        Command::RedisFunctions { redis } => {
-            let library = crate::lease::load_library(&redis.connect()?.0).await?;
+        Command::RedisFunctions { redis, keep } => {
+            let pool = redis.connect()?.0;
+            let library = crate::lease::load_library(&pool).await?;
             tracing::info!(library, "lease scripts loaded as Redis Functions");
+            if let Some(every) = keep {
+                crate::lease::keep_library(&pool, every).await;
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Token => {

@@ -57,7 +57,7 @@ def published(service):
 
 def check_services(services, need):
     """Which services there are, which publish a port, which have a health check."""
-    need(set(services) == {"secrets", "postgres", "redis", "redis-functions", "migrate", "app", "nginx", "k6", "prometheus", "nginx-exporter",
+    need(set(services) == {"secrets", "postgres", "redis", "redis-functions", "redis-functions-keeper", "migrate", "app", "nginx", "k6", "prometheus", "nginx-exporter",
                            "grafana", *REDIS_REPLICAS, *SENTINELS},
          f"services are {sorted(services)}")
     for name, service in services.items():
@@ -179,6 +179,13 @@ def check_redis(services, need, secrets_script):
          "redis-functions is a one shot after a healthy redis")
     need(app["depends_on"].get("redis-functions", {}).get("condition") == "service_completed_successfully",
          "app must wait for the lease scripts to be loaded")
+    keeper = services["redis-functions-keeper"]
+    need(keeper.get("command") == ["redis-functions", "--keep", "1s"] and keeper.get("image") == app.get("image"),
+         "redis-functions-keeper must run `walletlock redis-functions --keep 1s` from the app's image")
+    need(keeper["environment"].get("REDIS_URL") == functions["environment"].get("REDIS_URL"),
+         "redis-functions-keeper must load as admin, as redis-functions does")
+    need(keeper.get("restart") == "unless-stopped",
+         "redis-functions-keeper stays up: a Redis restarted without persistence needs it")
 
 
 def check_sentinel(services, need, sentinel_config):

@@ -111,6 +111,40 @@ pub async fn load_library(pool: &RedisPool) -> Result<String, RedisFailure> {
     Ok(load.query_async::<String>(&mut conn).await?)
 }
 
+/// Keeps [`LIBRARY`] loaded for good: every `every`, asks the server whether it holds this build's
+/// library and loads it when it does not, so a Redis that restarted without persistence (or a
+/// replica promoted that never had it) has the lease scripts back within one period. The replicas'
+/// user may only call the functions, never load them, so without this an emptied Redis leaves
+/// every lease refused until an operator loads them. Logs each load, and each failure to reach
+/// Redis once until it answers again. Never returns.
+pub async fn keep_library(pool: &RedisPool, every: std::time::Duration) {
+    let mut reachable = true;
+    loop {
+        let checked: Result<bool, RedisFailure> = async {
+            let mut conn = pool.get().await?;
+            let loaded = scripts::loaded_library(&mut conn).await?;
+            Ok(loaded.as_deref() == Some(LIBRARY.as_str()))
+        }
+        .await;
+        match checked {
+            Ok(true) => reachable = true,
+            Ok(false) => match load_library(pool).await {
+                Ok(library) => {
+                    reachable = true;
+                    tracing::info!(library, "the lease scripts were missing or another build's: loaded them");
+                }
+                Err(err) => tracing::warn!(error = %err, "could not load the lease scripts; trying again"),
+            },
+            Err(err) if reachable => {
+                reachable = false;
+                tracing::warn!(error = %err, "Redis did not answer; the lease scripts will be checked again");
+            }
+            Err(_) => {}
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
 /// Why a lease operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {

@@ -169,27 +169,17 @@ impl Scripting {
     /// Asks the server whether the library is loaded (`FUNCTION LIST`), and logs the way chosen.
     /// Only a Redis that could not be reached leaves it undecided.
     pub(super) async fn decide(&self, conn: &mut impl ConnectionLike) -> redis::RedisResult<Way> {
-        let mut list = redis::cmd("FUNCTION");
-        list.arg("LIST").arg("LIBRARYNAME").arg(LIBRARY_NAME).arg("WITHCODE");
-        let (way, why) = match list.query_async::<Vec<HashMap<String, redis::Value>>>(conn).await {
-            Ok(libraries) => {
-                let ours = libraries.iter().find(|library| {
-                    library.get("library_name").and_then(|v| String::from_redis_value_ref(v).ok()).as_deref()
-                        == Some(LIBRARY_NAME)
-                });
-                match ours.and_then(|library| library.get("library_code")) {
-                    Some(code)
-                        if String::from_redis_value_ref(code).ok().as_deref() == Some(LIBRARY.as_str()) =>
-                    {
-                        (Way::Functions, "the walletlock library is loaded")
-                    }
-                    Some(_) => (
-                        Way::Functions,
-                        "the walletlock library is loaded, but not this build's: load this build's with `walletlock redis-functions`",
-                    ),
-                    None => (Way::Scripts, "the walletlock library is not loaded"),
+        let (way, why) = match loaded_library(conn).await {
+            Ok(code) => match code {
+                Some(code) if code == LIBRARY.as_str() => {
+                    (Way::Functions, "the walletlock library is loaded")
                 }
-            }
+                Some(_) => (
+                    Way::Functions,
+                    "the walletlock library is loaded, but not this build's: load this build's with `walletlock redis-functions`",
+                ),
+                None => (Way::Scripts, "the walletlock library is not loaded"),
+            },
             Err(err) if err.is_io_error() || err.is_timeout() || err.is_connection_dropped() => {
                 return Err(err);
             }
@@ -214,6 +204,20 @@ impl Scripting {
         }
         Ok(self.get())
     }
+}
+
+/// The code of the library named [`LIBRARY_NAME`] that the server holds, if it holds one.
+pub(super) async fn loaded_library(conn: &mut impl ConnectionLike) -> redis::RedisResult<Option<String>> {
+    let mut list = redis::cmd("FUNCTION");
+    list.arg("LIST").arg("LIBRARYNAME").arg(LIBRARY_NAME).arg("WITHCODE");
+    let libraries = list.query_async::<Vec<HashMap<String, redis::Value>>>(conn).await?;
+    let ours = libraries.iter().find(|library| {
+        library.get("library_name").and_then(|v| String::from_redis_value_ref(v).ok()).as_deref()
+            == Some(LIBRARY_NAME)
+    });
+    Ok(ours
+        .and_then(|library| library.get("library_code"))
+        .and_then(|code| String::from_redis_value_ref(code).ok()))
 }
 
 /// Takes the lease if it is free and issues the next fencing token, and hands over the note its

@@ -5,9 +5,11 @@
 use crate::support::app::spawn_app;
 use crate::support::fleet::Fleet;
 use crate::support::load::open_wallets;
+use crate::support::servers::{OwnedChild, RedisServer};
 use crate::support::{OPS_TOKEN, OTHER_TOKEN, TestEnv, api_client_with, books};
 use serde_json::{Value, json};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 #[tokio::test]
 async fn a_missing_or_wrong_token_is_a_401_before_anything_is_read() {
@@ -257,21 +259,54 @@ async fn the_app_role_reads_and_writes_its_tables_and_nothing_more() {
     assert_eq!(books(&db, "least").await.balance, 90);
 }
 
-#[tokio::test]
-async fn the_replicas_redis_user_can_only_work_leases() {
-    let env = TestEnv::new();
+/// A Redis of its own with the deploy step's users: the replicas' `walletlock` (leases only) and
+/// `admin`. Returns it with its ACL file, and the URLs of the two users.
+fn redis_with_users(env: &TestEnv) -> (RedisServer, tempfile::NamedTempFile, String, String) {
     let acl = tempfile::NamedTempFile::new().unwrap();
     crate::support::fleet::lib_sh(&format!(
         "wl_redis_acl {} {} app-password-0123 admin-password-0123",
         acl.path().display(),
         env.prefix
     ));
-    let redis = crate::support::servers::RedisServer::start_with(vec![
-        "--aclfile".into(),
-        acl.path().display().to_string(),
-    ]);
+    let redis = RedisServer::start_with(vec!["--aclfile".into(), acl.path().display().to_string()]);
     let app_redis = format!("redis://walletlock:app-password-0123@127.0.0.1:{}", redis.port);
     let admin_redis = format!("redis://admin:admin-password-0123@127.0.0.1:{}", redis.port);
+    (redis, acl, app_redis, admin_redis)
+}
+
+#[tokio::test]
+async fn a_redis_that_restarts_empty_gets_the_lease_scripts_back_from_the_keeper() {
+    let env = TestEnv::new();
+    let (mut redis, _acl, app_redis, admin_redis) = redis_with_users(&env);
+    let _keeper = OwnedChild(
+        Command::new(env!("CARGO_BIN_EXE_walletlock"))
+            .args(["redis-functions", "--keep", "200ms", "--redis-url", &admin_redis])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let app = crate::support::app::spawn_app_with(&env, &["--redis-url", &app_redis]).await;
+    app.open_wallet("emptied", 1_000).await;
+    let pay = || app.client.post(app.url("/wallets/emptied/pay")).json(&json!({ "amount": 1 })).send();
+    assert_eq!(pay().await.unwrap().status(), 200);
+
+    // A restart without persistence: every key and the Functions library are gone, and the
+    // replicas' user may neither load the library nor run scripts of its own.
+    redis.restart();
+    let restarted = Instant::now();
+    while pay().await.unwrap().status() != 200 {
+        assert!(restarted.elapsed() < Duration::from_secs(10), "the payments never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let back = restarted.elapsed();
+    assert!(back < Duration::from_secs(3), "payments came back after {back:?}");
+    assert_eq!(books(&app.db, "emptied").await.pays, 2);
+}
+
+#[tokio::test]
+async fn the_replicas_redis_user_can_only_work_leases() {
+    let env = TestEnv::new();
+    let (redis, _acl, app_redis, admin_redis) = redis_with_users(&env);
     // The deploy step loads the lease scripts as the administrator; the replicas' user cannot.
     let loaded = Command::new(env!("CARGO_BIN_EXE_walletlock"))
         .args(["redis-functions", "--redis-url", &admin_redis])

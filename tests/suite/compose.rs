@@ -83,8 +83,9 @@ async fn the_compose_stack_serves_through_nginx_scales_loses_nothing_to_a_killed
     // `down -v` leaves nothing running and no data: no container process, no volume, and no
     // engine if deploy/compose started one.
     let footprint = stack.footprint();
-    // Postgres, Redis, three replicas, nginx (the one-shot steps have exited).
-    assert_eq!(footprint.pids.len(), 6 + usize::from(started_engine), "{footprint:?}");
+    // Postgres, Redis, the keeper of the lease scripts, three replicas, nginx (the one-shot steps
+    // have exited).
+    assert_eq!(footprint.pids.len(), 7 + usize::from(started_engine), "{footprint:?}");
     assert!(footprint.volume_dirs.len() >= 3, "pgdata, secrets, promdata at least: {footprint:?}");
     stack.down(true);
     assert_eq!(footprint.left(), Vec::<String>::new());
