@@ -300,6 +300,7 @@ async fn a_redis_that_restarts_empty_gets_the_lease_scripts_back_from_the_keeper
     }
     let back = restarted.elapsed();
     assert!(back < Duration::from_secs(3), "payments came back after {back:?}");
+    eprintln!("Redis restarted empty: payments back after {back:?}");
     assert_eq!(books(&app.db, "emptied").await.pays, 2);
 }
 
