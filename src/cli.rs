@@ -143,7 +143,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let library = crate::lease::load_library(&pool).await?;
             tracing::info!(library, "lease scripts loaded as Redis Functions");
             if let Some(every) = keep {
-                crate::lease::keep_library(&pool, every).await;
+                // Until stopped: as a container's first process it must end on SIGTERM itself.
+                tokio::select! {
+                    () = crate::lease::keep_library(&pool, every) => {}
+                    () = crate::http::server::shutdown_signal() => {}
+                }
             }
             Ok(ExitCode::SUCCESS)
         }
