@@ -170,16 +170,14 @@ impl Scripting {
     /// Only a Redis that could not be reached leaves it undecided.
     pub(super) async fn decide(&self, conn: &mut impl ConnectionLike) -> redis::RedisResult<Way> {
         let (way, why) = match loaded_library(conn).await {
-            Ok(code) => match code {
-                Some(code) if code == LIBRARY.as_str() => {
-                    (Way::Functions, "the walletlock library is loaded")
-                }
-                Some(_) => (
-                    Way::Functions,
-                    "the walletlock library is loaded, but not this build's: load this build's with `walletlock redis-functions`",
-                ),
-                None => (Way::Scripts, "the walletlock library is not loaded"),
-            },
+            Ok(Some(code)) if code == LIBRARY.as_str() => {
+                (Way::Functions, "the walletlock library is loaded")
+            }
+            Ok(Some(_)) => (
+                Way::Functions,
+                "the walletlock library is loaded, but not this build's: load this build's with `walletlock redis-functions`",
+            ),
+            Ok(None) => (Way::Scripts, "the walletlock library is not loaded"),
             Err(err) if err.is_io_error() || err.is_timeout() || err.is_connection_dropped() => {
                 return Err(err);
             }
