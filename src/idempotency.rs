@@ -50,7 +50,7 @@ pub fn describe_metrics() {
 }
 
 /// The value of an `Idempotency-Key` header: 1 to 255 printable ASCII characters.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyKey(String);
 
 impl IdempotencyKey {
@@ -71,7 +71,7 @@ impl IdempotencyKey {
 
 /// What a key is unique within: the caller who sent it, and the wallet it moves money on (or
 /// wallet creation).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Scope {
     caller: String,
     within: String,

@@ -281,7 +281,18 @@ impl LeaseClient {
     /// Redis errors are retried like a busy lease until the deadline, so a Redis restart shorter
     /// than the wait is invisible to the caller; past the deadline the last error is returned.
     pub async fn acquire_until(&self, name: &str, deadline: Instant) -> Result<Lease, LeaseError> {
-        self.acquire_inner(name, deadline, false).await
+        self.acquire_inner(name, deadline, false).await.inspect_err(count_timeout)
+    }
+
+    /// Asks for the lease on `name` once, without waiting: `None` if another holder has it. For a
+    /// holder of another lease that must not wait for this one (it may come earlier in the order
+    /// [`LeaseClient::acquire_all`] keeps): not waiting can close no cycle.
+    pub async fn try_acquire(&self, name: &str) -> Result<Option<Lease>, LeaseError> {
+        match self.acquire_inner(name, Instant::now(), false).await {
+            Ok(lease) => Ok(Some(lease)),
+            Err(LeaseError::NotObtained { .. }) => Ok(None),
+            Err(err) => Err(err),
+        }
     }
 
     /// Like [`LeaseClient::acquire_until`], but first lets those already waiting go: marks the lease
@@ -289,7 +300,7 @@ impl LeaseClient {
     /// released a contended lease and has more work calls this, so it does not win the lease back
     /// ahead of the waiters it woke.
     pub async fn acquire_after_others(&self, name: &str, deadline: Instant) -> Result<Lease, LeaseError> {
-        self.acquire_inner(name, deadline, true).await
+        self.acquire_inner(name, deadline, true).await.inspect_err(count_timeout)
     }
 
     async fn acquire_inner(
@@ -356,10 +367,7 @@ impl LeaseClient {
                 // time; a Redis that cannot be reached at all is unavailable.
                 return Err(match last_error {
                     Some(failure) if !failure.is_timeout() => LeaseError::Unavailable(failure),
-                    _ => {
-                        metrics::counter!("walletlock_lease_timeouts_total").increment(1);
-                        LeaseError::NotObtained { name: name.to_owned(), waited: started.elapsed() }
-                    }
+                    _ => LeaseError::NotObtained { name: name.to_owned(), waited: started.elapsed() },
                 });
             }
             if watch.is_none() && self.wakeups.is_some() && last_error.is_none() {
@@ -763,6 +771,13 @@ impl Lease {
         if let Some(task) = self.watchdog.take() {
             task.abort();
         }
+    }
+}
+
+/// Counts a wait that ended without the lease.
+fn count_timeout(err: &LeaseError) {
+    if matches!(err, LeaseError::NotObtained { .. }) {
+        metrics::counter!("walletlock_lease_timeouts_total").increment(1);
     }
 }
 

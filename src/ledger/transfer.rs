@@ -145,20 +145,21 @@ pub struct Transfer {
     pub created_at: DateTime<Utc>,
 }
 
-/// Records `transfer` (before its legs, which reference it).
-pub async fn insert_transfer(tx: &mut PgConnection, transfer: &Transfer) -> Result<(), StoreError> {
+/// Records `transfers` in one statement (before their legs, which reference them).
+pub async fn insert_transfers(tx: &mut PgConnection, transfers: &[&Transfer]) -> Result<(), StoreError> {
     sqlx::query(
         // language=PostgreSQL
         r#"insert into transfer (id, from_wallet, to_wallet, amount, reference, refund_of, created_at)
-           values ($1, $2, $3, $4, $5, $6, $7)"#,
+           select * from unnest($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[],
+                                $6::uuid[], $7::timestamptz[])"#,
     )
-    .bind(transfer.id)
-    .bind(&transfer.from)
-    .bind(&transfer.to)
-    .bind(transfer.amount)
-    .bind(&transfer.reference)
-    .bind(transfer.refund_of)
-    .bind(transfer.created_at)
+    .bind(transfers.iter().map(|t| t.id).collect::<Vec<_>>())
+    .bind(transfers.iter().map(|t| t.from.as_str()).collect::<Vec<_>>())
+    .bind(transfers.iter().map(|t| t.to.as_str()).collect::<Vec<_>>())
+    .bind(transfers.iter().map(|t| t.amount).collect::<Vec<_>>())
+    .bind(transfers.iter().map(|t| t.reference.as_deref()).collect::<Vec<_>>())
+    .bind(transfers.iter().map(|t| t.refund_of).collect::<Vec<_>>())
+    .bind(transfers.iter().map(|t| t.created_at).collect::<Vec<_>>())
     .execute(tx)
     .await?;
     Ok(())

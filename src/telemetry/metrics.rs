@@ -37,6 +37,8 @@ use std::sync::OnceLock;
 pub const REQUESTS_SHED: &str = "walletlock_requests_shed_total";
 /// The histogram of group-commit sizes per wallet (recorded by `crate::wallet`).
 pub const BATCH_SIZE: &str = "walletlock_batch_movements";
+/// The histogram of transfers into one payee per transaction (recorded by `crate::wallet`).
+pub const PAYEE_BATCH: &str = "walletlock_payee_batch_transfers";
 /// The histogram of wallets per round (one statement, one WAL flush; recorded by `crate::wallet`).
 pub const ROUND_WALLETS: &str = "walletlock_round_wallets";
 
@@ -57,6 +59,7 @@ pub fn install(describe_others: &[fn()]) -> PrometheusHandle {
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
                 .and_then(|b| b.set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), BATCH_BUCKETS))
                 .and_then(|b| b.set_buckets_for_metric(Matcher::Full(ROUND_WALLETS.into()), BATCH_BUCKETS))
+                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(PAYEE_BATCH.into()), BATCH_BUCKETS))
                 .expect("buckets are not empty");
             let recorder = builder.build_recorder();
             let handle = recorder.handle();

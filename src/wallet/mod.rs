@@ -16,6 +16,7 @@
 
 mod batch;
 mod group;
+mod payee;
 mod queue;
 mod transfer;
 
@@ -231,6 +232,8 @@ pub struct Wallets {
     strategy: Strategy,
     /// The per-wallet queues of this replica (used by [`Strategy::Queue`]).
     queues: queue::Queues,
+    /// The queues of transfers into each payee on this replica (used by [`Strategy::Queue`]).
+    payees: queue::Queues<payee::Queued>,
     /// The most movements one wallet may have queued on this replica; one more is
     /// [`WalletError::Overloaded`].
     queue_limit: usize,
@@ -257,6 +260,7 @@ impl Wallets {
             leases,
             strategy: Strategy::Queue,
             queues: queue::Queues::default(),
+            payees: queue::Queues::default(),
             queue_limit: DEFAULT_QUEUE_LIMIT,
             rounds,
             retention,

@@ -37,18 +37,80 @@ pub struct Reply {
     pub db: Duration,
 }
 
-struct Pending {
+pub(super) struct Pending {
     op: Op,
     enqueued: Instant,
     deadline: Instant,
     reply: oneshot::Sender<Reply>,
 }
 
-/// The queues of this replica. A wallet has an entry exactly while its worker runs.
-#[derive(Debug, Clone, Default)]
-pub struct Queues {
+/// A queued request: served by its deadline, or answered `lock_timeout`.
+pub(super) trait Waiting {
+    fn deadline(&self) -> Instant;
+}
+
+/// A kind of queue a wallet's worker serves ([`Wallets::serve`]): movements of the wallet
+/// ([`Movements`]), or transfers into it ([`super::payee::Transfers`]).
+pub(super) trait Lane {
+    type Item: Waiting + Send;
+
+    fn queues(wallets: &Wallets) -> &Queues<Self::Item>;
+
+    /// Serves the wallet's queue while `lease` is held; returns the note to leave the next holder.
+    fn hold(
+        wallets: &Wallets,
+        id: &WalletId,
+        lease: &mut Lease,
+    ) -> impl Future<Output = Option<String>> + Send;
+
+    /// Answers a request that waited its whole wait without the lease being had.
+    fn give_up(item: Self::Item, err: WalletError);
+}
+
+/// The deposits and payments of a wallet, written by the rounds.
+pub(super) struct Movements;
+
+impl Lane for Movements {
+    type Item = Pending;
+
+    fn queues(wallets: &Wallets) -> &Queues<Pending> {
+        &wallets.queues
+    }
+
+    async fn hold(wallets: &Wallets, id: &WalletId, lease: &mut Lease) -> Option<String> {
+        let note = lease.take_note().and_then(|note| Held::from_note(&note, lease.fence()));
+        wallets.hold(id, lease, note).await.map(|known| known.to_note())
+    }
+
+    fn give_up(item: Pending, err: WalletError) {
+        answer(item, Err(err), Duration::ZERO);
+    }
+}
+
+impl Waiting for Pending {
+    fn deadline(&self) -> Instant {
+        self.deadline
+    }
+}
+
+/// The queues of this replica, one a wallet: of movements ([`Pending`]), or of transfers into a
+/// payee ([`super::payee`]). A wallet has an entry exactly while its worker runs.
+#[derive(Debug)]
+pub(super) struct Queues<P = Pending> {
     /// Guarded by a std mutex: held only to push or pop, never across an `.await`.
-    inner: Arc<Mutex<HashMap<WalletId, VecDeque<Pending>>>>,
+    inner: Arc<Mutex<HashMap<WalletId, VecDeque<P>>>>,
+}
+
+impl<P> Clone for Queues<P> {
+    fn clone(&self) -> Self {
+        Self { inner: self.inner.clone() }
+    }
+}
+
+impl<P> Default for Queues<P> {
+    fn default() -> Self {
+        Self { inner: Arc::default() }
+    }
 }
 
 impl std::fmt::Debug for Pending {
@@ -57,12 +119,12 @@ impl std::fmt::Debug for Pending {
     }
 }
 
-impl Queues {
+impl<P: Waiting> Queues<P> {
     /// Queues `pending`; true if the wallet had no worker, so the caller must start one. A wallet
     /// with `limit` requests waiting (its batch being written aside) takes no more: the request is
     /// refused [`WalletError::Overloaded`] before anything is done, so a flood on one wallet holds
     /// a bounded queue in memory.
-    fn push(&self, id: &WalletId, pending: Pending, limit: usize) -> Result<bool, WalletError> {
+    pub(super) fn push(&self, id: &WalletId, pending: P, limit: usize) -> Result<bool, WalletError> {
         let mut queues = self.inner.lock().expect("queues lock");
         match queues.get_mut(id) {
             Some(queue) if queue.len() >= limit => Err(WalletError::Overloaded),
@@ -80,9 +142,9 @@ impl Queues {
     /// The earliest deadline among the queued requests; `None`, and the wallet's entry is
     /// removed (its worker retires), once nothing is queued. Decided under the lock, so a request
     /// queued meanwhile either is seen here or starts a new worker.
-    fn earliest_deadline(&self, id: &WalletId) -> Option<Instant> {
+    pub(super) fn earliest_deadline(&self, id: &WalletId) -> Option<Instant> {
         let mut queues = self.inner.lock().expect("queues lock");
-        let earliest = queues.get(id).and_then(|queue| queue.iter().map(|p| p.deadline).min());
+        let earliest = queues.get(id).and_then(|queue| queue.iter().map(Waiting::deadline).min());
         if earliest.is_none() {
             queues.remove(id);
         }
@@ -90,7 +152,7 @@ impl Queues {
     }
 
     /// Up to `max` requests from the front of the queue.
-    fn take(&self, id: &WalletId, max: usize) -> Vec<Pending> {
+    pub(super) fn take(&self, id: &WalletId, max: usize) -> Vec<P> {
         let mut queues = self.inner.lock().expect("queues lock");
         let Some(queue) = queues.get_mut(id) else { return Vec::new() };
         let n = queue.len().min(max);
@@ -98,16 +160,16 @@ impl Queues {
     }
 
     /// Every queued request whose deadline has passed.
-    fn take_expired(&self, id: &WalletId, now: Instant) -> Vec<Pending> {
+    pub(super) fn take_expired(&self, id: &WalletId, now: Instant) -> Vec<P> {
         let mut queues = self.inner.lock().expect("queues lock");
         let Some(queue) = queues.get_mut(id) else { return Vec::new() };
-        let (expired, live): (VecDeque<Pending>, VecDeque<Pending>) =
-            std::mem::take(queue).into_iter().partition(|p| p.deadline <= now);
+        let (expired, live): (VecDeque<P>, VecDeque<P>) =
+            std::mem::take(queue).into_iter().partition(|p| p.deadline() <= now);
         *queue = live;
         expired.into()
     }
 
-    fn is_empty(&self, id: &WalletId) -> bool {
+    pub(super) fn is_empty(&self, id: &WalletId) -> bool {
         self.inner.lock().expect("queues lock").get(id).is_none_or(VecDeque::is_empty)
     }
 }
@@ -128,7 +190,7 @@ impl Wallets {
         if new_worker {
             let (this, id) = (self.clone(), id.clone());
             let span = tracing::info_span!("wallet_worker", wallet_id = %id);
-            self.in_flight.spawn(async move { this.serve(&id).await }.instrument(span));
+            self.in_flight.spawn(async move { this.serve::<Movements>(&id).await }.instrument(span));
         }
         answer.await.unwrap_or_else(|_| {
             // The worker ended without answering: it panicked. Nothing of this request was
@@ -138,12 +200,12 @@ impl Wallets {
         })
     }
 
-    /// The wallet's worker: takes the lease, has the queue written in batches, releases; until the
-    /// queue is empty.
-    async fn serve(&self, id: &WalletId) {
+    /// The wallet's worker for the queue of lane `L`: takes the lease, has the queue served under
+    /// it, releases; until the queue is empty.
+    pub(super) async fn serve<L: Lane>(&self, id: &WalletId) {
         let name = lease_name(id);
         let mut yield_first = false;
-        while let Some(deadline) = self.queues.earliest_deadline(id) {
+        while let Some(deadline) = L::queues(self).earliest_deadline(id) {
             let acquired = if yield_first {
                 self.leases.acquire_after_others(&name, deadline).await
             } else {
@@ -154,17 +216,16 @@ impl Wallets {
                 Err(err) => {
                     // Those who waited their whole wait give up; the others keep their place.
                     let failure = WalletError::from(err);
-                    for pending in self.queues.take_expired(id, Instant::now()) {
-                        answer(pending, Err(failure.clone()), Duration::ZERO);
+                    for item in L::queues(self).take_expired(id, Instant::now()) {
+                        L::give_up(item, failure.clone());
                     }
                     yield_first = false;
                     continue;
                 }
             };
             lease.keep_alive();
-            let note = lease.take_note().and_then(|note| Held::from_note(&note, lease.fence()));
-            let released = match self.hold(id, &mut lease, note).await {
-                Some(known) => lease.release_with_note(&known.to_note()).await,
+            let released = match L::hold(self, id, &mut lease).await {
+                Some(note) => lease.release_with_note(&note).await,
                 None => lease.release().await,
             };
             yield_first = match released {

@@ -62,7 +62,7 @@ pub struct Refund {
 
 /// What one transaction under the leases does.
 #[derive(Debug)]
-enum Work {
+pub(super) enum Work {
     /// Money from `parties.from` to `parties.to`. A refund of a transfer names it and the amount it
     /// moved (`refunds`), and may leave `amount` to be the rest.
     Transfer {
@@ -79,14 +79,23 @@ enum Work {
 
 /// What a committed [`Work`] wrote.
 #[derive(Debug)]
-enum Done {
+pub(super) enum Done {
     Transfer(Box<Transfer>),
     Entry(Entry),
 }
 
+impl Done {
+    pub(super) fn into_transfer(self) -> Result<Transfer, WalletError> {
+        match self {
+            Done::Transfer(transfer) => Ok(*transfer),
+            Done::Entry(_) => Err(WalletError::internal("a transfer wrote an entry alone")),
+        }
+    }
+}
+
 /// Why one transaction attempt did not commit.
 #[derive(Debug)]
-enum Failure {
+pub(super) enum Failure {
     /// A wallet's row has seen a fence at least as high as its lease's: lift the lease's fence
     /// above `seen` (token-checked) and try again, once per wallet.
     FenceBehind {
@@ -101,6 +110,30 @@ enum Failure {
 impl<E: Into<WalletError>> From<E> for Failure {
     fn from(err: E) -> Self {
         Failure::Wallet(err.into())
+    }
+}
+
+/// One transaction under a set of leases, given each lease's fence by name: what
+/// [`Wallets::commit_retrying`] runs until it commits.
+pub(super) trait Attempt: Sync {
+    type Output: Send;
+
+    fn attempt(
+        &self,
+        wallets: &Wallets,
+        fences: &HashMap<String, i64>,
+    ) -> impl Future<Output = Result<Self::Output, Failure>> + Send;
+}
+
+impl Attempt for Work {
+    type Output = Done;
+
+    fn attempt(
+        &self,
+        wallets: &Wallets,
+        fences: &HashMap<String, i64>,
+    ) -> impl Future<Output = Result<Done, Failure>> + Send {
+        wallets.attempt(self, fences)
     }
 }
 
@@ -160,6 +193,15 @@ pub(super) fn describe_metrics() {
         "walletlock_transfers_total",
         "Transfers, refunds of transfers and refunds of payments, by kind and outcome."
     );
+    metrics::describe_histogram!(
+        crate::telemetry::metrics::PAYEE_BATCH,
+        "Transfers into one payee per transaction (under the payee's lease)."
+    );
+    metrics::describe_counter!(
+        "walletlock_payee_batch_alone_total",
+        "Transfers a payee's worker sent on alone: their payer's lease was busy (or their key was twice in the batch)."
+    );
+    metrics::counter!("walletlock_payee_batch_alone_total").absolute(0);
     for kind in ["transfer", "transfer_refund", "payment_refund"] {
         for outcome in ["accepted", "insufficient_funds", "lock_timeout", "lease_lost", "unavailable"] {
             metrics::counter!("walletlock_transfers_total", "kind" => kind, "outcome" => outcome).absolute(0);
@@ -177,13 +219,13 @@ impl Wallets {
         between: Between,
         key: Option<Keyed<TransferOutcome>>,
     ) -> Result<Transfer, WalletError> {
+        if self.strategy == super::Strategy::Queue {
+            return self.transfer_queued(access, between, key).await;
+        }
         let Between { parties, amount, reference } = between;
         let access = access.clone();
         let work = Work::Transfer { access, parties, amount: Some(amount), reference, refunds: None, key };
-        match self.run_work(work).await? {
-            Done::Transfer(transfer) => Ok(*transfer),
-            Done::Entry(_) => Err(WalletError::internal("a transfer wrote an entry alone")),
-        }
+        self.run_work(work).await?.into_transfer()
     }
 
     /// Moves `amount` (without it: all not yet refunded) of transfer `id` back, from its `to` to its
@@ -207,10 +249,7 @@ impl Wallets {
             refunds: Some((original.id, original.amount)),
             key,
         };
-        match self.run_work(work).await? {
-            Done::Transfer(transfer) => Ok(*transfer),
-            Done::Entry(_) => Err(WalletError::internal("a transfer wrote an entry alone")),
-        }
+        self.run_work(work).await?.into_transfer()
     }
 
     /// Puts money back into a wallet for one of its payments: a `refund` entry that names the
@@ -241,39 +280,42 @@ impl Wallets {
         let kind = work.kind();
         let this = self.clone();
         let result = self.run_to_end(None, async move { this.under_leases(work).await }).await;
-        let outcome = result.as_ref().map_or_else(WalletError::outcome, |_| "accepted");
-        metrics::counter!("walletlock_transfers_total", "kind" => kind, "outcome" => outcome).increment(1);
-        if matches!(result, Err(WalletError::LeaseLost)) {
-            metrics::counter!("walletlock_fence_refusals_total").increment(1);
-        }
+        count_outcome(kind, &result);
         result
     }
 
     /// Takes the leases of `work`'s wallets, commits it, releases them.
-    async fn under_leases(&self, work: Work) -> Result<Done, WalletError> {
+    pub(super) async fn under_leases(&self, work: Work) -> Result<Done, WalletError> {
         let names: Vec<String> = work.wallets().into_iter().map(lease_name).collect();
         let mut leases =
             self.leases.acquire_all(&names.iter().map(String::as_str).collect::<Vec<_>>()).await?;
         let waited = leases.iter().map(Lease::waited).sum::<Duration>();
         tracing::Span::current().record("lease_wait_ms", waited.as_secs_f64() * 1e3);
+        crate::failpoint::hit("transfer_leases_held");
         let started = std::time::Instant::now();
-        let result = self.commit_work(&work, &mut leases).await;
+        let mut held: Vec<&mut Lease> = leases.iter_mut().collect();
+        let result = self.commit_retrying(&mut held, &work).await;
         tracing::Span::current().record("db_ms", started.elapsed().as_secs_f64() * 1e3);
         lease::release_all(leases).await;
         result
     }
 
-    /// Commits `work` under `leases`, trying again after a fence lifted or a key found stored.
-    async fn commit_work(&self, work: &Work, leases: &mut [Lease]) -> Result<Done, WalletError> {
+    /// Runs `attempt` (one transaction) under `leases`, given each lease's fence by name, until it
+    /// commits; tries again after a fence lifted (once per wallet) or a key found stored (once).
+    pub(super) async fn commit_retrying<A: Attempt>(
+        &self,
+        leases: &mut [&mut Lease],
+        attempt: &A,
+    ) -> Result<A::Output, WalletError> {
         let mut resynced: HashSet<WalletId> = HashSet::new();
         let mut looked_again = false;
         loop {
-            if leases.iter().any(Lease::is_lost) {
+            if leases.iter().any(|lease| lease.is_lost()) {
                 return Err(WalletError::LeaseLost);
             }
             let fences: HashMap<String, i64> =
                 leases.iter().map(|lease| (lease.name().to_owned(), lease.fence())).collect();
-            match self.attempt(work, &fences).await {
+            match attempt.attempt(self, &fences).await {
                 Ok(done) => return Ok(done),
                 Err(Failure::Wallet(err)) => return Err(err),
                 Err(Failure::FenceBehind { wallet, seen }) => {
@@ -391,11 +433,20 @@ impl Wallets {
     }
 }
 
-type Side<'a> = (&'a WalletId, &'a LockedWallet, i64);
+pub(super) type Side<'a> = (&'a WalletId, &'a LockedWallet, i64);
+
+/// Counts how a transfer (or refund) of `kind` ended.
+pub(super) fn count_outcome<T>(kind: &'static str, result: &Result<T, WalletError>) {
+    let outcome = result.as_ref().map_or_else(WalletError::outcome, |_| "accepted");
+    metrics::counter!("walletlock_transfers_total", "kind" => kind, "outcome" => outcome).increment(1);
+    if matches!(result, Err(WalletError::LeaseLost)) {
+        metrics::counter!("walletlock_fence_refusals_total").increment(1);
+    }
+}
 
 /// Decides a transfer of `amount` from `from` to `to` (each: its id, its locked row, its lease's
 /// fence): the payer's balance must cover it and the payee's must hold it.
-fn plan_transfer(
+pub(super) fn plan_transfer(
     from: Side<'_>,
     to: Side<'_>,
     amount: Amount,
@@ -453,13 +504,13 @@ async fn write_transfer(
     if store::write_wallets(tx, &writes).await? != writes.len() {
         return Err(WalletError::LeaseLost.into());
     }
-    store::insert_transfer(tx, transfer).await?;
+    store::insert_transfers(tx, &[transfer]).await?;
     store::insert_entries(tx, &[&transfer.from_entry, &transfer.to_entry]).await?;
     Ok(())
 }
 
 /// Stores the rendered `outcome` for `key`, in the transaction that moves the money.
-async fn store_response<T>(
+pub(super) async fn store_response<T>(
     tx: &mut sqlx::PgConnection,
     key: &Keyed<Result<T, Refusal>>,
     outcome: &Result<T, Refusal>,

@@ -476,3 +476,186 @@ async fn a_replica_stalled_inside_a_transfer_frees_both_wallets_within_about_a_l
     assert!(ok, "{report}");
     eprintln!("stalled inside a transfer: both wallets paid again {freed:?} after the stall");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfers_continue_through_a_flushall_and_the_books_balance() {
+    let env = TestEnv::with_own_redis();
+    let fleet = Fleet::start(&env, 3, &[("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s")]).await;
+    let wallets = ["flush-a", "flush-b", "flush-c", "flush-d", "flush-e"];
+    let opening = 2_000;
+    open_wallets(&fleet, &wallets, opening).await;
+    let load = TransferLoad::start(&fleet, &wallets, 8);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    // Every lease, fence counter and note gone at once: the fences start over below what the rows
+    // have seen, so each holder lifts its lease's fence past the row's before it writes.
+    env.redis_cmd::<()>(&["FLUSHALL"]).await;
+    let flushed_at = Instant::now();
+    let mut probes = Vec::new();
+    let resumed = loop {
+        let probe = transfer_one(&fleet.client, &fleet.url(""), ("flush-a", "flush-b"), 1).await;
+        let applied = matches!(probe.outcome, Outcome::Applied(_));
+        probes.push(probe);
+        if applied {
+            break flushed_at.elapsed();
+        }
+        assert!(flushed_at.elapsed() < Duration::from_secs(5), "no transfer since the flush: {probes:?}");
+    };
+    assert!(resumed <= Duration::from_secs(2), "transfers resumed {resumed:?} after the flush");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    let mut attempts = load.finish().await;
+    attempts.extend(probes);
+    settle(&fleet, &mut attempts).await;
+    let counts = tally(&attempts);
+    eprintln!("8 clients through a FLUSHALL: {counts:?}; transfers resumed {resumed:?} after it");
+    for code in counts.keys() {
+        assert!(
+            ["applied", "insufficient_funds", "lock_timeout", "lease_lost"].contains(&code.as_str()),
+            "a transfer neither applied nor refused with nothing applied: {counts:?}"
+        );
+    }
+    let opening: Vec<(&str, i64)> = wallets.iter().map(|w| (*w, opening)).collect();
+    check_books(&fleet, &opening, &attempts).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_holder_paused_past_its_leases_applies_nothing_when_it_wakes() {
+    let env = TestEnv::new();
+    let mut fleet = Fleet::start(&env, 2, &[("LEASE_TTL", "1s")]).await;
+    let pair = ("paused-from", "paused-to");
+    open_wallets(&fleet, &[pair.0, pair.1], 100).await;
+    fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", Some("transfer_leases_held:stop"));
+    fleet.replicas[0].start();
+
+    // replica-1 stops itself holding both leases, before its transaction: no row is locked, so
+    // only the fences can stop its write when it wakes.
+    let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
+    let paused =
+        tokio::spawn(
+            async move { crate::support::transfers::transfer(&client, &url, pair, 40, "paused").await },
+        );
+    let pid = fleet.replicas[0].pid();
+    crate::support::eventually("replica-1 stopped holding both leases", Duration::from_secs(5), || async {
+        is_stopped(pid)
+    })
+    .await;
+    let paused_at = Instant::now();
+
+    // Its leases lapse (1 s); the other replica takes them and pays from both wallets, so each row
+    // now carries a fence above the paused holder's.
+    let other = fleet.replicas[1].url("");
+    for wallet in [pair.0, pair.1] {
+        let key = format!("meanwhile-{wallet}");
+        loop {
+            let paid = crate::support::load::pay(&fleet.client, &other, wallet, 1, &key).await;
+            if matches!(paid, crate::support::load::Outcome::Applied(_)) {
+                break;
+            }
+            assert!(paused_at.elapsed() < Duration::from_secs(5), "{wallet} still held: {paid:?}");
+        }
+    }
+    let freed = paused_at.elapsed();
+    assert!(freed <= Duration::from_millis(2_500), "both wallets were held {freed:?} after the pause");
+
+    // Woken, the stale holder is refused: 409 lease_lost, nothing moved.
+    fleet.replicas[0].signal(nix::sys::signal::Signal::SIGCONT);
+    let woke = paused.await.unwrap();
+    assert_eq!(
+        woke,
+        Outcome::NotApplied("lease_lost".into()),
+        "replica-1 logged:\n{}",
+        fleet.replicas[0].log()
+    );
+    assert_eq!(transfer_count_in(&fleet.db).await, 0, "the stale holder wrote nothing");
+    let balances = (books(&fleet.db, pair.0).await.balance, books(&fleet.db, pair.1).await.balance);
+    assert_eq!(balances, (99, 99), "one payment from each, no transfer");
+
+    // Its key was not used up: the retry moves the money, once.
+    let retried = crate::support::transfers::transfer(&fleet.client, &other, pair, 40, "paused").await;
+    assert!(matches!(retried, Outcome::Applied(_)), "{retried:?}");
+    assert_eq!(transfer_count_in(&fleet.db).await, 1, "moved once");
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "{report}");
+    eprintln!("a transfer holder paused past its leases: both wallets paid again {freed:?} after the pause");
+}
+
+/// A sample of a replica's /metrics with no labels: its value.
+async fn scraped(fleet: &Fleet, replica: usize, name: &str) -> f64 {
+    let url = fleet.replicas[replica].url("/metrics");
+    let scrape = fleet.client.get(url).send().await.unwrap().text().await.unwrap();
+    let value = scrape.lines().find_map(|line| line.strip_prefix(&format!("{name} ")));
+    value.and_then(|v| v.trim().parse().ok()).unwrap_or_else(|| panic!("no {name} in /metrics"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfers_from_many_payers_into_one_payee_commit_together_and_a_busy_payer_goes_alone() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 1, &[]).await;
+    let payers: Vec<String> = (0..48).map(|n| format!("payer-{n}")).collect();
+    let mut wallets: Vec<&str> = payers.iter().map(String::as_str).collect();
+    wallets.push("merchant");
+    open_wallets(&fleet, &wallets, 1_000).await;
+
+    // 48 payers into one merchant at once, on one replica; the first 8 payers paying elsewhere at
+    // the same time, so their leases are now and then held by their own wallets' workers; and the
+    // last payer's lease held by another holder for 300 ms.
+    let held =
+        env.leases(Duration::from_secs(10), Duration::from_secs(1)).acquire("wallet:payer-47").await.unwrap();
+    let held_at = Instant::now();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        held.release().await.unwrap();
+    });
+    let url = fleet.replicas[0].url("");
+    let start = Arc::new(Barrier::new(48 + 8 * 5));
+    let mut transfers = Vec::new();
+    for (n, payer) in payers.iter().enumerate() {
+        let (client, url, start, payer) = (fleet.client.clone(), url.clone(), start.clone(), payer.clone());
+        transfers.push(tokio::spawn(async move {
+            start.wait().await;
+            transfer_one(&client, &url, (&payer, "merchant"), n as i64 + 1).await
+        }));
+    }
+    let mut payments = Vec::new();
+    for n in 0..8 * 5 {
+        let (client, url, start) = (fleet.client.clone(), url.clone(), start.clone());
+        payments.push(tokio::spawn(async move {
+            start.wait().await;
+            let payer = format!("payer-{}", n % 8);
+            crate::support::load::pay(&client, &url, &payer, 1, &format!("busy-{n}")).await
+        }));
+    }
+    for transfer in transfers {
+        let transfer = transfer.await.unwrap();
+        assert!(matches!(transfer.outcome, Outcome::Applied(_)), "{transfer:?}");
+        if transfer.from == "payer-47" {
+            assert!(held_at.elapsed() >= Duration::from_millis(300), "it waited for its payer");
+        }
+    }
+    for payment in payments {
+        let payment = payment.await.unwrap();
+        assert!(matches!(payment, crate::support::load::Outcome::Applied(_)), "{payment:?}");
+    }
+
+    let merchant = books(&fleet.db, "merchant").await;
+    assert_eq!(merchant.balance, 1_000 + (1..=48).sum::<i64>(), "every transfer in, once");
+    for (n, payer) in payers.iter().enumerate() {
+        let paid = if n < 8 { 5 } else { 0 };
+        assert_eq!(books(&fleet.db, payer).await.balance, 1_000 - (n as i64 + 1) - paid, "{payer}");
+    }
+    assert_eq!(transfer_count_in(&fleet.db).await, 48);
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "{report}");
+
+    // The merchant's worker took all 48, in fewer transactions than transfers.
+    let taken = scraped(&fleet, 0, "walletlock_payee_batch_transfers_sum").await;
+    let batches = scraped(&fleet, 0, "walletlock_payee_batch_transfers_count").await;
+    assert_eq!(taken, 48.0);
+    assert!(batches < taken, "48 transfers into one payee in {batches} batches");
+    let alone = scraped(&fleet, 0, "walletlock_payee_batch_alone_total").await;
+    assert!(alone >= 1.0, "the transfer whose payer was held went alone");
+    eprintln!(
+        "48 transfers into one payee, 40 payments from 8 of its payers: {batches} batches, {alone} alone"
+    );
+}

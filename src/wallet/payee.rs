@@ -1,0 +1,316 @@
+//! Transfers into one payee, gathered on this replica and committed together.
+//!
+//! A merchant's wallet paid by thousands of payers would otherwise take every transfer into it on
+//! its one lease, one transaction each. Here transfers line up by payee, as deposits and payments
+//! line up by wallet ([`super::queue`]): the payee's worker takes the payee's lease and, while it
+//! holds it, takes what is queued in batches of up to [`MAX_BATCH`], for at most [`MAX_HOLD`] per
+//! lease, and hands the lease over after a batch when another replica waits for it.
+//!
+//! For each batch it asks for each payer's lease once, without waiting: it holds the payee's lease
+//! already, which may come after a payer's in the order [`crate::lease::LeaseClient::acquire_all`]
+//! keeps, and a holder that does not wait closes no cycle. The transfers whose payers it got are
+//! committed in one transaction (see [`Wallets::commit_batch`]); the others take the path of a
+//! transfer alone (both leases in order, one transaction), once the batch's leases are released.
+
+use super::queue::{Lane, MAX_BATCH, MAX_HOLD, Queues, Waiting};
+use super::transfer::{
+    Attempt, Failure, ROW_LOCK_TIMEOUT, Side, TransferOutcome, Work, count_outcome, plan_transfer,
+};
+use super::{Access, Between, WalletError, WalletId, Wallets, lease_name};
+use crate::idempotency::{Keyed, Prior};
+use crate::lease::{self, Lease};
+use crate::ledger::transfer::{self as store, LockedWallet, Transfer, WalletWrite};
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+use tokio::sync::oneshot;
+use tracing::Instrument;
+
+/// A transfer waiting for its payee's worker.
+pub(super) struct Queued {
+    access: Access,
+    between: Between,
+    key: Option<Keyed<TransferOutcome>>,
+    deadline: Instant,
+    reply: oneshot::Sender<Result<Transfer, WalletError>>,
+}
+
+impl Waiting for Queued {
+    fn deadline(&self) -> Instant {
+        self.deadline
+    }
+}
+
+impl std::fmt::Debug for Queued {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queued").field("between", &self.between).finish_non_exhaustive()
+    }
+}
+
+impl Queued {
+    fn answer(self, result: Result<Transfer, WalletError>) {
+        count_outcome("transfer", &result);
+        let _ = self.reply.send(result);
+    }
+
+    /// The same transfer, as a transaction of its own under both leases.
+    fn alone(self) -> (Work, oneshot::Sender<Result<Transfer, WalletError>>) {
+        let Between { parties, amount, reference } = self.between;
+        let work = Work::Transfer {
+            access: self.access,
+            parties,
+            amount: Some(amount),
+            reference,
+            refunds: None,
+            key: self.key,
+        };
+        (work, self.reply)
+    }
+}
+
+/// The transfers into a payee, committed in batches under its lease.
+pub(super) struct Transfers;
+
+impl Lane for Transfers {
+    type Item = Queued;
+
+    fn queues(wallets: &Wallets) -> &Queues<Queued> {
+        &wallets.payees
+    }
+
+    /// No note: the next holder of the payee's lease reads its row.
+    async fn hold(wallets: &Wallets, payee: &WalletId, lease: &mut Lease) -> Option<String> {
+        wallets.hold_payee(payee, lease).await;
+        None
+    }
+
+    fn give_up(item: Queued, err: WalletError) {
+        item.answer(Err(err));
+    }
+}
+
+/// What one transaction made of each transfer of a batch, in the batch's order.
+type BatchResults = Vec<Result<Transfer, WalletError>>;
+
+/// Transfers into `payee`, committed together by [`Wallets::commit_batch`].
+struct Batch<'a> {
+    payee: &'a WalletId,
+    transfers: &'a [Queued],
+}
+
+impl Attempt for Batch<'_> {
+    type Output = BatchResults;
+
+    fn attempt(
+        &self,
+        wallets: &Wallets,
+        fences: &HashMap<String, i64>,
+    ) -> impl Future<Output = Result<BatchResults, Failure>> + Send {
+        wallets.commit_batch(self.payee, self.transfers, fences)
+    }
+}
+
+impl Wallets {
+    /// Queues a transfer for its payee's worker (starting one if none runs) and waits for it.
+    pub(super) async fn transfer_queued(
+        &self,
+        access: &Access,
+        between: Between,
+        key: Option<Keyed<TransferOutcome>>,
+    ) -> Result<Transfer, WalletError> {
+        let (reply, answer) = oneshot::channel();
+        let payee = between.parties.to.clone();
+        let deadline = Instant::now() + self.leases.settings().wait;
+        let queued = Queued { access: access.clone(), between, key, deadline, reply };
+        if self.payees.push(&payee, queued, self.queue_limit)? {
+            let this = self.clone();
+            let span = tracing::info_span!("payee_worker", wallet_id = %payee);
+            self.in_flight.spawn(async move { this.serve::<Transfers>(&payee).await }.instrument(span));
+        }
+        // The worker ended without answering: it panicked. Nothing of this transfer was written,
+        // or it was and its key replays it.
+        answer.await.unwrap_or_else(|_| Err(WalletError::internal("the payee's worker stopped")))
+    }
+
+    /// Serves the payee's queue while holding its lease, batch after batch.
+    async fn hold_payee(&self, payee: &WalletId, lease: &mut Lease) {
+        let held_since = Instant::now();
+        loop {
+            let batch = self.payees.take(payee, MAX_BATCH);
+            if batch.is_empty() {
+                return;
+            }
+            if lease.is_lost() {
+                for queued in batch {
+                    queued.answer(Err(WalletError::LeaseLost));
+                }
+                return;
+            }
+            metrics::histogram!(crate::telemetry::metrics::PAYEE_BATCH).record(batch.len() as f64);
+            self.run_batch(payee, lease, batch).await;
+            if held_since.elapsed() >= MAX_HOLD || self.payees.is_empty(payee) {
+                return;
+            }
+            // Another replica waits for this payee: hand the lease over after each batch.
+            if lease.contended().await.unwrap_or(true) {
+                return;
+            }
+        }
+    }
+
+    /// One batch under the payee's `lease`: the payers' leases asked for once each, those
+    /// transfers committed together, the rest sent on alone.
+    async fn run_batch(&self, payee: &WalletId, lease: &mut Lease, batch: Vec<Queued>) {
+        let mut payer_leases: Vec<Lease> = Vec::new();
+        let (mut ready, mut alone) = (Vec::new(), Vec::new());
+        let mut keys = HashSet::new();
+        for queued in batch {
+            // A key sent twice at once (a client's retry racing its first try) is stored once:
+            // the second waits for the first's outcome on its own path.
+            if let Some(key) = &queued.key
+                && !keys.insert((key.scope.clone(), key.key.clone()))
+            {
+                alone.push(queued);
+                continue;
+            }
+            let name = lease_name(&queued.between.parties.from);
+            if payer_leases.iter().any(|held| held.name() == name) {
+                ready.push(queued);
+                continue;
+            }
+            match self.leases.try_acquire(&name).await {
+                Ok(Some(mut payer)) => {
+                    payer.keep_alive();
+                    payer_leases.push(payer);
+                    ready.push(queued);
+                }
+                Ok(None) => alone.push(queued),
+                Err(err) => queued.answer(Err(err.into())),
+            }
+        }
+        if !ready.is_empty() {
+            crate::failpoint::hit("transfer_leases_held");
+            let mut leases: Vec<&mut Lease> = payer_leases.iter_mut().collect();
+            leases.push(lease);
+            let outcome = self.commit_retrying(&mut leases, &Batch { payee, transfers: &ready }).await;
+            match outcome {
+                Ok(results) => {
+                    for (queued, result) in ready.into_iter().zip(results) {
+                        queued.answer(result);
+                    }
+                }
+                Err(err) => {
+                    for queued in ready {
+                        queued.answer(Err(err.clone()));
+                    }
+                }
+            }
+        }
+        lease::release_all(payer_leases).await;
+        metrics::counter!("walletlock_payee_batch_alone_total").increment(alone.len() as u64);
+        for queued in alone {
+            let (work, reply) = queued.alone();
+            let this = self.clone();
+            self.in_flight.spawn(async move {
+                let result = this.under_leases(work).await.and_then(super::transfer::Done::into_transfer);
+                count_outcome("transfer", &result);
+                let _ = reply.send(result);
+            });
+        }
+    }
+
+    /// One transaction for the transfers of `batch`, all into `payee`: the payee's and payers'
+    /// rows locked in id order, every fence checked, then each transfer decided in turn from what
+    /// the ones before it left (a payer paying twice pays from its new balance), its key looked up
+    /// and its outcome stored; each wallet is written once, conditionally on its lease's fence and
+    /// the version read. A transfer refused on its merits, or whose wallet is missing, answers for
+    /// itself; the others commit.
+    async fn commit_batch(
+        &self,
+        payee: &WalletId,
+        batch: &[Queued],
+        fences: &HashMap<String, i64>,
+    ) -> Result<BatchResults, Failure> {
+        // Every wallet of the batch, and its lease's fence.
+        let wallets: HashMap<&str, (&WalletId, i64)> = batch
+            .iter()
+            .map(|q| &q.between.parties.from)
+            .chain([payee])
+            .map(|id| (id.as_str(), (id, fences.get(&lease_name(id)).copied().unwrap_or_default())))
+            .collect();
+        let fence_of = |id: &str| wallets.get(id).map_or(0, |(_, fence)| *fence);
+        let mut ids: Vec<&str> = wallets.keys().copied().collect();
+        ids.sort_unstable();
+        let mut tx = self.db.begin().await?;
+        let locked = store::lock_wallets(&mut tx, &ids, ROW_LOCK_TIMEOUT).await?;
+        for (id, row) in &locked {
+            if row.fence >= fence_of(id) {
+                let wallet = wallets[id.as_str()].0.clone();
+                return Err(Failure::FenceBehind { wallet, seen: row.fence });
+            }
+        }
+        // Each wallet as the transfers decided so far leave it.
+        let mut rows: HashMap<String, LockedWallet> = locked.clone();
+        let now = crate::ledger::entry_time();
+        let mut results = Vec::with_capacity(batch.len());
+        let mut transfers: Vec<Transfer> = Vec::new();
+        for queued in batch {
+            let Between { parties, amount, reference } = &queued.between;
+            let from =
+                rows.get(parties.from.as_str()).filter(|row| queued.access.may_use(row.owner.as_deref()));
+            let to =
+                rows.get(parties.to.as_str()).filter(|row| queued.access.may_pay_into(row.owner.as_deref()));
+            let (Some(from), Some(to)) = (from.cloned(), to.cloned()) else {
+                let field = if from.is_none() { "from" } else { "to" };
+                results.push(Err(WalletError::PartyNotFound { field }));
+                continue;
+            };
+            if let Some(key) = &queued.key
+                && let Some(found) = store::find_key(&mut tx, key.at()).await?
+            {
+                results.push(Err(WalletError::AlreadyRan(Prior::of(&found, &key.fingerprint))));
+                continue;
+            }
+            let sides: [Side<'_>; 2] = [
+                (&parties.from, &from, fence_of(parties.from.as_str())),
+                (&parties.to, &to, fence_of(parties.to.as_str())),
+            ];
+            let outcome = plan_transfer(sides[0], sides[1], *amount, reference.clone(), None, now);
+            if let Ok(transfer) = &outcome {
+                for (id, entry) in [(&parties.from, &transfer.from_entry), (&parties.to, &transfer.to_entry)]
+                {
+                    let row = rows.get_mut(id.as_str()).expect("locked above");
+                    (row.balance, row.version) = (entry.balance, entry.version);
+                }
+                transfers.push(transfer.clone());
+            }
+            if let Some(key) = &queued.key {
+                let entry = outcome.as_ref().ok().map(|t| t.from_entry.id);
+                super::transfer::store_response(&mut tx, key, &outcome, entry, self.retention).await?;
+            }
+            results.push(outcome.map_err(WalletError::Refused));
+        }
+        if !transfers.is_empty() {
+            let writes: Vec<WalletWrite<'_>> = rows
+                .iter()
+                .filter(|(id, row)| locked[id.as_str()].version != row.version)
+                .map(|(id, row)| WalletWrite {
+                    id,
+                    fence: fence_of(id),
+                    read_version: locked[id.as_str()].version,
+                    balance: row.balance,
+                    version: row.version,
+                })
+                .collect();
+            if store::write_wallets(&mut tx, &writes).await? != writes.len() {
+                return Err(WalletError::LeaseLost.into());
+            }
+            store::insert_transfers(&mut tx, &transfers.iter().collect::<Vec<_>>()).await?;
+            let legs: Vec<_> = transfers.iter().flat_map(|t| [&t.from_entry, &t.to_entry]).collect();
+            store::insert_entries(&mut tx, &legs).await?;
+        }
+        crate::failpoint::hit("before_commit");
+        super::commit(tx).await?;
+        crate::failpoint::hit("after_commit");
+        Ok(results)
+    }
+}
