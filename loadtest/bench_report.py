@@ -295,6 +295,11 @@ def main():
          "lease strategy. `tutorial lock`: the same hot run with the replicas restarted with "
          "LEASE_STRATEGY=tutorial (the tutorial's lock: every waiting request polls the lease "
          "every 5-15 ms)."),
+        ("`transfer`: `POST /transfers` of 1 to 100 from a payer picked at random among 9,900 "
+         "wallets to one of 100 payees picked by a Zipf law (the k-th most popular paid 1/k as often "
+         "as the first, so the first takes about a fifth of all transfers): both wallets' leases, "
+         "both legs in one transaction. rps there is transfers answered per second, and its costs "
+         "are per accepted transfer; it has no raw-Postgres anchor (`-`)."),
         (f"The ceilings, with the same fleet and the same {vus} VUs: `read`, `GET /wallets/{{id}}` (with "
          "the token) on 10,000 wallets picked at random (the read ceiling: one Postgres read per "
          "request, nothing moves); `health`, `GET /healthz` through nginx (the health ceiling: nginx "
@@ -319,7 +324,8 @@ def main():
         ("peak RSS: VmHWM of each replica, which was restarted just before the run (so the peak of "
          "that run, its wallet seeding included). pgbench runs do not involve the replicas."),
         ("books: after each run, loadtest/books.py (walletlock) or a sum over the table (pgbench): "
-         "balance = initial - accepted payments, never negative; plus `walletlock audit`."),
+         "balance = initial - accepted payments (+ transfers in - transfers out), never negative; "
+         "plus `walletlock audit`."),
         "The machine was idle before each run (whole-machine idle CPU over 3 s: "
         + ", ".join(f"{r['label']} {r['idle_before_pct']}%" for r in rows)
         + "); the bench waits for that before starting a run. other CPU: the share of the "

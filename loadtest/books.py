@@ -7,19 +7,22 @@
 
 The client's side is the k6 console log of the run (pay.js with ACK_LOG=1): one `WL {...}` line
 (a console message may hold several, one per line) per wallet it opened (with the balance the API
-acknowledged) and per deposit or payment, with its final outcome as the client saw it: 200 with
-the ledger entry's id, a refusal (nothing applied), or undecided. Undecided operations are settled
-first, the way a client would: by sending the same request with the same Idempotency-Key until the
-API decides it (a stored answer is replayed; a request that never ran runs now).
+acknowledged) and per deposit, payment or transfer, with its final outcome as the client saw it: 200
+with the ledger entry's id (both legs', for a transfer), a refusal (nothing applied), or undecided.
+Undecided operations are settled first, the way a client would: by sending the same request with
+the same Idempotency-Key until the API decides it (a stored answer is replayed; a request that
+never ran runs now).
 
 Then, for every wallet of the run, through the API (GET /wallets/{id} and every page of
 GET /wallets/{id}/transactions):
 
-  balance == opening balance + accepted deposits - accepted payments   (what the client was told)
+  balance == opening balance + accepted deposits - accepted payments
+             + accepted transfers in - accepted transfers out          (what the client was told)
   balance == the ledger's signed sum, and the ledger's entries chain 1..version
   balance >= 0
-  every accepted operation is in the ledger exactly once (its entry id; a payment's reference is
-  its key), and the ledger holds no payment or deposit the client was not told was accepted
+  every accepted operation is in the ledger exactly once (its entry id, both legs of a transfer;
+  a payment's or a transfer's reference is its key), and the ledger holds no payment, deposit or
+  transfer leg the client was not told was accepted
 
 Last, `walletlock audit` checks every wallet in the database. Prints the tutorial's line, summed
 over the run's wallets:
@@ -152,6 +155,10 @@ def settle(client, ops, deadline_s=60):
             except ValueError:
                 body = {}
             code = body.get("code", "") if isinstance(body, dict) else ""
+            if status == 200 and record["op"] == "transfer":
+                record.update(s=200, entry=body["from_entry"]["id"], to_entry=body["to_entry"]["id"], settled=True)
+                charged += 1
+                break
             if status == 200:
                 record.update(s=200, entry=body["id"], settled=True)
                 charged += 1
@@ -190,19 +197,45 @@ def read_wallet(client, wallet):
     return body, entries, None
 
 
-def check_wallet(wallet, opening, accepted_ops, refused_pay_keys, state, entries):
-    """Problems with one wallet's books; (problems, balance, expected)."""
+# The ledger entry kinds that take money out of a wallet; every other kind puts it in.
+DEBITS = ("pay", "transfer_out")
+# The kinds the load test makes, each acknowledged to the client (and counted) one by one; a
+# payment's and a transfer leg's reference is the operation's key.
+COUNTED = ("pay", "deposit", "transfer_out", "transfer_in")
+KEYED = ("pay", "transfer_out", "transfer_in")
+
+
+def sign(kind):
+    """-1 for a kind of entry that takes money out of a wallet, 1 for one that puts it in."""
+    return -1 if kind in DEBITS else 1
+
+
+def legs(record):
+    """The ledger entries an accepted operation made, one per wallet: (wallet, leg)."""
+    if record["op"] != "transfer":
+        return [(record["w"], record)]
+    common = {"key": record["key"], "amount": record["amount"]}
+    return [
+        (record["w"], {**common, "op": "transfer_out", "entry": record["entry"]}),
+        (record["to"], {**common, "op": "transfer_in", "entry": record["to_entry"]}),
+    ]
+
+
+def check_wallet(wallet, opening, accepted_ops, refused_keys, state, entries):
+    """Problems with one wallet's books (accepted_ops: its legs); (problems, balance, expected)."""
     problems = []
-    deposits = sum(r["amount"] for r in accepted_ops if r["op"] == "deposit")
-    pays = sum(r["amount"] for r in accepted_ops if r["op"] == "pay")
-    expected = opening + deposits - pays
+    moved = defaultdict(int)
+    for r in accepted_ops:
+        moved[r["op"]] += r["amount"]
+    expected = opening + sum(sign(kind) * amount for kind, amount in moved.items())
     balance = state["balance"]
     if balance < 0:
         problems.append(f"wallet {wallet}: negative balance {balance}")
     if balance != expected:
+        figures = ", ".join(f"{kind} {sign(kind) * amount:+}" for kind, amount in sorted(moved.items()))
         problems.append(
             f"wallet {wallet}: balance {balance} but expected {expected} "
-            f"(opened with {opening}, +{deposits} accepted deposits, -{pays} accepted payments)"
+            f"(opened with {opening}; accepted: {figures or 'nothing'})"
         )
 
     # The ledger, as the API pages it.
@@ -212,14 +245,13 @@ def check_wallet(wallet, opening, accepted_ops, refused_pay_keys, state, entries
         if entry["version"] != n:
             problems.append(f"wallet {wallet}: ledger entry {n} is numbered {entry['version']}")
             break
-        sign = -1 if entry["kind"] == "pay" else 1
-        ledger_sum += sign * entry["amount"]
+        ledger_sum += sign(entry["kind"]) * entry["amount"]
         if entry["kind"] == "open":
             if n != 1:
                 problems.append(f"wallet {wallet}: an open entry at {n}")
             running = entry["amount"]
         else:
-            running = (running or 0) + sign * entry["amount"]
+            running = (running or 0) + sign(entry["kind"]) * entry["amount"]
         if entry["balance"] != running:
             problems.append(
                 f"wallet {wallet}: entry {n} ({entry['kind']} {entry['amount']}) leaves {entry['balance']}, "
@@ -235,22 +267,22 @@ def check_wallet(wallet, opening, accepted_ops, refused_pay_keys, state, entries
 
     # Each acknowledged operation exactly once; nothing else.
     by_id = {e["id"]: e for e in entries}
-    pays_by_reference = defaultdict(int)
+    by_reference = defaultdict(int)
     for e in entries:
-        if e["kind"] == "pay" and e.get("reference") is not None:
-            pays_by_reference[e["reference"]] += 1
+        if e["kind"] in KEYED and e.get("reference") is not None:
+            by_reference[e["reference"]] += 1
     for record in accepted_ops:
         entry = by_id.get(record["entry"])
         if entry is None:
             problems.append(f"wallet {wallet}: accepted {record['op']} {record['key']} (entry {record['entry']}) is not in the ledger")
         elif entry["kind"] != record["op"] or entry["amount"] != record["amount"]:
             problems.append(f"wallet {wallet}: accepted {record['op']} of {record['amount']} is a {entry['kind']} of {entry['amount']} in the ledger")
-        if record["op"] == "pay" and pays_by_reference.get(record["key"], 0) != 1:
-            problems.append(f"wallet {wallet}: payment {record['key']} is in the ledger {pays_by_reference.get(record['key'], 0)} times")
-    for key in refused_pay_keys:
-        if pays_by_reference.get(key, 0):
-            problems.append(f"wallet {wallet}: payment {key} was refused to the client but is in the ledger")
-    for kind in ("pay", "deposit"):
+        if record["op"] in KEYED and by_reference.get(record["key"], 0) != 1:
+            problems.append(f"wallet {wallet}: {record['op']} {record['key']} is in the ledger {by_reference.get(record['key'], 0)} times")
+    for key in refused_keys:
+        if by_reference.get(key, 0):
+            problems.append(f"wallet {wallet}: {key} was refused to the client but is in the ledger")
+    for kind in COUNTED:
         in_ledger = sum(1 for e in entries if e["kind"] == kind)
         acknowledged = sum(1 for r in accepted_ops if r["op"] == kind)
         if in_ledger != acknowledged:
@@ -271,8 +303,9 @@ def main():
     if not opened:
         raise SystemExit(f"books: no opened wallets in {args.acks}: was pay.js run with ACK_LOG=1?")
     for record in ops.values():
-        if record["w"] not in opened:
-            problems.append(f"operation {record['key']} on wallet {record['w']}, which the run did not open")
+        for wallet in (record["w"], record.get("to")):
+            if wallet is not None and wallet not in opened:
+                problems.append(f"operation {record['key']} on wallet {wallet}, which the run did not open")
 
     client = Client(args.base_url)
     undecided, settled_charged = settle(client, ops)
@@ -280,12 +313,15 @@ def main():
         print(f"settled {undecided} undecided operations by replaying their keys: {settled_charged} charged")
 
     per_wallet = defaultdict(list)
-    refused_pays = defaultdict(list)
+    refused = defaultdict(list)
     for record in ops.values():
         if record["s"] == 200:
-            per_wallet[record["w"]].append(record)
-        elif record["op"] == "pay":
-            refused_pays[record["w"]].append(record["key"])
+            for wallet, leg in legs(record):
+                per_wallet[wallet].append(leg)
+        elif record["op"] in ("pay", "transfer"):
+            for wallet in (record["w"], record.get("to")):
+                if wallet is not None:
+                    refused[wallet].append(record["key"])
 
     totals = {"balance": 0, "expected": 0}
     lock = threading.Lock()
@@ -297,7 +333,7 @@ def main():
             balance, expected = (state or {}).get("balance", 0), opened[wallet]
         else:
             found, balance, expected = check_wallet(
-                wallet, opened[wallet], per_wallet[wallet], refused_pays[wallet], state, entries
+                wallet, opened[wallet], per_wallet[wallet], refused[wallet], state, entries
             )
         with lock:
             totals["balance"] += balance
@@ -308,12 +344,14 @@ def main():
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.threads) as pool:
         entries = sum(pool.map(one, sorted(opened)))
 
-    accepted = sum(1 for r in ops.values() if r["s"] == 200 and r["op"] == "pay")
+    accepted = sum(1 for r in ops.values() if r["s"] == 200 and r["op"] in ("pay", "transfer"))
     deposits = sum(1 for r in ops.values() if r["s"] == 200 and r["op"] == "deposit")
-    refused = sum(1 for r in ops.values() if r["s"] != 200)
+    transfers = sum(1 for r in ops.values() if r["s"] == 200 and r["op"] == "transfer")
+    refusals = sum(1 for r in ops.values() if r["s"] != 200)
     print(
-        f"books: {len(opened)} wallets, {len(ops)} operations ({accepted} payments and {deposits} deposits "
-        f"accepted, {refused} refused), {entries} ledger entries read through the API "
+        f"books: {len(opened)} wallets, {len(ops)} operations ({accepted - transfers} payments, {transfers} "
+        f"transfers and {deposits} deposits accepted, {refusals} refused), {entries} ledger entries read "
+        "through the API "
         f"in {time.monotonic() - started:.1f} s"
     )
 

@@ -13,6 +13,9 @@
 //              ceiling, what the same fleet answers when nothing moves
 //   health     GET /healthz through nginx, no wallets: the health ceiling (nginx, a replica, no
 //              Redis, no Postgres)
+//   transfer   transfers of 1 to 100 (POST /transfers) from payers picked at random among 10,000
+//              wallets to PAYEES (100) merchants picked by a Zipf law (the k-th most popular is
+//              paid 1/k as often as the first): a few hot payees, a long tail, both legs booked
 //   flood      FLOOD (10,000) payments of 1 on one wallet, all sent at the same instant, each on a
 //              connection of its own, once (no retry): VUS (10) users each send FLOOD / VUS in one
 //              http.batch. Every one must be answered 200, 503 `overloaded` or `lock_timeout`, or
@@ -66,6 +69,7 @@ const PROFILES = {
   spread: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 1000, p99_ms: 2000 },
   doubletap: { wallets: 1000, initial: 1000000000, vus: 32, p95_ms: 1000, p99_ms: 2000 },
   mixed: { wallets: 100, initial: 100, vus: 32, p95_ms: 1000, p99_ms: 2000 },
+  transfer: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 2000, p99_ms: 3000 },
   read: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 1000, p99_ms: 2000 },
   health: { wallets: 0, initial: 1, vus: 64, p95_ms: 1000, p99_ms: 2000 },
   // A shed answer is immediate, a served one waits its turn: bounded by nginx's read timeout.
@@ -126,6 +130,17 @@ const ACK_LOG = __ENV.ACK_LOG === '1';
 const OPEN_ONLY = __ENV.OPEN_ONLY === '1';
 const OPENED = __ENV.OPENED === '1';
 const FLOOD = positiveInt('FLOOD', 10000);
+// transfer: wallets 0..PAYEES-1 are the payees, the rest the payers (so never one wallet twice).
+const PAYEES = positiveInt('PAYEES', 100);
+if (SCENARIO === 'transfer' && PAYEES >= WALLETS) throw new Error(`PAYEES (${PAYEES}) must be fewer than WALLETS (${WALLETS})`);
+// The Zipf law's cumulative weights (payee k, from 1, weighs 1/k), for picking a payee by bisection.
+const PAYEE_CDF = (() => {
+  if (SCENARIO !== 'transfer') return [];
+  const cdf = [];
+  let total = 0;
+  for (let k = 1; k <= PAYEES; k++) cdf.push((total += 1 / k));
+  return cdf.map((c) => c / total);
+})();
 // Each flood user's share, sent in one batch, every request on a connection of its own.
 const FLOOD_BATCH = Math.ceil(FLOOD / VUS);
 // The requests the scenario times and counts (tag `op`): deposits and payments, or reads, or
@@ -276,6 +291,19 @@ function randomInt(min, max) {
   return min + Math.floor(Math.random() * (max - min + 1));
 }
 
+// A payee's index, by the Zipf law of PAYEE_CDF.
+function zipfPayee() {
+  const u = Math.random();
+  let lo = 0;
+  let hi = PAYEE_CDF.length - 1;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (PAYEE_CDF[mid] < u) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
 // ---------------------------------------------------------------------------------------------
 // setup: open the run's wallets through the API, 100 at a time.
 
@@ -328,9 +356,43 @@ export function setup() {
 // ---------------------------------------------------------------------------------------------
 // One deposit or payment: send, classify, retry while undecided.
 
+// Whether a 200's body describes this operation: a ledger entry of `wallet` (pay, deposit), or a
+// transfer from `wallet` to `to` with both its legs.
+function describes(body, kind, wallet, amount, to) {
+  if (body === null) return false;
+  if (kind !== 'transfer') {
+    return (
+      body.wallet_id === wallet &&
+      body.kind === kind &&
+      body.amount === amount &&
+      Number.isInteger(body.balance) &&
+      body.balance >= 0 &&
+      typeof body.id === 'string'
+    );
+  }
+  const leg = (entry, owner, legKind) =>
+    entry !== null &&
+    typeof entry === 'object' &&
+    entry.wallet_id === owner &&
+    entry.kind === legKind &&
+    entry.amount === amount &&
+    entry.transfer_id === body.id &&
+    Number.isInteger(entry.balance) &&
+    entry.balance >= 0 &&
+    typeof entry.id === 'string';
+  return (
+    body.from === wallet &&
+    body.to === to &&
+    body.amount === amount &&
+    typeof body.id === 'string' &&
+    leg(body.from_entry, wallet, 'transfer_out') &&
+    leg(body.to_entry, to, 'transfer_in')
+  );
+}
+
 // What one answer says about the operation.
 //   decided: 'charged' (200), 'refused' (nothing applied, the API says so), or null (unknown yet)
-function classify(res, kind, wallet, amount) {
+function classify(res, kind, wallet, amount, to) {
   const replay = res.headers['Idempotent-Replayed'] === 'true';
   if (replay) replayed.add(1);
   const errorCode = res.status === 200 ? '' : code(res);
@@ -343,20 +405,12 @@ function classify(res, kind, wallet, amount) {
     } catch (_) {
       entry = null;
     }
-    const sound =
-      entry !== null &&
-      entry.wallet_id === wallet &&
-      entry.kind === kind &&
-      entry.amount === amount &&
-      Number.isInteger(entry.balance) &&
-      entry.balance >= 0 &&
-      typeof entry.id === 'string';
-    if (sound) {
+    if (describes(entry, kind, wallet, amount, to)) {
       decided = 'charged';
     } else {
       expected = false; // a 200 that does not describe this request: settle it by replaying the key
     }
-  } else if (res.status === 422 && errorCode === 'insufficient_funds') {
+  } else if (res.status === 422 && (errorCode === 'insufficient_funds' || errorCode === 'balance_overflow')) {
     decided = 'refused';
   } else if (
     res.status === 503 &&
@@ -390,7 +444,7 @@ function classify(res, kind, wallet, amount) {
 }
 
 // The route of each kind's requests (the `name` tag).
-const MOVE_NAMES = { pay: 'POST /wallets/{id}/pay', deposit: 'POST /wallets/{id}/deposit' };
+const MOVE_NAMES = { pay: 'POST /wallets/{id}/pay', deposit: 'POST /wallets/{id}/deposit', transfer: 'POST /transfers' };
 
 // A key is made of RUN_ID (checked in setup) and numbers: it needs no escaping in JSON, so the
 // body is written out rather than built by JSON.stringify, one less object per iteration.
@@ -404,23 +458,38 @@ function moveRequest(kind, wallet, amount, key) {
   };
 }
 
+function transferRequest(from, to, amount, key) {
+  return {
+    method: 'POST',
+    url: `${BASE_URL}/transfers`,
+    body: `{"from":"${from}","to":"${to}","amount":${amount},"reference":"${key}"}`,
+    params: { headers: keyedHeaders(key), tags: { op: 'move', name: MOVE_NAMES.transfer } },
+  };
+}
+
 function send(request) {
   return http.request(request.method, request.url, request.body, request.params);
 }
 
-// Records the final outcome of one operation.
-function finish(kind, wallet, amount, key, request, outcome) {
+// Records the final outcome of one operation (`to`: a transfer's payee). A transfer counts as
+// accepted, like a payment: money left a wallet.
+function finish(kind, wallet, amount, key, request, outcome, to) {
   operations.add(1);
   if (outcome === null) {
     undecided.add(1);
-    ack({ op: kind, w: wallet, amount, key, s: 'undecided', url: request.url, body: request.body });
+    ack({ op: kind, w: wallet, to, amount, key, s: 'undecided', url: request.url, body: request.body });
     return;
   }
   if (outcome.decided === 'charged') {
-    if (kind === 'pay') accepted.add(1);
-    else deposited.add(1);
-    // The line of nearly every operation, written out (wallet and key need no escaping).
-    ack(`{"op":"${kind}","w":"${wallet}","amount":${amount},"key":"${key}","s":200,"entry":${JSON.stringify(outcome.entry.id)}}`);
+    if (kind === 'deposit') deposited.add(1);
+    else accepted.add(1);
+    // The line of nearly every operation, written out (wallets and key need no escaping).
+    if (kind === 'transfer') {
+      const legs = `"entry":${JSON.stringify(outcome.entry.from_entry.id)},"to_entry":${JSON.stringify(outcome.entry.to_entry.id)}`;
+      ack(`{"op":"transfer","w":"${wallet}","to":"${to}","amount":${amount},"key":"${key}","s":200,${legs}}`);
+    } else {
+      ack(`{"op":"${kind}","w":"${wallet}","amount":${amount},"key":"${key}","s":200,"entry":${JSON.stringify(outcome.entry.id)}}`);
+    }
     return;
   }
   if (outcome.code === 'insufficient_funds') insufficientFunds.add(1);
@@ -429,12 +498,12 @@ function finish(kind, wallet, amount, key, request, outcome) {
   else if (outcome.code === 'dependency_unavailable') dependencyUnavailable.add(1);
   else if (outcome.code === 'overloaded') overloaded.add(1);
   else if (outcome.code === 'rate_limited') rateLimited.add(1);
-  ack({ op: kind, w: wallet, amount, key, s: outcome.status, code: outcome.code });
+  ack({ op: kind, w: wallet, to, amount, key, s: outcome.status, code: outcome.code });
 }
 
 // Sends the request until an answer decides it, at most TRIES times in all (`first` may hold the
 // answers already received). Returns the deciding outcome, or null.
-function settle(request, kind, wallet, amount, first) {
+function settle(request, kind, wallet, amount, first, to) {
   let tries = 0;
   if (first) {
     const decided = first.filter((o) => o.decided !== null);
@@ -444,7 +513,7 @@ function settle(request, kind, wallet, amount, first) {
   while (tries < TRIES) {
     if (tries > 0) sleep(0.05 * 2 ** (tries - 1));
     tries++;
-    const outcome = classify(send(request), kind, wallet, amount);
+    const outcome = classify(send(request), kind, wallet, amount, to);
     if (outcome.decided !== null) return outcome;
   }
   return null;
@@ -454,6 +523,16 @@ function move(runId, kind, wallet, amount) {
   const key = `${runId}-${kind}-${__VU}-${__ITER}`;
   const request = moveRequest(kind, wallet, amount, key);
   finish(kind, wallet, amount, key, request, settle(request, kind, wallet, amount, null));
+}
+
+// One transfer from a payer at random to a payee by the Zipf law.
+function transfer(runId) {
+  const from = walletId(runId, randomInt(PAYEES, WALLETS - 1));
+  const to = walletId(runId, zipfPayee());
+  const amount = randomInt(1, 100);
+  const key = `${runId}-transfer-${__VU}-${__ITER}`;
+  const request = transferRequest(from, to, amount, key);
+  finish('transfer', from, amount, key, request, settle(request, 'transfer', from, amount, null, to), to);
 }
 
 // The same payment twice at once, one key: one charge, and both answers say so.
@@ -547,6 +626,9 @@ export default function (data) {
       else move(runId, 'pay', wallet, randomInt(1, 40));
       break;
     }
+    case 'transfer':
+      transfer(runId);
+      break;
     case 'read':
       read(walletId(runId, randomInt(0, WALLETS - 1)));
       break;
