@@ -1,5 +1,5 @@
 //! Outgrowing one Redis: the lease on Redis Sentinel and on Redis Cluster, under load through the
-//! fleet, with a primary killed mid-load. A failover can hand one lease to two holders (Redis
+//! fleet, with a primary killed mid-load; and transfers whose two leases live on two primaries. A failover can hand one lease to two holders (Redis
 //! replicates asynchronously): the fence in Postgres refuses the stale one, and the bank check
 //! proves nothing was lost or applied twice.
 
@@ -7,6 +7,9 @@ use crate::support::TestEnv;
 use crate::support::fleet::Fleet;
 use crate::support::load::{Load, Outcome, check_books, open_wallets, settle, tally, time_to_recover};
 use crate::support::servers::{ClusterSet, SentinelSet};
+use crate::support::transfers::{
+    TransferLoad, check_books as check_transfer_books, settle as transfer_settle, tally as transfer_tally,
+};
 use std::time::{Duration, Instant};
 
 /// Wallets whose lease keys land on different slots, so a cluster spreads them over its primaries.
@@ -125,4 +128,32 @@ pub async fn cluster_primary_lost_mid_load(mut cluster: ClusterSet, env: TestEnv
         "cluster failover: payments on the lost primary's slots resumed after {resumed:?}; lease_lost refusals {refusals}, fence resyncs {resyncs}; {:?}",
         tally(&attempts)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfers_between_wallets_whose_leases_live_on_different_cluster_primaries_balance() {
+    let cluster = ClusterSet::start();
+    let mut env = TestEnv::new();
+    env.redis_url = cluster.url();
+    let settings: Vec<(&str, &str)> =
+        cluster.replica_env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let fleet = Fleet::start(&env, 3, &settings).await;
+    let names = wallets(6);
+    let ids: Vec<&str> = names.iter().map(String::as_str).collect();
+    let owners: Vec<u16> =
+        ids.iter().map(|id| cluster.owner_of(&env.lease_key(&format!("wallet:{id}")))).collect();
+    assert!(owners.iter().collect::<std::collections::BTreeSet<_>>().len() >= 2, "{owners:?}");
+    assert_ne!(owners[0], owners[1], "the two wallets of the both-ways clients are on two primaries");
+    let opening = 2_000;
+    open_wallets(&fleet, &ids, opening).await;
+
+    // Both ways between t0 and t1, and random pairs among the six: two leases on two nodes each.
+    let load = TransferLoad::start(&fleet, &ids, 8);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut attempts = load.finish().await;
+    transfer_settle(&fleet, &mut attempts).await;
+    let counts = transfer_tally(&attempts);
+    eprintln!("transfers on a cluster: {counts:?}");
+    assert!(counts.get("applied").copied().unwrap_or(0) >= 50, "{counts:?}");
+    check_transfer_books(&fleet, &ids.iter().map(|w| (*w, opening)).collect::<Vec<_>>(), &attempts).await;
 }
