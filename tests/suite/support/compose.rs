@@ -32,8 +32,18 @@ impl ComposeStack {
     /// `deploy/compose up --scale replicas`: returns once that many replicas are healthy behind
     /// nginx.
     pub async fn up(replicas: usize) -> ComposeStack {
-        let state = TempDir::new().expect("temp dir");
+        // Under WALLETLOCK_TEST_COMPOSE_ROOT when deploy/test sets it, with the project's name in
+        // it: a test stopped before its drop (nextest's time limit) leaves its stack there for
+        // deploy/test to take down.
+        let mut builder = tempfile::Builder::new();
+        builder.prefix("stack-");
+        let state = match std::env::var_os("WALLETLOCK_TEST_COMPOSE_ROOT") {
+            Some(root) => builder.tempdir_in(root),
+            None => builder.tempdir(),
+        }
+        .expect("temp dir");
         let project = format!("walletlock-test-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        std::fs::write(state.path().join("project"), &project).expect("the project's name");
         let (http_port, pg_port) = (super::servers::free_port(), super::servers::free_port());
         let database_url = format!("postgres://walletlock:{OWNER_PASSWORD}@127.0.0.1:{pg_port}/walletlock");
         let mut stack = ComposeStack {
