@@ -36,7 +36,15 @@ impl WalletId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// What this wallet's lease and its idempotency keys are named under: `wallet:<id>`.
+    pub fn scope(&self) -> String {
+        format!("{WALLET_SCOPE_PREFIX}{}", self.0)
+    }
 }
+
+/// The start of every wallet's scope ([`WalletId::scope`]), for a query that matches them all.
+pub const WALLET_SCOPE_PREFIX: &str = "wallet:";
 
 impl fmt::Display for WalletId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -80,7 +80,7 @@ pub struct Scope {
 impl Scope {
     /// One caller's movements on one wallet.
     pub fn wallet(caller: &str, id: &WalletId) -> Self {
-        Self { caller: caller.to_owned(), within: format!("wallet:{id}") }
+        Self { caller: caller.to_owned(), within: id.scope() }
     }
 
     /// One caller's transfers, and refunds of transfers: a transfer runs under two wallets' leases,

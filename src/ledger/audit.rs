@@ -249,15 +249,16 @@ async fn keys(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreE
            from idempotency_key k left join ledger_entry e on e.id = k.entry_id
            where k.claim is null and k.status between 200 and 299
              and (e.id is null
-                  or (k.scope like 'wallet:%'
+                  or (k.scope like $1 || '%'
                       and (convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.id::text
-                           or k.scope <> 'wallet:' || e.wallet_id))
+                           or k.scope <> $1 || e.wallet_id))
                   or (k.scope = 'wallets'
                       and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.wallet_id)
                   or (k.scope = 'transfers'
                       and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.transfer_id::text))
            order by k.scope, k.key"#,
     )
+    .bind(crate::domain::WALLET_SCOPE_PREFIX)
     .fetch_all(&mut *conn)
     .await?;
     for k in rows {

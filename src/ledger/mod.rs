@@ -58,30 +58,42 @@ pub async fn ping(db: &PgPool) -> Result<(), StoreError> {
 }
 
 impl StoreError {
-    /// Whether the database could not be reached or is restarting, as opposed to a bug or a
-    /// refused write: the caller may retry later.
-    pub fn is_unavailable(&self) -> bool {
-        let StoreError::Database(err) = self else { return false };
+    /// Whether the connection broke or the server is going away, as opposed to Postgres answering
+    /// with an error: a statement sent on it, a COMMIT say, may have run or not.
+    pub fn is_connection_failure(&self) -> bool {
+        matches!(self, StoreError::Database(err) if Self::is_connection_failure_of(err))
+    }
+
+    /// [`StoreError::is_connection_failure`], of the database error itself.
+    pub fn is_connection_failure_of(err: &sqlx::Error) -> bool {
         match err {
             sqlx::Error::Io(_)
             | sqlx::Error::Tls(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed
-            | sqlx::Error::Protocol(_) => true,
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::WorkerCrashed => true,
+            // Class 08: connection exception; 57P0x: the server is shutting down or starting.
+            sqlx::Error::Database(db) => {
+                db.code().is_some_and(|code| code.starts_with("08") || code.starts_with("57P0"))
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether the database could not be reached or is restarting, as opposed to a bug or a
+    /// refused write: the caller may retry later.
+    pub fn is_unavailable(&self) -> bool {
+        if self.is_connection_failure() {
+            return true;
+        }
+        let StoreError::Database(err) = self else { return false };
+        match err {
+            sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => true,
             sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-                // Class 08: connection exception; 57P0x: the server is shutting down or starting;
                 // 53300: too many connections; 40001/40P01: serialization failure or deadlock;
                 // 25P03/57014: the server ended the session idle in its transaction, or cancelled a
                 // statement, past the replica's session bounds (`config::SESSION_BOUNDS`): rolled
                 // back, so nothing of it was applied.
-                code.starts_with("08")
-                    || code.starts_with("57P0")
-                    || code == "53300"
-                    || code == "40001"
-                    || code == "40P01"
-                    || code == "25P03"
-                    || code == "57014"
+                ["53300", "40001", "40P01", "25P03", "57014"].contains(&code.as_ref())
             }),
             _ => false,
         }

@@ -567,7 +567,7 @@ const BUSY_PAUSE: Duration = Duration::from_millis(10);
 /// [`WalletError::OutcomeUnknown`], never "unavailable, nothing applied".
 fn commit_failure(err: StoreError) -> WalletError {
     match err {
-        StoreError::Database(err) if is_connection_failure(&err) => {
+        StoreError::Database(err) if StoreError::is_connection_failure_of(&err) => {
             WalletError::OutcomeUnknown(Arc::new(err))
         }
         err => err.into(),
@@ -580,20 +580,9 @@ pub(crate) async fn commit(tx: sqlx::Transaction<'_, sqlx::Postgres>) -> Result<
     tx.commit().await.map_err(|err| commit_failure(err.into()))
 }
 
-/// The connection broke (as opposed to Postgres answering with an error).
-fn is_connection_failure(err: &sqlx::Error) -> bool {
-    matches!(
-        err,
-        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed
-    ) || err
-        .as_database_error()
-        .and_then(|db| db.code())
-        .is_some_and(|code| code.starts_with("08") || code.starts_with("57P0"))
-}
-
 /// The lease that guards a wallet's balance.
 pub fn lease_name(id: &WalletId) -> String {
-    format!("wallet:{id}")
+    id.scope()
 }
 
 /// Claims the wallet with the lease's fence. If the row has seen our fence or a higher one, either
