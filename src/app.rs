@@ -76,7 +76,7 @@ impl Application {
             }
         });
         let wallets = Wallets::new(args.database.serving_pool()?, leases)
-            .with_strategy(args.lease.strategy())
+            .with_strategy(args.lease.lease_strategy)
             .with_keys(args.key_settings())
             .with_queue_limit(args.wallet_queue_limit as usize);
         let listener = http::server::bind(args.listen, args.listen_backlog)

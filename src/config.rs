@@ -34,7 +34,7 @@ use crate::lease::{
     Backoff, ClusterManager, LeaseClient, LeaseSettings, RedisPool, SentinelManager, Ttl, WakeSource,
 };
 use crate::wallet::Strategy;
-use clap::{Args, ValueEnum};
+use clap::Args;
 use secrecy::{ExposeSecret, SecretString};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use std::{net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
@@ -502,14 +502,7 @@ pub struct LeaseArgs {
     /// lease is released) or `tutorial` (every request polls the lease every 5 to 15 ms and commits
     /// alone: the tutorial's lock, kept as the benchmark's baseline).
     #[arg(long, env = "LEASE_STRATEGY", value_enum, default_value = "queue")]
-    pub lease_strategy: LeaseStrategy,
-}
-
-/// How payments wait for a busy wallet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LeaseStrategy {
-    Queue,
-    Tutorial,
+    pub lease_strategy: Strategy,
 }
 
 impl LeaseArgs {
@@ -521,21 +514,14 @@ impl LeaseArgs {
         let (pool, wake_source) = redis.connect()?;
         let prefix = redis.redis_key_prefix.clone();
         Ok(match self.lease_strategy {
-            LeaseStrategy::Queue => LeaseClient::new(pool, prefix, settings).with_wakeups(wake_source),
+            Strategy::Queue => LeaseClient::new(pool, prefix, settings).with_wakeups(wake_source),
             // The tutorial's lock reads the wallet for every payment: no notes.
-            LeaseStrategy::Tutorial => LeaseClient::new(
+            Strategy::Tutorial => LeaseClient::new(
                 pool,
                 prefix,
                 settings.with_backoff(Backoff::TUTORIAL).with_note_retention(Duration::ZERO),
             ),
         })
-    }
-
-    pub fn strategy(&self) -> Strategy {
-        match self.lease_strategy {
-            LeaseStrategy::Queue => Strategy::Queue,
-            LeaseStrategy::Tutorial => Strategy::Direct,
-        }
     }
 }
 

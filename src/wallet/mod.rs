@@ -214,14 +214,14 @@ impl From<LeaseError> for WalletError {
 /// and then some, served well within a lease wait.
 pub const DEFAULT_QUEUE_LIMIT: usize = 128;
 
-/// How requests wait for a busy wallet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How requests wait for a busy wallet (the setting `LEASE_STRATEGY`, hence `clap::ValueEnum`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Strategy {
     /// Requests for one wallet queue on this replica; one worker takes the lease for all of them
     /// and applies them in batches (group commit).
     Queue,
     /// Every request takes the lease itself and applies its movement alone: the tutorial's lock.
-    Direct,
+    Tutorial,
 }
 
 /// The wallet service. Cheap to clone; clones share pools, queues, rounds and the task tracker.
@@ -446,7 +446,7 @@ impl Wallets {
                 span.record("db_ms", reply.db.as_secs_f64() * 1e3);
                 reply.result
             }
-            Strategy::Direct => {
+            Strategy::Tutorial => {
                 let (this, id) = (self.clone(), id.clone());
                 self.run_to_end(None, async move { this.apply_alone(&id, op).await }).await
             }
