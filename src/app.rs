@@ -15,9 +15,9 @@ use tokio_util::sync::CancellationToken;
 /// the same time: each skips the rows another is deleting.
 const PURGE_EVERY: Duration = Duration::from_secs(60);
 
-async fn purge_expired_keys(db: sqlx::PgPool, stop: CancellationToken) {
+async fn purge_expired_keys(wallets: Wallets, stop: CancellationToken) {
     loop {
-        match crate::idempotency::purge_expired(&db).await {
+        match wallets.purge_expired_keys().await {
             Ok(0) => {}
             Ok(purged) => tracing::info!(purged, "purged expired idempotency keys"),
             Err(err) => tracing::warn!(error = %err, "could not purge expired idempotency keys"),
@@ -112,7 +112,7 @@ impl Application {
         let Self { listener, ctx, grace } = self;
         tracing::info!(replica = %ctx.replica, addr = %listener.local_addr()?, "walletlock serving");
         let stop_purging = CancellationToken::new();
-        let purger = tokio::spawn(purge_expired_keys(ctx.wallets.db().clone(), stop_purging.clone()));
+        let purger = tokio::spawn(purge_expired_keys(ctx.wallets.clone(), stop_purging.clone()));
         let trimmer = tokio::spawn(trim_heap(stop_purging.clone()));
         http::server::serve(listener, http::router(ctx.clone()), ctx.draining.clone(), shutdown, grace).await;
         stop_purging.cancel();
@@ -121,7 +121,7 @@ impl Application {
         if !ctx.wallets.drain(grace).await {
             tracing::warn!("payments still in flight after the grace period");
         }
-        ctx.wallets.db().close().await;
+        ctx.wallets.close().await;
         tracing::info!(replica = %ctx.replica, "walletlock stopped");
         Ok(())
     }

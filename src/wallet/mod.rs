@@ -287,12 +287,14 @@ impl Wallets {
         self
     }
 
-    pub fn db(&self) -> &PgPool {
-        &self.db
+    /// Deletes the stored responses of idempotency keys past their retention; how many.
+    pub async fn purge_expired_keys(&self) -> Result<u64, StoreError> {
+        idempotency::purge_expired(&self.db).await
     }
 
-    pub fn leases(&self) -> &LeaseClient {
-        &self.leases
+    /// Closes the Postgres pool: after [`Wallets::drain`], at shutdown.
+    pub async fn close(&self) {
+        self.db.close().await;
     }
 
     /// Whether Redis and Postgres each answer within `limit`: (redis, postgres).

@@ -114,7 +114,8 @@ async fn a_spend_whose_caller_left_still_runs_to_its_end() {
 
     // Another holder keeps the wallet busy, so our spend is waiting for the lease when its
     // caller gives up.
-    let blocker = wallets.leases().acquire(&walletlock::wallet::lease_name(&id)).await.unwrap();
+    let leases = env.leases(Duration::from_secs(10), Duration::from_secs(5));
+    let blocker = leases.acquire(&walletlock::wallet::lease_name(&id)).await.unwrap();
     let tester = tester();
     let spend = wallets.apply(&tester, &id, pay(10), None);
     assert!(tokio::time::timeout(Duration::from_millis(50), spend).await.is_err());
