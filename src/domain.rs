@@ -7,10 +7,68 @@ use std::sync::Arc;
 
 /// Input that breaks one of the rules below; names the field and the rule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {rule}")]
+#[error("{}: {rule}", field.name())]
 pub struct InvalidInput {
-    pub field: &'static str,
+    pub field: Field,
     pub rule: &'static str,
+}
+
+/// A field of a request that has a rule: what a problem document's `field` names, and the code it
+/// answers with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    /// A wallet's id, in the path or the body of a new wallet.
+    WalletId,
+    /// A transfer's paying wallet.
+    From,
+    /// A transfer's paid wallet.
+    To,
+    /// The payment a refund names.
+    Payment,
+    /// A transfer's id, in the path.
+    TransferId,
+    Amount,
+    Balance,
+    Reference,
+    /// A page's size.
+    Limit,
+    /// A page's cursor.
+    Before,
+    IdempotencyKey,
+}
+
+impl Field {
+    /// As the request names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Field::WalletId => "id",
+            Field::From => "from",
+            Field::To => "to",
+            Field::Payment => "payment",
+            Field::TransferId => "transfer_id",
+            Field::Amount => "amount",
+            Field::Balance => "balance",
+            Field::Reference => "reference",
+            Field::Limit => "limit",
+            Field::Before => "before",
+            Field::IdempotencyKey => "Idempotency-Key",
+        }
+    }
+
+    /// The stable code of a value that breaks this field's rule.
+    pub fn code(self) -> &'static str {
+        match self {
+            Field::WalletId | Field::From | Field::To => "invalid_wallet_id",
+            Field::Payment => "invalid_payment_id",
+            Field::TransferId => "invalid_transfer_id",
+            Field::Amount => "invalid_amount",
+            Field::Balance => "invalid_balance",
+            Field::Reference => "invalid_reference",
+            Field::Limit => "invalid_limit",
+            Field::Before => "invalid_cursor",
+            Field::IdempotencyKey => "invalid_idempotency_key",
+        }
+    }
 }
 
 /// A wallet id: 1 to 64 characters of `[A-Za-z0-9_-]`, so it is safe in a URL path, a Redis key
@@ -25,7 +83,11 @@ impl WalletId {
     pub fn parse(id: &str) -> Result<Self, InvalidInput> {
         let valid = (1..=64).contains(&id.len())
             && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if valid { Ok(Self(id.to_owned())) } else { Err(InvalidInput { field: "id", rule: Self::RULE }) }
+        if valid {
+            Ok(Self(id.to_owned()))
+        } else {
+            Err(InvalidInput { field: Field::WalletId, rule: Self::RULE })
+        }
     }
 
     /// A fresh random id (a UUID), for wallets created without one.
@@ -96,7 +158,7 @@ impl Amount {
         if (1..=Self::MAX).contains(&amount) {
             Ok(Self(amount))
         } else {
-            Err(InvalidInput { field: "amount", rule: Self::RULE })
+            Err(InvalidInput { field: Field::Amount, rule: Self::RULE })
         }
     }
 
@@ -110,7 +172,7 @@ pub fn opening_balance(balance: i64) -> Result<i64, InvalidInput> {
     if (0..=Amount::MAX).contains(&balance) {
         Ok(balance)
     } else {
-        Err(InvalidInput { field: "balance", rule: "an integer from 0 to 1000000000000 (minor units)" })
+        Err(InvalidInput { field: Field::Balance, rule: "an integer from 0 to 1000000000000 (minor units)" })
     }
 }
 
@@ -118,7 +180,7 @@ pub fn opening_balance(balance: i64) -> Result<i64, InvalidInput> {
 pub fn reference(reference: Option<String>) -> Result<Option<String>, InvalidInput> {
     match reference {
         Some(text) if text.chars().count() > 256 || text.contains('\0') => {
-            Err(InvalidInput { field: "reference", rule: "at most 256 characters, no NUL" })
+            Err(InvalidInput { field: Field::Reference, rule: "at most 256 characters, no NUL" })
         }
         other => Ok(other),
     }

@@ -24,7 +24,7 @@
 //! Stored responses are kept for the retention (24 h by default), then purged; an expired key
 //! behaves as new.
 
-use crate::domain::{InvalidInput, WalletId};
+use crate::domain::{Field, InvalidInput, WalletId};
 use crate::ledger::StoreError;
 use crate::ledger::group::FoundKey;
 pub use crate::ledger::idempotency::KeySettings;
@@ -60,7 +60,7 @@ impl IdempotencyKey {
             // Printable ASCII is valid UTF-8.
             Ok(Self(String::from_utf8_lossy(raw).into_owned()))
         } else {
-            Err(InvalidInput { field: "Idempotency-Key", rule: "1 to 255 printable ASCII characters" })
+            Err(InvalidInput { field: Field::IdempotencyKey, rule: "1 to 255 printable ASCII characters" })
         }
     }
 

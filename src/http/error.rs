@@ -184,13 +184,10 @@ impl ApiError {
     fn problem(&self) -> Problem {
         use StatusCode as S;
         match self {
-            ApiError::InvalidInput(invalid) => Problem::new(
-                S::BAD_REQUEST,
-                invalid_code(invalid.field),
-                "Invalid input",
-                invalid.to_string(),
-            )
-            .with_field(invalid.field),
+            ApiError::InvalidInput(invalid) => {
+                Problem::new(S::BAD_REQUEST, invalid.field.code(), "Invalid input", invalid.to_string())
+                    .with_field(invalid.field.name())
+            }
             ApiError::SameWallet(same) => {
                 Problem::new(S::BAD_REQUEST, "same_wallet", "Same wallet", same.to_string()).with_field("to")
             }
@@ -234,21 +231,6 @@ impl ApiError {
             ),
             ApiError::Panic => internal(),
         }
-    }
-}
-
-fn invalid_code(field: &str) -> &'static str {
-    match field {
-        "id" | "from" | "to" => "invalid_wallet_id",
-        "payment" => "invalid_payment_id",
-        "transfer_id" => "invalid_transfer_id",
-        "amount" => "invalid_amount",
-        "balance" => "invalid_balance",
-        "reference" => "invalid_reference",
-        "limit" => "invalid_limit",
-        "before" => "invalid_cursor",
-        "Idempotency-Key" => "invalid_idempotency_key",
-        _ => "invalid_input",
     }
 }
 

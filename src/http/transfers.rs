@@ -5,7 +5,7 @@ use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
 use super::idempotent::{self, Keyed, render_movement, render_transfer};
 use crate::domain;
-use crate::domain::Access;
+use crate::domain::{Access, Field};
 use crate::idempotency::Scope;
 use crate::ledger::Entry;
 use crate::ledger::transfer::Transfer;
@@ -52,7 +52,8 @@ impl<S: Send + Sync> FromRequestParts<S> for TransferPath {
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         let Path(id) = Path::<String>::from_request_parts(parts, state).await?;
-        let id = Uuid::parse_str(&id).map_err(|_| InvalidInput { field: "transfer_id", rule: "a UUID" })?;
+        let id =
+            Uuid::parse_str(&id).map_err(|_| InvalidInput { field: Field::TransferId, rule: "a UUID" })?;
         Ok(Self(id))
     }
 }
@@ -116,7 +117,7 @@ async fn transfer(
 ) -> Result<Response, ApiError> {
     let NewTransfer { from, to, amount, reference } = &body.value;
     let party = |id: &str, field| WalletId::parse(id).map_err(|invalid| InvalidInput { field, ..invalid });
-    let parties = Parties::new(party(from, "from")?, party(to, "to")?)?;
+    let parties = Parties::new(party(from, Field::From)?, party(to, Field::To)?)?;
     tracing::Span::current().record("wallet_id", parties.from.as_str());
     let between =
         Between { parties, amount: Amount::new(*amount)?, reference: domain::reference(reference.clone())? };
@@ -268,7 +269,7 @@ async fn refund_payment(
     body: JsonBody<PaymentRefund>,
 ) -> Result<Response, ApiError> {
     let payment = Uuid::parse_str(&body.value.payment)
-        .map_err(|_| InvalidInput { field: "payment", rule: "the id of a pay entry (a UUID)" })?;
+        .map_err(|_| InvalidInput { field: Field::Payment, rule: "the id of a pay entry (a UUID)" })?;
     let amount = body.value.amount.map(Amount::new).transpose()?;
     let keyed = Keyed { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_movement);

@@ -5,7 +5,7 @@ use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, QueryParams, WalletPath};
 use super::idempotent::{self, Keyed, render_movement, render_open};
 use crate::domain;
-use crate::domain::Access;
+use crate::domain::{Access, Field};
 use crate::idempotency::{Receipt, Scope};
 use crate::ledger::{Entry, Wallet};
 use crate::wallet::{AlreadyExists, Amount, InvalidInput, Movement, WalletError, WalletId};
@@ -326,18 +326,17 @@ async fn transactions(
 ) -> Result<Json<Page>, ApiError> {
     let limit = query.limit.unwrap_or(DEFAULT_PAGE);
     if !(1..=MAX_PAGE).contains(&limit) {
-        return Err(InvalidInput { field: "limit", rule: "an integer from 1 to 500" }.into());
+        return Err(InvalidInput { field: Field::Limit, rule: "an integer from 1 to 500" }.into());
     }
     // A cursor is the version of the last entry on the previous page; entries are numbered from 1.
     let before = match query.before.as_deref() {
         None => None,
-        Some(cursor) => Some(
-            cursor
-                .parse::<i64>()
-                .ok()
-                .filter(|version| *version >= 1)
-                .ok_or(InvalidInput { field: "before", rule: "a next_cursor returned by this endpoint" })?,
-        ),
+        Some(cursor) => {
+            Some(cursor.parse::<i64>().ok().filter(|version| *version >= 1).ok_or(InvalidInput {
+                field: Field::Before,
+                rule: "a next_cursor returned by this endpoint",
+            })?)
+        }
     };
     let transactions = ctx.wallets.history(&access, &id, before, limit).await?;
     // Versions are contiguous from 1, so there is an older page exactly when the oldest entry on
