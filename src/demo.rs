@@ -162,7 +162,7 @@ pub async fn unguarded_spend(
 }
 
 /// A spend under a lease, with the fenced commit: claim the wallet with the lease's fence (which
-/// reads the balance), work, then write only if no newer holder claimed the wallet meanwhile.
+/// reads the balance), work, then write only if no newer holder fenced the wallet meanwhile.
 pub async fn fenced_spend(
     db: &PgPool,
     leases: &LeaseClient,
@@ -172,12 +172,12 @@ pub async fn fenced_spend(
 ) -> anyhow::Result<Spent> {
     let mut lease = leases.acquire(&wallet::lease_name(wallet)).await?;
     let mut conn = db.acquire().await?;
-    let claimed = match wallet::claim(&mut conn, &mut lease, wallet).await {
-        Ok(claimed) => claimed,
+    let read = match wallet::raise_fence(&mut conn, &mut lease, wallet).await {
+        Ok(read) => read,
         Err(WalletError::LeaseLost) => return Ok(Spent::Refused),
         Err(err) => return Err(err.into()),
     };
-    if claimed.balance < amount {
+    if read.balance < amount {
         return Ok(Spent::Declined);
     }
     work.await;
@@ -185,12 +185,11 @@ pub async fn fenced_spend(
         id: uuid::Uuid::new_v4(),
         kind: EntryKind::Pay,
         amount,
-        balance_after: claimed.balance - amount,
+        balance_after: read.balance - amount,
         reference: None,
     };
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    let spent = match ledger::commit(&mut tx, wallet.as_str(), lease.fence(), claimed.version, &[entry]).await
-    {
+    let spent = match ledger::commit(&mut tx, wallet.as_str(), lease.fence(), read.version, &[entry]).await {
         Ok(_) => Spent::Accepted,
         Err(StoreError::LeaseLost) => Spent::Refused,
         Err(err) => return Err(err.into()),

@@ -16,7 +16,7 @@
 //!    mid-round holds no row lock. A key stored before fails it whole on the key's primary key,
 //!    nothing written: the round reads the keys then, and writes again.
 //!
-//! The fence is claimed by the write itself, not by the read: the compare-and-set applies a
+//! The fence is raised by the write itself, not by the read: the compare-and-set applies a
 //! holder's movements only to the very state it read, and raises the row's fence to its lease's in
 //! the same statement, so once a newer holder has written, every write of an older one matches no
 //! row (its fence or version moved) and is refused. A stale holder's write that comes first was
@@ -31,7 +31,7 @@
 //! partitioned holder never holds up a round, and two rounds that share wallets never deadlock.
 
 use super::idempotency::{KeyRef, StoredResponse};
-use super::{Claimed, Entry, StoreError};
+use super::{Entry, StoreError, WalletRead};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row};
 use std::collections::{HashMap, HashSet};
@@ -51,7 +51,7 @@ pub struct ToRead<'a> {
 pub enum ReadOutcome {
     /// The wallet as it is, with the fence of its last writer (below the lease's) and its owner.
     Ready {
-        wallet: Claimed,
+        wallet: WalletRead,
         fence: i64,
         owner: Option<Arc<str>>,
     },
@@ -120,10 +120,10 @@ pub async fn read(
 
     let mut found = Found::default();
     // Each wallet row as it is: (balance and version, the fence of its last writer, its owner).
-    let mut rows_read: HashMap<String, (Claimed, i64, Option<Arc<str>>)> = HashMap::new();
+    let mut rows_read: HashMap<String, (WalletRead, i64, Option<Arc<str>>)> = HashMap::new();
     for row in rows {
         if let Some(id) = row.try_get::<Option<String>, _>("wallet_id")? {
-            let wallet = Claimed { balance: row.try_get("balance")?, version: row.try_get("version")? };
+            let wallet = WalletRead { balance: row.try_get("balance")?, version: row.try_get("version")? };
             let owner = row.try_get::<Option<&str>, _>("owner")?.map(Arc::from);
             rows_read.insert(id, (wallet, row.try_get("fence")?, owner));
         } else if let Some(caller) = row.try_get::<Option<String>, _>("caller")? {

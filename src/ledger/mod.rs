@@ -1,26 +1,28 @@
 //! The fenced ledger store: every SQL statement walletlock runs against Postgres.
 //!
 //! A wallet row carries a `version` (one more per ledger entry) and a `fence` (the highest fencing
-//! token any lease holder has claimed the row with). A lease holder changes a balance in two steps:
+//! token any lease holder has written it with). A lease holder changes a balance in two steps (the
+//! rounds of `group` do both in one statement):
 //!
-//! 1. [`claim`] raises the row's fence to the holder's token and reads the balance and version, in
-//!    one statement, and only if the token is higher than the row's fence. From the moment the claim
-//!    commits, every holder with a lower token is refused, even before the new holder writes.
+//! 1. [`raise_fence`] raises the row's fence to the holder's token and reads the balance and
+//!    version, in one statement, and only if the token is higher than the row's fence. From the
+//!    moment that commits, every holder with a lower token is refused, even before the new holder
+//!    writes.
 //! 2. [`commit`] writes the new balance with one conditional `UPDATE ... WHERE fence = $ours AND
-//!    version = $read`, in the same transaction as the ledger entries. If another holder claimed or
-//!    wrote since our claim, it matches no row, nothing is applied, and the caller gets
+//!    version = $read`, in the same transaction as the ledger entries. If another holder raised the
+//!    fence or wrote since, it matches no row, nothing is applied, and the caller gets
 //!    [`StoreError::LeaseLost`].
 //!
 //! Where fences come from: the lease layer issues them from a Redis counter, in the same script
 //! that takes the lease. Redis can lose that counter (a restart without persistence, `FLUSHALL`, a
 //! failover), after which it issues tokens at or below what this table has seen. Such a token is
-//! refused by [`claim`] like any stale one ([`StoreError::FenceBehind`] carries the row's fence);
+//! refused by [`raise_fence`] like any stale one ([`StoreError::FenceBehind`] carries the row's fence);
 //! the caller then asks the lease layer, with a token-checked script, to lift the counter above it.
 //! Only the current lease holder can do that, so a stale holder stays refused, and a wallet is never
 //! wedged by a counter that went backwards. We resynchronize rather than issue fences from Postgres
 //! because a Redis-issued fence comes with the lease in one round trip and orders holders by when
 //! they took the lease, not by when they reached the database: a holder paused between acquire and
-//! claim is refused instead of overtaking the holder that replaced it.
+//! its first statement is refused instead of overtaking the holder that replaced it.
 
 pub mod audit;
 pub mod group;
@@ -41,11 +43,11 @@ pub enum StoreError {
     WalletNotFound,
     #[error("wallet already exists")]
     WalletExists,
-    /// The row has already been claimed with a fence at least as high as ours.
+    /// The row's fence is already at least as high as ours.
     #[error("fence {ours} is not above the wallet's fence {seen}")]
     FenceBehind { ours: i64, seen: i64 },
     /// Another holder claimed or wrote the row after our claim: nothing was applied.
-    #[error("the wallet was claimed by a newer lease holder; nothing was applied")]
+    #[error("a newer lease holder has fenced the wallet; nothing was applied")]
     LeaseLost,
     #[error(transparent)]
     Database(#[from] sqlx::Error),
@@ -282,9 +284,9 @@ pub fn entry_time() -> DateTime<Utc> {
     now.duration_trunc(TimeDelta::microseconds(1)).unwrap_or(now)
 }
 
-/// A wallet's balance and version, as a holder read it (or claimed it, for a transfer).
+/// A wallet's balance and version, as a holder read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Claimed {
+pub struct WalletRead {
     pub balance: i64,
     pub version: i64,
 }
@@ -343,9 +345,9 @@ pub async fn find_wallet(conn: &mut PgConnection, id: &str) -> Result<Option<Wal
 ///
 /// Succeeds only if `fence` is strictly above the row's fence: a token equal to the row's was
 /// issued twice (the counter went backwards) and must not let two holders in.
-pub async fn claim(conn: &mut PgConnection, id: &str, fence: i64) -> Result<Claimed, StoreError> {
-    let claimed = sqlx::query_as!(
-        Claimed,
+pub async fn raise_fence(conn: &mut PgConnection, id: &str, fence: i64) -> Result<WalletRead, StoreError> {
+    let read = sqlx::query_as!(
+        WalletRead,
         // language=PostgreSQL
         "update wallet set fence = $2 where id = $1 and fence < $2 returning balance, version",
         id,
@@ -353,8 +355,8 @@ pub async fn claim(conn: &mut PgConnection, id: &str, fence: i64) -> Result<Clai
     )
     .fetch_optional(&mut *conn)
     .await?;
-    if let Some(claimed) = claimed {
-        return Ok(claimed);
+    if let Some(read) = read {
+        return Ok(read);
     }
     // language=PostgreSQL
     match sqlx::query_scalar!("select fence from wallet where id = $1", id).fetch_optional(conn).await? {
@@ -363,7 +365,7 @@ pub async fn claim(conn: &mut PgConnection, id: &str, fence: i64) -> Result<Clai
     }
 }
 
-/// Applies `entries` to a wallet claimed with `fence` at `read_version`: one statement, in the
+/// Applies `entries` to a wallet fenced with `fence` at `read_version`: one statement, in the
 /// caller's transaction, whose conditional UPDATE of the balance decides whether its entries are
 /// inserted. The wallet's new balance is the last
 /// entry's `balance_after`; its new version is `read_version` plus the number of entries.

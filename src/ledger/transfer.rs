@@ -23,7 +23,7 @@ use uuid::Uuid;
 pub struct LockedWallet {
     pub balance: i64,
     pub version: i64,
-    /// The highest fence any holder has claimed the row with.
+    /// The highest fence any holder has written the row with.
     pub fence: i64,
     pub owner: Option<String>,
 }
@@ -61,7 +61,7 @@ pub async fn lock_wallets(
         .collect()
 }
 
-/// One wallet's write: claimed for the lease holding `fence` (which must be above the row's) and
+/// One wallet's write: fenced for the lease holding `fence` (which must be above the row's) and
 /// moved from `read_version` to `version` and `balance`.
 #[derive(Debug, Clone, Copy)]
 pub struct WalletWrite<'a> {

@@ -529,7 +529,7 @@ impl Wallets {
         mut op: batch::Op,
     ) -> Result<Entry, WalletError> {
         // After one resynchronization our fence is above every fence the row has seen, unless
-        // another holder claimed meanwhile, which only a lost lease lets happen.
+        // another holder raised the fence meanwhile, which only a lost lease lets happen.
         let mut resynced = false;
         loop {
             if lease.is_lost() {
@@ -589,16 +589,16 @@ pub fn lease_name(id: &WalletId) -> String {
 
 /// Claims the wallet with the lease's fence. If the row has seen our fence or a higher one, either
 /// we are a stale holder (then the token-checked resynchronization refuses us too) or Redis lost
-/// the fence counter, which is lifted above what the row has seen before claiming again.
-pub async fn claim(
+/// the fence counter, which is lifted above what the row has seen before raising the row's fence again.
+pub async fn raise_fence(
     conn: &mut sqlx::PgConnection,
     lease: &mut Lease,
     id: &WalletId,
-) -> Result<ledger::Claimed, WalletError> {
+) -> Result<ledger::WalletRead, WalletError> {
     // Two rounds: after one resynchronization our fence is above every fence the row has seen,
-    // unless another holder claimed meanwhile, which only a holder that lost its lease lets happen.
+    // unless another holder raised the fence meanwhile, which only a holder that lost its lease lets happen.
     for _ in 0..2 {
-        match ledger::claim(conn, id.as_str(), lease.fence()).await {
+        match ledger::raise_fence(conn, id.as_str(), lease.fence()).await {
             Err(StoreError::FenceBehind { seen, .. }) => {
                 lease.advance_fence(seen).await?;
             }

@@ -320,7 +320,7 @@ impl Wallets {
                 Err(Failure::Wallet(err)) => return Err(err),
                 Err(Failure::FenceBehind { wallet, seen }) => {
                     // After one lift our fence is above every fence the row has seen, unless
-                    // another holder claimed meanwhile, which only a lost lease lets happen.
+                    // another holder raised the fence meanwhile, which only a lost lease lets happen.
                     let name = lease_name(&wallet);
                     let Some(lease) = leases.iter_mut().find(|lease| lease.name() == name) else {
                         return Err(WalletError::internal("a fence behind for a wallet without a lease"));

@@ -16,15 +16,19 @@ fn pay(amount: i64, balance_after: i64) -> NewEntry {
 }
 
 /// Claims `id` for `lease` and commits one payment of `amount` from what the claim read.
-async fn claim(db: &sqlx::PgPool, lease: &mut Lease, id: &WalletId) -> Result<ledger::Claimed, WalletError> {
-    wallet::claim(&mut db.acquire().await.unwrap(), lease, id).await
+async fn raise_fence(
+    db: &sqlx::PgPool,
+    lease: &mut Lease,
+    id: &WalletId,
+) -> Result<ledger::WalletRead, WalletError> {
+    wallet::raise_fence(&mut db.acquire().await.unwrap(), lease, id).await
 }
 
 async fn commit(
     db: &sqlx::PgPool,
     lease: &Lease,
     id: &WalletId,
-    read: ledger::Claimed,
+    read: ledger::WalletRead,
     amount: i64,
 ) -> Result<(), StoreError> {
     let mut tx = db.begin().await.unwrap();
@@ -48,11 +52,11 @@ async fn a_paused_holder_is_refused_after_the_next_holder_committed() {
     let name = wallet::lease_name(&id);
 
     let mut paused = env.leases(ms(100), ms(100)).acquire(&name).await.unwrap();
-    let paused_read = claim(&db, &mut paused, &id).await.unwrap();
+    let paused_read = raise_fence(&db, &mut paused, &id).await.unwrap();
     tokio::time::sleep(ms(150)).await; // a GC pause, a slow query: the lease expires
 
     let mut next = env.leases(ms(5_000), ms(500)).acquire(&name).await.unwrap();
-    let next_read = claim(&db, &mut next, &id).await.unwrap();
+    let next_read = raise_fence(&db, &mut next, &id).await.unwrap();
     commit(&db, &next, &id, next_read, 30).await.unwrap();
 
     assert!(matches!(commit(&db, &paused, &id, paused_read, 10).await, Err(StoreError::LeaseLost)));
@@ -72,12 +76,12 @@ async fn a_paused_holder_is_refused_as_soon_as_the_next_holder_claims() {
     let name = wallet::lease_name(&id);
 
     let mut paused = env.leases(ms(100), ms(100)).acquire(&name).await.unwrap();
-    let paused_read = claim(&db, &mut paused, &id).await.unwrap();
+    let paused_read = raise_fence(&db, &mut paused, &id).await.unwrap();
     tokio::time::sleep(ms(150)).await;
 
-    // The next holder has claimed the wallet but not written anything yet.
+    // The next holder has raised the wallet's fence but not written anything yet.
     let mut next = env.leases(ms(5_000), ms(500)).acquire(&name).await.unwrap();
-    let next_read = claim(&db, &mut next, &id).await.unwrap();
+    let next_read = raise_fence(&db, &mut next, &id).await.unwrap();
 
     assert!(matches!(commit(&db, &paused, &id, paused_read, 10).await, Err(StoreError::LeaseLost)));
     commit(&db, &next, &id, next_read, 30).await.expect("the current holder still commits");
@@ -94,11 +98,11 @@ async fn a_holder_paused_before_its_claim_is_refused_at_the_claim() {
     let mut paused = env.leases(ms(100), ms(100)).acquire(&name).await.unwrap();
     tokio::time::sleep(ms(150)).await;
     let mut next = env.leases(ms(5_000), ms(500)).acquire(&name).await.unwrap();
-    let next_read = claim(&db, &mut next, &id).await.unwrap();
+    let next_read = raise_fence(&db, &mut next, &id).await.unwrap();
 
     // Its fence is below the one the row has seen, and it no longer holds the lease, so it may
     // not lift the counter either.
-    assert!(matches!(claim(&db, &mut paused, &id).await, Err(WalletError::LeaseLost)));
+    assert!(matches!(raise_fence(&db, &mut paused, &id).await, Err(WalletError::LeaseLost)));
     commit(&db, &next, &id, next_read, 30).await.unwrap();
 }
 
@@ -111,12 +115,12 @@ async fn a_stolen_lease_cancels_the_work_and_its_write_is_refused() {
 
     let mut victim = env.leases(ms(300), ms(100)).acquire(&name).await.unwrap();
     victim.keep_alive();
-    let victim_read = claim(&db, &mut victim, &id).await.unwrap();
+    let victim_read = raise_fence(&db, &mut victim, &id).await.unwrap();
 
-    // A failover loses the key; another holder takes the lease and claims the wallet.
+    // A failover loses the key; another holder takes the lease and raises the wallet's fence.
     let _: () = env.redis_cmd(&["DEL", &env.lease_key(&name)]).await;
     let mut thief = env.leases(ms(5_000), ms(100)).acquire(&name).await.unwrap();
-    let thief_read = claim(&db, &mut thief, &id).await.unwrap();
+    let thief_read = raise_fence(&db, &mut thief, &id).await.unwrap();
 
     let work = tokio::time::sleep(ms(5_000));
     tokio::select! {
@@ -139,7 +143,7 @@ async fn a_fence_counter_lost_by_redis_is_lifted_above_what_postgres_has_seen() 
 
     for _ in 0..5 {
         let mut lease = leases.acquire(&name).await.unwrap();
-        let read = claim(&db, &mut lease, &id).await.unwrap();
+        let read = raise_fence(&db, &mut lease, &id).await.unwrap();
         commit(&db, &lease, &id, read, 1).await.unwrap();
         lease.release().await.unwrap();
     }
@@ -151,7 +155,7 @@ async fn a_fence_counter_lost_by_redis_is_lifted_above_what_postgres_has_seen() 
     let mut lease = leases.acquire(&name).await.unwrap();
     assert!(lease.fence() <= seen, "the counter went backwards: {}", lease.fence());
 
-    let read = claim(&db, &mut lease, &id)
+    let read = raise_fence(&db, &mut lease, &id)
         .await
         .expect("not wedged: the counter is lifted, then the claim succeeds");
     assert!(lease.fence() > seen, "fence {} not above {seen}", lease.fence());
@@ -169,7 +173,7 @@ async fn a_fence_issued_twice_lets_only_one_holder_in() {
     let name = wallet::lease_name(&id);
 
     let mut first = env.leases(ms(100), ms(100)).acquire(&name).await.unwrap();
-    let first_read = claim(&db, &mut first, &id).await.unwrap();
+    let first_read = raise_fence(&db, &mut first, &id).await.unwrap();
     // The lease and the counter are lost together; the next holder is handed the same fence.
     let _: () = env.redis_cmd(&["DEL", &env.lease_key(&name), &env.fence_key(&name)]).await;
     let _: () = env.redis_cmd(&["SET", &env.fence_key(&name), &(first.fence() - 1).to_string()]).await;
@@ -177,7 +181,7 @@ async fn a_fence_issued_twice_lets_only_one_holder_in() {
     assert_eq!(second.fence(), first.fence(), "the same token, issued twice");
 
     let second_read =
-        claim(&db, &mut second, &id).await.expect("resynchronized above the first holder's fence");
+        raise_fence(&db, &mut second, &id).await.expect("resynchronized above the first holder's fence");
     assert!(second.fence() > first.fence());
     assert!(matches!(commit(&db, &first, &id, first_read, 10).await, Err(StoreError::LeaseLost)));
     commit(&db, &second, &id, second_read, 30).await.unwrap();
@@ -222,8 +226,8 @@ async fn fences_are_exact_at(value: i64) {
     let _: () = env.redis_cmd(&["SET", &env.fence_key(&name), &value.to_string()]).await;
     let mut lease = leases.acquire(&name).await.unwrap();
     assert_eq!(lease.fence(), value + 1, "acquire issues the counter's next value");
-    let read = claim(&db, &mut lease, &id).await.unwrap();
-    assert_eq!(lease.fence(), value + 1, "claimed with that fence, no resynchronization");
+    let read = raise_fence(&db, &mut lease, &id).await.unwrap();
+    assert_eq!(lease.fence(), value + 1, "fenced with that fence, no resynchronization");
     commit(&db, &lease, &id, read, 1).await.unwrap();
     lease.release().await.unwrap();
     assert_eq!(fences_written(&db, &id).await, (value + 1, value + 1), "row and ledger entry");
@@ -233,7 +237,8 @@ async fn fences_are_exact_at(value: i64) {
     let name = wallet::lease_name(&id);
     let mut lease = leases.acquire(&name).await.unwrap();
     assert_eq!(lease.fence(), 1, "a fresh counter");
-    let read = claim(&db, &mut lease, &id).await.expect("lifted above what the row has seen, then claimed");
+    let read =
+        raise_fence(&db, &mut lease, &id).await.expect("lifted above what the row has seen, then fenced");
     assert_eq!(lease.fence(), value + 1, "lifted to exactly one above the row's fence");
     let counter: String = env.redis_cmd(&["GET", &env.fence_key(&name)]).await;
     assert_eq!(counter, (value + 1).to_string(), "the counter in Redis too");
@@ -270,16 +275,16 @@ async fn a_fence_at_the_top_is_a_clear_error_and_the_documented_reset_frees_the_
     let _: () = env.redis_cmd(&["SET", &env.fence_key(&name), &i64::MAX.to_string()]).await;
     let mut lease = leases.acquire(&name).await.expect("a full counter starts over");
     assert_eq!(lease.fence(), 1);
-    let read = claim(&db, &mut lease, &id).await.expect("lifted above the row's fence");
+    let read = raise_fence(&db, &mut lease, &id).await.expect("lifted above the row's fence");
     assert_eq!(lease.fence(), 42);
     commit(&db, &lease, &id, read, 1).await.unwrap();
     lease.release().await.unwrap();
 
-    // A row that has seen the largest fence cannot be claimed again: a clear error, nothing changed.
+    // A row that has seen the largest fence cannot be fenced again: a clear error, nothing changed.
     let id = wallet_that_has_seen(&db, i64::MAX).await;
     let name = wallet::lease_name(&id);
     let mut lease = leases.acquire(&name).await.unwrap();
-    match claim(&db, &mut lease, &id).await {
+    match raise_fence(&db, &mut lease, &id).await {
         Err(WalletError::FenceExhausted(cause)) => {
             assert!(cause.to_string().contains("fence space is exhausted"), "{cause}")
         }
@@ -310,7 +315,7 @@ async fn a_fence_at_the_top_is_a_clear_error_and_the_documented_reset_frees_the_
     tx.commit().await.unwrap();
     let _: () = env.redis_cmd(&["DEL", &env.fence_key(&name)]).await;
     let mut lease = leases.acquire(&name).await.unwrap();
-    let read = claim(&db, &mut lease, &id).await.expect("free again");
+    let read = raise_fence(&db, &mut lease, &id).await.expect("free again");
     commit(&db, &lease, &id, read, 1).await.unwrap();
     lease.release().await.unwrap();
     assert_eq!(books(&db, id.as_str()).await.fence, 1);
