@@ -95,7 +95,6 @@ impl Application {
             replica: replica.into(),
             draining: Draining::default(),
             request_timeout: args.request_timeout,
-            keys: args.key_settings(),
             callers,
             in_flight: Arc::new(Semaphore::new(args.max_in_flight as usize)),
         };

@@ -156,8 +156,63 @@ pub enum Begin {
     InFlight,
 }
 
-/// Claims `key` in `scope` for a request with `fingerprint`, or says why not.
-pub async fn begin(
+/// The idempotency keys of requests that store their outcome after they ran (wallet creation):
+/// claimed ahead, given up after a transient failure, purged past their retention. (Movements'
+/// keys are looked up and stored by their lease holder, in the transaction that moves the money:
+/// [`Keyed`].)
+#[derive(Debug, Clone)]
+pub struct Keys {
+    db: PgPool,
+    settings: KeySettings,
+}
+
+impl Keys {
+    pub fn new(db: PgPool, settings: KeySettings) -> Self {
+        Self { db, settings }
+    }
+
+    pub fn settings(&self) -> KeySettings {
+        self.settings
+    }
+
+    /// Claims `key` in `scope` for a request with `fingerprint`, or says why not.
+    pub async fn begin(
+        &self,
+        scope: Scope,
+        key: IdempotencyKey,
+        fingerprint: [u8; 32],
+    ) -> Result<Begin, StoreError> {
+        begin(&self.db, self.settings, scope, key, fingerprint).await
+    }
+
+    /// Gives the claim up after a transient failure, so a retry runs. A failure to do so is only
+    /// logged: the claim then counts as abandoned after `stale_after`.
+    pub async fn abandon(&self, claim: &Claim) {
+        let outcome = async {
+            let mut conn = self.db.acquire().await?;
+            store::abandon(&mut conn, claim.at(), claim.token).await
+        };
+        if let Err(err) = outcome.await {
+            tracing::warn!(error = %err, scope = claim.at().scope, "could not release an idempotency key; it frees itself when stale");
+        }
+    }
+
+    /// Deletes keys past their retention, in batches, until none is left; how many.
+    pub async fn purge_expired(&self) -> Result<u64, StoreError> {
+        const BATCH: i64 = 1_000;
+        let mut conn = self.db.acquire().await?;
+        let mut total = 0;
+        loop {
+            let purged = store::purge_expired(&mut conn, BATCH).await?;
+            total += purged;
+            if purged < BATCH as u64 {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+async fn begin(
     db: &PgPool,
     settings: KeySettings,
     scope: Scope,
@@ -288,32 +343,6 @@ pub async fn lock_claims(
     let keys: Vec<String> = claims.iter().map(|c| c.key.as_str().to_owned()).collect();
     let tokens: Vec<Uuid> = claims.iter().map(|c| c.token).collect();
     Ok(store::lock_claims(tx, &callers, &scopes, &keys, &tokens).await?.into_iter().collect())
-}
-
-/// Gives the claim up after a transient failure, so a retry runs. A failure to do so is only
-/// logged: the claim then counts as abandoned after `stale_after`.
-pub async fn abandon(db: &PgPool, claim: &Claim) {
-    let outcome = async {
-        let mut conn = db.acquire().await?;
-        store::abandon(&mut conn, claim.at(), claim.token).await
-    };
-    if let Err(err) = outcome.await {
-        tracing::warn!(error = %err, scope = claim.at().scope, "could not release an idempotency key; it frees itself when stale");
-    }
-}
-
-/// Deletes keys past their retention, in batches, until none is left.
-pub async fn purge_expired(db: &PgPool) -> Result<u64, StoreError> {
-    const BATCH: i64 = 1_000;
-    let mut conn = db.acquire().await?;
-    let mut total = 0;
-    loop {
-        let purged = store::purge_expired(&mut conn, BATCH).await?;
-        total += purged;
-        if purged < BATCH as u64 {
-            return Ok(total);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ pub struct Keyed<'a> {
 pub async fn begin(ctx: &ApiContext, scope: Scope, request: Keyed<'_>) -> Result<Option<Claim>, Response> {
     let Some(key) = request.key else { return Ok(None) };
     let fingerprint = idempotency::fingerprint("POST", request.path, request.body);
-    match ctx.wallets.begin_keyed(ctx.keys, scope, key, fingerprint).await {
+    match ctx.wallets.begin_keyed(scope, key, fingerprint).await {
         Ok(Begin::Proceed(claim)) => Ok(Some(claim)),
         Ok(Begin::Replay(stored)) => Err(prior_response(Prior::Replay(stored))),
         Ok(Begin::Reused) => Err(prior_response(Prior::Reused)),

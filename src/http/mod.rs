@@ -16,7 +16,6 @@ pub use error::ApiError;
 pub use probe::probe;
 pub use server::Draining;
 
-use crate::idempotency::KeySettings;
 use crate::wallet::Wallets;
 use axum::{
     Router,
@@ -52,8 +51,6 @@ pub struct ApiContext {
     pub draining: Draining,
     /// Bound on one request from arrival to response.
     pub request_timeout: Duration,
-    /// How long idempotency keys live, and when an in-flight one counts as abandoned.
-    pub keys: KeySettings,
     /// Renders the process's metrics for `GET /metrics`.
     pub metrics: PrometheusHandle,
     /// The API's callers and their tokens.

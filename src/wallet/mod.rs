@@ -241,7 +241,7 @@ pub struct Wallets {
     rounds: group::Rounds,
     /// How long the responses of transfers and refunds are kept for their idempotency keys (the
     /// rounds keep their own copy for deposits and payments).
-    retention: Duration,
+    keys: idempotency::Keys,
     /// Every movement in progress, every wallet worker and every round runs as a task on this
     /// tracker, so it finishes (commit or roll back, then release) even if the request that
     /// started it is dropped, and so shutdown can wait for all of them.
@@ -253,8 +253,12 @@ impl Wallets {
     /// [`Wallets::with_keys`]). Call within a Tokio runtime: it starts the replica's rounds.
     pub fn new(db: PgPool, leases: LeaseClient) -> Self {
         let in_flight = TaskTracker::new();
-        let retention = KeySettings::default().retention;
-        let rounds = group::Rounds::start(db.clone(), round_settings(&leases, retention), in_flight.clone());
+        let keys = idempotency::Keys::new(db.clone(), KeySettings::default());
+        let rounds = group::Rounds::start(
+            db.clone(),
+            round_settings(&leases, keys.settings().retention),
+            in_flight.clone(),
+        );
         Self {
             db,
             leases,
@@ -263,7 +267,7 @@ impl Wallets {
             payees: queue::Queues::default(),
             queue_limit: DEFAULT_QUEUE_LIMIT,
             rounds,
-            retention,
+            keys,
             in_flight,
         }
     }
@@ -283,13 +287,13 @@ impl Wallets {
     pub fn with_keys(mut self, keys: KeySettings) -> Self {
         let settings = round_settings(&self.leases, keys.retention);
         self.rounds = group::Rounds::start(self.db.clone(), settings, self.in_flight.clone());
-        self.retention = keys.retention;
+        self.keys = idempotency::Keys::new(self.db.clone(), keys);
         self
     }
 
     /// Deletes the stored responses of idempotency keys past their retention; how many.
     pub async fn purge_expired_keys(&self) -> Result<u64, StoreError> {
-        idempotency::purge_expired(&self.db).await
+        self.keys.purge_expired().await
     }
 
     /// Closes the Postgres pool: after [`Wallets::drain`], at shutdown.
@@ -326,12 +330,11 @@ impl Wallets {
     /// finds what an earlier request with it left (see [`idempotency::begin`]).
     pub async fn begin_keyed(
         &self,
-        settings: KeySettings,
         scope: idempotency::Scope,
         key: idempotency::IdempotencyKey,
         fingerprint: [u8; 32],
     ) -> Result<idempotency::Begin, WalletError> {
-        Ok(idempotency::begin(&self.db, settings, scope, key, fingerprint).await?)
+        Ok(self.keys.begin(scope, key, fingerprint).await?)
     }
 
     /// Opens a wallet owned by `owner` (a caller) with an opening balance (recorded as its `open`
@@ -481,7 +484,7 @@ impl Wallets {
         claim: Option<idempotency::Claim>,
         work: impl Future<Output = Result<T, WalletError>> + Send + 'static,
     ) -> Result<T, WalletError> {
-        let db = self.db.clone();
+        let keys = self.keys.clone();
         // The task logs and records timings into the request's span, even after the request ended.
         let task = self.in_flight.spawn(
             async move {
@@ -489,7 +492,7 @@ impl Wallets {
                 if let (Some(claim), Err(err)) = (&claim, &outcome)
                     && !err.is_stored()
                 {
-                    idempotency::abandon(&db, claim).await;
+                    keys.abandon(claim).await;
                 }
                 outcome
             }

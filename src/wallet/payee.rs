@@ -285,7 +285,14 @@ impl Wallets {
             }
             if let Some(key) = &queued.key {
                 let entry = outcome.as_ref().ok().map(|t| t.from_entry.id);
-                super::transfer::store_response(&mut tx, key, &outcome, entry, self.retention).await?;
+                super::transfer::store_response(
+                    &mut tx,
+                    key,
+                    &outcome,
+                    entry,
+                    self.keys.settings().retention,
+                )
+                .await?;
             }
             results.push(outcome.map_err(WalletError::Refused));
         }

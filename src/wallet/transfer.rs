@@ -377,7 +377,7 @@ impl Wallets {
                 }
                 if let Some(key) = key {
                     let entry = outcome.as_ref().ok().map(|t| t.from_entry.id);
-                    store_response(&mut tx, key, &outcome, entry, self.retention).await?;
+                    store_response(&mut tx, key, &outcome, entry, self.keys.settings().retention).await?;
                 }
                 outcome.map(|transfer| Done::Transfer(Box::new(transfer)))
             }
@@ -421,7 +421,7 @@ impl Wallets {
                 }
                 if let Some(key) = key {
                     let entry = outcome.as_ref().ok().map(|e| e.id);
-                    store_response(&mut tx, key, &outcome, entry, self.retention).await?;
+                    store_response(&mut tx, key, &outcome, entry, self.keys.settings().retention).await?;
                 }
                 outcome.map(Done::Entry)
             }

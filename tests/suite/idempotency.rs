@@ -285,7 +285,8 @@ async fn an_expired_key_is_purged_and_behaves_as_new() {
     assert_eq!(pay(&app.client, &app.url("/wallets/expire/pay"), "old", 10).await.status(), 200);
     tokio::time::sleep(Duration::from_millis(1_100)).await;
 
-    let purged = walletlock::idempotency::purge_expired(&app.db).await.unwrap();
+    let keys = walletlock::idempotency::Keys::new(app.db.clone(), Default::default());
+    let purged = keys.purge_expired().await.unwrap();
     assert_eq!(purged, 1);
     let again = pay(&app.client, &app.url("/wallets/expire/pay"), "old", 10).await;
     assert_eq!(again.status(), 200);
