@@ -2,10 +2,10 @@
 
 use crate::app::Application;
 use crate::config::{DatabaseArgs, RedisArgs, ServeArgs};
-use crate::demo::{self, Demo, Sandbox};
 use crate::http::server::shutdown_signal;
 use crate::ledger::schema;
 use crate::telemetry::LogFormat;
+use crate::tutorial::{self, Demo, Sandbox};
 use clap::{Parser, Subcommand};
 use secrecy::ExposeSecret;
 use std::process::ExitCode;
@@ -168,7 +168,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }),
         Command::Demo { name, database, redis } => {
             let sandbox = Sandbox::create(database.database_url.expose_secret(), redis.connect()?.0).await?;
-            let outcome = demo::run(name, &sandbox).await;
+            let outcome = tutorial::run(name, &sandbox).await;
             sandbox.drop().await?;
             for line in outcome? {
                 println!("{line}");

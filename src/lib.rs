@@ -13,20 +13,20 @@
 //!   calls none of them.
 //! - [`lease`] is the distributed lock: a small library over Redis that knows nothing of wallets
 //!   (acquire with SET NX PX and a fence, token-checked release and refresh, the watchdog).
-//! - [`ledger`] is the fenced ledger store: all SQL lives there (wallets, ledger entries, the claim
-//!   and the conditional commit, migrations).
+//! - [`ledger`] is the fenced ledger store: all of the product's SQL lives there (wallets, ledger
+//!   entries, raising the fence and the conditional commit, idempotency keys, migrations).
 //! - [`wallet`] holds the domain (ids, amounts, movements) and the service that runs each movement
 //!   under its wallet's lease with a fenced commit; it touches neither Redis commands nor SQL.
 //! - [`config`] declares every setting, as a flag and an environment variable; [`telemetry`] sets
 //!   up logging.
 //! - [`http`] is the API: routes, the problem format for errors, middleware, the accept loop and its
 //!   drain; handlers call [`wallet`] and never write SQL. [`app`] builds one replica from its settings.
-//! - [`cli`] holds the `walletlock` subcommands, and [`demo`] the tutorial's experiments.
+//! - [`cli`] holds the `walletlock` subcommands, and [`tutorial`] the tutorial's experiments
+//!   (`walletlock demo`, with their own unguarded SQL), which the product does not import.
 
 pub mod app;
 pub mod cli;
 pub mod config;
-pub mod demo;
 pub mod domain;
 pub mod failpoint;
 pub mod http;
@@ -34,4 +34,5 @@ pub mod idempotency;
 pub mod lease;
 pub mod ledger;
 pub mod telemetry;
+pub mod tutorial;
 pub mod wallet;

@@ -29,7 +29,6 @@ pub mod group;
 pub mod idempotency;
 pub mod schema;
 pub mod transfer;
-pub mod unguarded;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;

@@ -4,8 +4,8 @@ use crate::support::{CALLER, TestEnv, books, eventually, tester};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Barrier;
-use walletlock::demo::{hammer, unguarded_spend};
 use walletlock::ledger;
+use walletlock::tutorial::{hammer, unguarded_spend};
 use walletlock::wallet::{Amount, Movement, Refusal, WalletError, WalletId, Wallets};
 
 fn pay(amount: i64) -> Movement {

@@ -1,4 +1,6 @@
-//! `walletlock demo <name>`: the tutorial's experiments, run against real Redis and Postgres.
+//! `walletlock demo <name>`: the tutorial's experiments, run against real Redis and Postgres. The
+//! product does not import this module (only the CLI's `demo` command does); the tutorial's lock
+//! itself, kept as the benchmark's baseline, is the `tutorial` lease strategy of `crate::wallet`.
 //!
 //! Each fires a burst of concurrent spends (50 spends of 10 from a balance of 100 unless stated)
 //! at one wallet in a throwaway schema, then prints the tutorial's verdict line: how many spends
@@ -13,10 +15,12 @@
 //! | `lockstep` | the lease, fixed vs jittered retries | the time each takes |
 
 use crate::lease::{Backoff, LeaseClient, LeaseSettings, RedisPool, Ttl};
-use crate::ledger::{self, EntryKind, NewEntry, StoreError, schema::ScratchSchema, unguarded};
+use crate::ledger::{self, EntryKind, NewEntry, StoreError, schema::ScratchSchema};
 use crate::wallet::{self, WalletError, WalletId};
 use clap::ValueEnum;
 use sqlx::PgPool;
+mod unguarded;
+
 use std::{
     fmt,
     future::Future,

@@ -1,6 +1,7 @@
 //! The tutorial's naive read-modify-write: read the balance, decide, write it back, with neither
 //! fence nor version in the `WHERE`. Two writers that read the same balance both write, and one
-//! update is lost. Only `walletlock demo` uses it, to show what the fenced commit prevents.
+//! update is lost. Only `walletlock demo` uses it, to show what the fenced commit prevents; the
+//! product's SQL is all in `crate::ledger`.
 
 use sqlx::PgConnection;
 
