@@ -25,7 +25,8 @@
 //! | `walletlock_pg_pool_acquire_wait_seconds` | histogram | wait for a Postgres connection |
 //! | `walletlock_redis_pool_connections{state}`, `walletlock_redis_pool_max_connections`, `walletlock_redis_pool_waiting` | gauge | Redis pool |
 //! | `walletlock_redis_pool_acquire_wait_seconds` | histogram | wait for a Redis connection |
-//! | `process_resident_memory_bytes`, `walletlock_process_peak_resident_memory_bytes` | gauge | the process's memory, now and at its peak |
+//! | `process_resident_memory_bytes`, `process_cpu_seconds_total`, `process_open_fds`, `process_threads`, ... | gauge, counter | the process, as Prometheus's own clients report it (the `metrics-process` crate) |
+//! | `walletlock_process_peak_resident_memory_bytes` | gauge | the process's peak memory (not among the standard process metrics) |
 //! | `walletlock_replica_info{replica,version}` | gauge | 1, labelled with the replica's name |
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -93,7 +94,7 @@ fn describe() {
         metrics::counter!(REQUESTS_SHED, "reason" => reason).absolute(0);
     }
     metrics::describe_gauge!("walletlock_replica_info", "Always 1; labels name the replica and its version.");
-    metrics::describe_gauge!("process_resident_memory_bytes", metrics::Unit::Bytes, "Resident memory.");
+    process_collector().describe();
     metrics::describe_gauge!(
         "walletlock_process_peak_resident_memory_bytes",
         metrics::Unit::Bytes,
@@ -116,10 +117,17 @@ pub fn set_replica(replica: &str) {
         .set(1.0);
 }
 
+/// The standard process metrics (`process_*`, as client_golang names them).
+fn process_collector() -> &'static metrics_process::Collector {
+    static COLLECTOR: OnceLock<metrics_process::Collector> = OnceLock::new();
+    COLLECTOR.get_or_init(metrics_process::Collector::default)
+}
+
 /// Samples the process gauges; the caller samples its pools, then renders.
 pub fn sample_process() {
-    let resident = resident_bytes().unwrap_or(0);
-    metrics::gauge!("process_resident_memory_bytes").set(resident as f64);
+    process_collector().collect();
+    let resident = metrics_process::collector::collect().resident_memory_bytes.unwrap_or(0);
+    // The peak is not among the standard metrics: the kernel's high-water mark, from getrusage.
     // SAFETY: getrusage fills the struct we pass; RUSAGE_SELF is always valid.
     let usage = unsafe {
         let mut usage = std::mem::zeroed::<libc::rusage>();
@@ -130,13 +138,4 @@ pub fn sample_process() {
         let peak = (usage.ru_maxrss as u64 * 1024).max(resident);
         metrics::gauge!("walletlock_process_peak_resident_memory_bytes").set(peak as f64);
     }
-}
-
-/// Current resident memory, from /proc (Linux).
-fn resident_bytes() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    // SAFETY: sysconf with a valid name has no preconditions.
-    let page_size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    Some(pages * u64::try_from(page_size).ok()?)
 }
