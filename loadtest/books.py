@@ -222,7 +222,8 @@ def legs(record):
 
 
 def check_wallet(wallet, opening, accepted_ops, refused_keys, state, entries):
-    """Problems with one wallet's books (accepted_ops: its legs); (problems, balance, expected)."""
+    """Problems with one wallet's books (accepted_ops: its legs; refused_keys: (op, key) of its
+    refused payments and transfers); (problems, balance, expected)."""
     problems = []
     moved = defaultdict(int)
     for r in accepted_ops:
@@ -278,10 +279,12 @@ def check_wallet(wallet, opening, accepted_ops, refused_keys, state, entries):
         elif entry["kind"] != record["op"] or entry["amount"] != record["amount"]:
             problems.append(f"wallet {wallet}: accepted {record['op']} of {record['amount']} is a {entry['kind']} of {entry['amount']} in the ledger")
         if record["op"] in KEYED and by_reference.get(record["key"], 0) != 1:
-            problems.append(f"wallet {wallet}: {record['op']} {record['key']} is in the ledger {by_reference.get(record['key'], 0)} times")
-    for key in refused_keys:
+            what = "payment" if record["op"] == "pay" else record["op"]
+            problems.append(f"wallet {wallet}: {what} {record['key']} is in the ledger {by_reference.get(record['key'], 0)} times")
+    for op, key in refused_keys:
         if by_reference.get(key, 0):
-            problems.append(f"wallet {wallet}: {key} was refused to the client but is in the ledger")
+            what = "payment" if op == "pay" else op
+            problems.append(f"wallet {wallet}: {what} {key} was refused to the client but is in the ledger")
     for kind in COUNTED:
         in_ledger = sum(1 for e in entries if e["kind"] == kind)
         acknowledged = sum(1 for r in accepted_ops if r["op"] == kind)
@@ -321,7 +324,7 @@ def main():
         elif record["op"] in ("pay", "transfer"):
             for wallet in (record["w"], record.get("to")):
                 if wallet is not None:
-                    refused[wallet].append(record["key"])
+                    refused[wallet].append((record["op"], record["key"]))
 
     totals = {"balance": 0, "expected": 0}
     lock = threading.Lock()

@@ -3,6 +3,8 @@
 
     loadtest/tamper.py ACKS first-pay                      "KEY WALLET" of the first payment the
                                                            client saw accepted
+    loadtest/tamper.py ACKS first-transfer                 "KEY FROM TO" of the first transfer the
+                                                           client saw accepted
     loadtest/tamper.py ACKS drop KEY                       the record without the operation KEY
     loadtest/tamper.py ACKS refuse KEY                     the record with the operation KEY refused
                                                            (503 lock_timeout) instead of charged
@@ -33,6 +35,7 @@ def parse_args(argv):
     parser.add_argument("acks", help="the k6 console log of the run (pay.js with ACK_LOG=1)")
     modes = parser.add_subparsers(dest="mode", required=True)
     modes.add_parser("first-pay", help="print KEY WALLET of the first accepted payment")
+    modes.add_parser("first-transfer", help="print KEY FROM TO of the first accepted transfer")
     modes.add_parser("drop", help="leave out the operation KEY").add_argument("key")
     modes.add_parser("refuse", help="the operation KEY refused instead of charged").add_argument("key")
     undecided = modes.add_parser("undecided", help="add a payment of 1 whose answer was never seen")
@@ -52,12 +55,20 @@ def main(argv=None):
             return 1
         print(first["key"], first["w"])
         return 0
+    if args.mode == "first-transfer":
+        first = next((r for r in records if r["op"] == "transfer" and r["s"] == 200), None)
+        if first is None:
+            print("tamper.py: the record holds no accepted transfer", file=sys.stderr)
+            return 1
+        print(first["key"], first["w"], first["to"])
+        return 0
     if args.mode == "drop":
         records = [r for r in records if r.get("key") != args.key]
     elif args.mode == "refuse":
         for r in records:
             if r.get("key") == args.key:
                 del r["entry"]
+                r.pop("to_entry", None)
                 r.update(s=503, code="lock_timeout")
     elif args.mode == "undecided":
         body = compact({"amount": 1, "reference": args.key})
