@@ -591,7 +591,8 @@ async fn scraped(fleet: &Fleet, replica: usize, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfers_from_many_payers_into_one_payee_commit_together_and_a_busy_payer_goes_alone() {
     let env = TestEnv::new();
-    let fleet = Fleet::start(&env, 1, &[]).await;
+    // A lease wait long enough that the held payer's transfer outlasts a slow machine's batches.
+    let fleet = Fleet::start(&env, 1, &[("LEASE_WAIT", "10s")]).await;
     let payers: Vec<String> = (0..48).map(|n| format!("payer-{n}")).collect();
     let mut wallets: Vec<&str> = payers.iter().map(String::as_str).collect();
     wallets.push("merchant");
@@ -599,14 +600,9 @@ async fn transfers_from_many_payers_into_one_payee_commit_together_and_a_busy_pa
 
     // 48 payers into one merchant at once, on one replica; the first 8 payers paying elsewhere at
     // the same time, so their leases are now and then held by their own wallets' workers; and the
-    // last payer's lease held by another holder for 300 ms.
+    // last payer's lease held by another holder until its transfer has been sent on alone.
     let held =
         env.leases(Duration::from_secs(10), Duration::from_secs(1)).acquire("wallet:payer-47").await.unwrap();
-    let held_at = Instant::now();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        held.release().await.unwrap();
-    });
     let url = fleet.replicas[0].url("");
     let start = Arc::new(Barrier::new(48 + 8 * 5));
     let mut transfers = Vec::new();
@@ -626,12 +622,17 @@ async fn transfers_from_many_payers_into_one_payee_commit_together_and_a_busy_pa
             crate::support::load::pay(&client, &url, &payer, 1, &format!("busy-{n}")).await
         }));
     }
+    // The merchant's worker cannot have payer-47's lease: that transfer goes alone, and waits for
+    // its payer (up to the lease wait) while the others commit.
+    crate::support::eventually("payer-47's transfer sent on alone", Duration::from_secs(8), || async {
+        scraped(&fleet, 0, "walletlock_payee_batch_alone_total").await >= 1.0
+    })
+    .await;
+    assert!(!transfers[47].is_finished(), "payer-47's transfer waits for its payer");
+    held.release().await.unwrap();
     for transfer in transfers {
         let transfer = transfer.await.unwrap();
         assert!(matches!(transfer.outcome, Outcome::Applied(_)), "{transfer:?}");
-        if transfer.from == "payer-47" {
-            assert!(held_at.elapsed() >= Duration::from_millis(300), "it waited for its payer");
-        }
     }
     for payment in payments {
         let payment = payment.await.unwrap();
