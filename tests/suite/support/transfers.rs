@@ -58,9 +58,9 @@ pub async fn transfer_one(
     }
 }
 
-/// Clients transferring among `wallets` until stopped: client 0, 3, 6... always from the first
-/// wallet to the second, client 1, 4, 7... always back, the others between random pairs; amounts
-/// from 1 to 50, each transfer with its own key.
+/// Clients transferring among `wallets` until stopped (or each has sent its count): client 0, 3,
+/// 6... always from the first wallet to the second, client 1, 4, 7... always back, the others
+/// between random pairs; amounts from 1 to 50, each transfer with its own key.
 pub struct TransferLoad {
     stop: Arc<AtomicBool>,
     clients: Vec<tokio::task::JoinHandle<Vec<TransferAttempt>>>,
@@ -68,6 +68,16 @@ pub struct TransferLoad {
 
 impl TransferLoad {
     pub fn start(fleet: &Fleet, wallets: &[&str], clients: usize) -> Self {
+        Self::spawn(fleet, wallets, clients, usize::MAX)
+    }
+
+    /// Clients that each send `count` transfers, one after the other, and stop: the same work
+    /// however fast or slow the machine is.
+    pub fn each(fleet: &Fleet, wallets: &[&str], clients: usize, count: usize) -> Self {
+        Self::spawn(fleet, wallets, clients, count)
+    }
+
+    fn spawn(fleet: &Fleet, wallets: &[&str], clients: usize, count: usize) -> Self {
         assert!(wallets.len() >= 2);
         let stop = Arc::new(AtomicBool::new(false));
         let clients = (0..clients)
@@ -76,7 +86,7 @@ impl TransferLoad {
                 let wallets: Vec<String> = wallets.iter().map(|w| w.to_string()).collect();
                 tokio::spawn(async move {
                     let mut attempts = Vec::new();
-                    while !stop.load(Ordering::Relaxed) {
+                    while !stop.load(Ordering::Relaxed) && attempts.len() < count {
                         let (from, to, amount) = {
                             let mut rng = rand::rng();
                             let (from, to) = match n % 3 {
@@ -102,6 +112,11 @@ impl TransferLoad {
 
     pub async fn finish(self) -> Vec<TransferAttempt> {
         self.stop.store(true, Ordering::Relaxed);
+        self.done().await
+    }
+
+    /// Waits for every client to send its count (see [`TransferLoad::each`]).
+    pub async fn done(self) -> Vec<TransferAttempt> {
         let mut attempts = Vec::new();
         for client in self.clients {
             attempts.extend(client.await.expect("a transfer client"));
