@@ -148,12 +148,14 @@ async fn transfers_between_wallets_whose_leases_live_on_different_cluster_primar
     open_wallets(&fleet, &ids, opening).await;
 
     // Both ways between t0 and t1, and random pairs among the six: two leases on two nodes each.
-    let load = TransferLoad::start(&fleet, &ids, 8);
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let mut attempts = load.finish().await;
+    let load = TransferLoad::each(&fleet, &ids, 8, 12);
+    let mut attempts = tokio::time::timeout(Duration::from_secs(90), load.done())
+        .await
+        .expect("8 clients sent 12 transfers each within 90 s");
     transfer_settle(&fleet, &mut attempts).await;
     let counts = transfer_tally(&attempts);
     eprintln!("transfers on a cluster: {counts:?}");
-    assert!(counts.get("applied").copied().unwrap_or(0) >= 50, "{counts:?}");
+    let applied = counts.get("applied").copied().unwrap_or(0);
+    assert!(applied * 2 >= attempts.len(), "most transfers applied: {counts:?}");
     check_transfer_books(&fleet, &ids.iter().map(|w| (*w, opening)).collect::<Vec<_>>(), &attempts).await;
 }
