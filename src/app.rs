@@ -29,6 +29,24 @@ async fn purge_expired_keys(wallets: Wallets, stop: CancellationToken) {
     }
 }
 
+/// How often each replica releases holds long past their expiry. Only tidying: a hold's amount is
+/// available from its expiry on, and the first movement that needs it releases it.
+const SWEEP_HOLDS_EVERY: Duration = Duration::from_secs(5);
+
+async fn sweep_expired_holds(wallets: Wallets, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(SWEEP_HOLDS_EVERY) => {}
+        }
+        match wallets.release_expired_holds().await {
+            Ok(0) => {}
+            Ok(wallets) => tracing::info!(wallets, "released expired holds"),
+            Err(err) => tracing::warn!(error = %err, "could not release expired holds"),
+        }
+    }
+}
+
 /// How often the allocator is asked to give freed memory back to the system.
 const TRIM_EVERY: Duration = Duration::from_secs(10);
 
@@ -113,10 +131,12 @@ impl Application {
         let stop_purging = CancellationToken::new();
         let purger = tokio::spawn(purge_expired_keys(ctx.wallets.clone(), stop_purging.clone()));
         let trimmer = tokio::spawn(trim_heap(stop_purging.clone()));
+        let sweeper = tokio::spawn(sweep_expired_holds(ctx.wallets.clone(), stop_purging.clone()));
         http::server::serve(listener, http::router(ctx.clone()), ctx.draining.clone(), shutdown, grace).await;
         stop_purging.cancel();
         let _ = purger.await;
         let _ = trimmer.await;
+        let _ = sweeper.await;
         if !ctx.wallets.drain(grace).await {
             tracing::warn!("payments still in flight after the grace period");
         }

@@ -124,13 +124,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("{problem}");
             }
             let summary = format!(
-                "{} wallets, {} ledger entries, {} transfers, {} idempotent responses",
-                report.wallets, report.entries, report.transfers, report.keys
+                "{} wallets, {} ledger entries, {} transfers, {} holds, {} idempotent responses",
+                report.wallets, report.entries, report.transfers, report.holds, report.keys
             );
             if report.problems.is_empty() {
                 println!(
                     "audit OK: {summary}; every balance equals its ledger, every transfer has its two legs, \
-                     no refund exceeds what it refunds, money is conserved"
+                     no refund exceeds what it refunds, every wallet holds what its active holds add up to, \
+                     money is conserved"
                 );
                 Ok(ExitCode::SUCCESS)
             } else {

@@ -27,6 +27,10 @@ pub enum Field {
     Payment,
     /// A transfer's id, in the path.
     TransferId,
+    /// A hold's id, in the path.
+    HoldId,
+    /// How long a hold lasts.
+    ExpiresIn,
     Amount,
     Balance,
     Reference,
@@ -46,6 +50,8 @@ impl Field {
             Field::To => "to",
             Field::Payment => "payment",
             Field::TransferId => "transfer_id",
+            Field::HoldId => "hold_id",
+            Field::ExpiresIn => "expires_in",
             Field::Amount => "amount",
             Field::Balance => "balance",
             Field::Reference => "reference",
@@ -61,6 +67,8 @@ impl Field {
             Field::WalletId | Field::From | Field::To => "invalid_wallet_id",
             Field::Payment => "invalid_payment_id",
             Field::TransferId => "invalid_transfer_id",
+            Field::HoldId => "invalid_hold_id",
+            Field::ExpiresIn => "invalid_expires_in",
             Field::Amount => "invalid_amount",
             Field::Balance => "invalid_balance",
             Field::Reference => "invalid_reference",
@@ -186,24 +194,154 @@ pub fn reference(reference: Option<String>) -> Result<Option<String>, InvalidInp
     }
 }
 
-/// A change to a balance that needs the wallet's lease.
+/// How long a hold lasts before it expires by itself: 1 second to 7 days.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HoldLife(std::time::Duration);
+
+impl HoldLife {
+    pub const RULE: &'static str = "an integer number of seconds from 1 to 604800 (7 days)";
+    /// When the request does not say: 15 minutes.
+    pub const DEFAULT: HoldLife = HoldLife(std::time::Duration::from_secs(15 * 60));
+
+    pub fn seconds(seconds: i64) -> Result<Self, InvalidInput> {
+        match u64::try_from(seconds) {
+            Ok(secs @ 1..=604_800) => Ok(Self(std::time::Duration::from_secs(secs))),
+            _ => Err(InvalidInput { field: Field::ExpiresIn, rule: Self::RULE }),
+        }
+    }
+
+    pub fn get(self) -> std::time::Duration {
+        self.0
+    }
+}
+
+/// A change to a wallet that needs its lease: a change of its balance, or of what is held of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Movement {
-    Deposit { amount: Amount },
-    Pay { amount: Amount, reference: Option<String> },
+    Deposit {
+        amount: Amount,
+    },
+    Pay {
+        amount: Amount,
+        reference: Option<String>,
+    },
+    /// Reserves `amount` of the available balance until `life` from now.
+    Hold {
+        amount: Amount,
+        life: HoldLife,
+        reference: Option<String>,
+    },
+    /// Charges `amount` of the hold (all of it without one) and releases the rest.
+    Capture {
+        hold: uuid::Uuid,
+        amount: Option<Amount>,
+    },
+    /// Releases the hold, charging nothing.
+    Void {
+        hold: uuid::Uuid,
+    },
+    /// Releases the wallet's holds past their expiry (what the sweeper asks; any movement that
+    /// needs their amount does it too).
+    ReleaseExpired,
+}
+
+/// Where a hold stands. `Held` past its expiry is expired, though no movement has released it yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum HoldStatus {
+    Held,
+    Captured,
+    Voided,
+    Expired,
+}
+
+impl Movement {
+    /// The `kind` label of its metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Movement::Deposit { .. } => "deposit",
+            Movement::Pay { .. } => "pay",
+            Movement::Hold { .. } => "hold",
+            Movement::Capture { .. } => "capture",
+            Movement::Void { .. } => "void",
+            Movement::ReleaseExpired => "release_expired",
+        }
+    }
+}
+
+impl HoldStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HoldStatus::Held => "held",
+            HoldStatus::Captured => "captured",
+            HoldStatus::Voided => "voided",
+            HoldStatus::Expired => "expired",
+        }
+    }
+
+    pub fn parse(status: &str) -> Option<Self> {
+        [HoldStatus::Held, HoldStatus::Captured, HoldStatus::Voided, HoldStatus::Expired]
+            .into_iter()
+            .find(|s| s.as_str() == status)
+    }
+
+    /// Why a hold in this status can be neither captured nor voided; `None` while it is held.
+    pub fn refusal(self) -> Option<Refusal> {
+        match self {
+            HoldStatus::Held => None,
+            HoldStatus::Captured => Some(Refusal::HoldCaptured),
+            HoldStatus::Voided => Some(Refusal::HoldVoided),
+            HoldStatus::Expired => Some(Refusal::HoldExpired),
+        }
+    }
+}
+
+impl Refusal {
+    /// The stable code its problem document carries.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Refusal::InsufficientFunds { .. } => "insufficient_funds",
+            Refusal::BalanceOverflow { .. } => "balance_overflow",
+            Refusal::RefundExceedsPayment { .. } => "refund_exceeds_payment",
+            Refusal::HoldExpired => "hold_expired",
+            Refusal::HoldCaptured => "hold_captured",
+            Refusal::HoldVoided => "hold_voided",
+            Refusal::CaptureExceedsHold { .. } => "capture_exceeds_hold",
+        }
+    }
+}
+
+/// How much a capture charges: `requested`, or without it the whole of a hold of `held`; never
+/// more than was held.
+pub fn capture_amount(requested: Option<Amount>, held: i64) -> Result<i64, Refusal> {
+    match requested.map_or(held, Amount::get) {
+        amount if amount <= held => Ok(amount),
+        _ => Err(Refusal::CaptureExceedsHold { held }),
+    }
 }
 
 /// Why a movement was refused on its merits (as opposed to a failure to run it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
-    #[error("insufficient funds: the balance is {balance}")]
-    InsufficientFunds { balance: i64 },
+    /// The available balance (the balance less what active holds reserve) does not cover it.
+    #[error("insufficient funds: {available} of the balance of {balance} is available")]
+    InsufficientFunds { balance: i64, available: i64 },
     #[error("the deposit would overflow the balance of {balance}")]
     BalanceOverflow { balance: i64 },
     /// The refunds of a payment or transfer would add up to more than it: only `refundable` is
     /// left to refund.
     #[error("only {refundable} is left to refund")]
     RefundExceedsPayment { refundable: i64 },
+    /// The hold passed its expiry before it was captured or voided: its amount is released.
+    #[error("the hold has expired")]
+    HoldExpired,
+    #[error("the hold was captured already")]
+    HoldCaptured,
+    #[error("the hold was voided")]
+    HoldVoided,
+    /// A capture of more than the hold holds.
+    #[error("the capture is more than the {held} held")]
+    CaptureExceedsHold { held: i64 },
 }
 
 /// The two wallets of a transfer, which differ.
@@ -236,25 +374,37 @@ pub fn refund_amount(requested: Option<Amount>, paid: i64, refunded: i64) -> Res
     Amount::new(amount).map_err(|_| Refusal::RefundExceedsPayment { refundable })
 }
 
-impl Movement {
-    pub fn amount(&self) -> Amount {
-        match self {
-            Movement::Deposit { amount } | Movement::Pay { amount, .. } => *amount,
+/// A balance, and what of it active holds reserve. A payment (or a new hold, or a transfer out)
+/// must leave what is held untouched: it spends from the available balance only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Funds {
+    pub balance: i64,
+    pub held: i64,
+}
+
+impl Funds {
+    pub fn available(self) -> i64 {
+        self.balance - self.held
+    }
+
+    /// The balance after paying `amount` out of the available balance, or why it cannot be paid.
+    pub fn pay(self, amount: Amount) -> Result<i64, Refusal> {
+        if amount.get() <= self.available() {
+            Ok(self.balance - amount.get())
+        } else {
+            Err(Refusal::InsufficientFunds { balance: self.balance, available: self.available() })
         }
     }
 
-    /// The balance after this movement, or why it cannot happen. A balance never goes below zero
-    /// and never past `i64::MAX`.
-    pub fn apply_to(&self, balance: i64) -> Result<i64, Refusal> {
-        match self {
-            Movement::Deposit { amount } => {
-                balance.checked_add(amount.get()).ok_or(Refusal::BalanceOverflow { balance })
-            }
-            Movement::Pay { amount, .. } => match balance - amount.get() {
-                after if after >= 0 => Ok(after),
-                _ => Err(Refusal::InsufficientFunds { balance }),
-            },
-        }
+    /// The balance after a deposit of `amount`; it never passes `i64::MAX`.
+    pub fn deposit(self, amount: Amount) -> Result<i64, Refusal> {
+        let balance = self.balance;
+        balance.checked_add(amount.get()).ok_or(Refusal::BalanceOverflow { balance })
+    }
+
+    /// What is held after reserving `amount` of the available balance, or why it cannot be.
+    pub fn hold(self, amount: Amount) -> Result<i64, Refusal> {
+        self.pay(amount).map(|_| self.held + amount.get())
     }
 }
 
@@ -282,10 +432,38 @@ mod tests {
     }
 
     #[test]
-    fn a_payment_never_takes_the_balance_below_zero() {
-        let pay = |amount| Movement::Pay { amount: Amount::new(amount).unwrap(), reference: None };
-        assert_eq!(pay(10).apply_to(10), Ok(0));
-        assert_eq!(pay(11).apply_to(10), Err(Refusal::InsufficientFunds { balance: 10 }));
+    fn a_payment_spends_only_what_no_hold_reserves() {
+        let amount = |amount| Amount::new(amount).unwrap();
+        assert_eq!(Funds { balance: 10, held: 0 }.pay(amount(10)), Ok(0));
+        assert_eq!(
+            Funds { balance: 10, held: 0 }.pay(amount(11)),
+            Err(Refusal::InsufficientFunds { balance: 10, available: 10 })
+        );
+        assert_eq!(Funds { balance: 10, held: 4 }.pay(amount(6)), Ok(4), "what is held stays");
+        assert_eq!(
+            Funds { balance: 10, held: 4 }.pay(amount(7)),
+            Err(Refusal::InsufficientFunds { balance: 10, available: 6 })
+        );
+        assert_eq!(Funds { balance: 10, held: 4 }.hold(amount(6)), Ok(10), "a hold reserves the rest");
+        assert!(Funds { balance: 10, held: 4 }.hold(amount(7)).is_err());
+    }
+
+    #[test]
+    fn a_capture_charges_at_most_what_was_held() {
+        let some = |amount| Some(Amount::new(amount).unwrap());
+        assert_eq!(capture_amount(None, 40), Ok(40), "all of it");
+        assert_eq!(capture_amount(some(25), 40), Ok(25));
+        assert_eq!(capture_amount(some(41), 40), Err(Refusal::CaptureExceedsHold { held: 40 }));
+        assert_eq!(HoldStatus::Held.refusal(), None);
+        assert_eq!(HoldStatus::Voided.refusal(), Some(Refusal::HoldVoided));
+    }
+
+    #[test]
+    fn holds_last_from_a_second_to_a_week() {
+        assert!(HoldLife::seconds(1).is_ok() && HoldLife::seconds(604_800).is_ok());
+        for bad in [0, -1, 604_801, i64::MIN] {
+            assert!(HoldLife::seconds(bad).is_err(), "{bad} should be refused");
+        }
     }
 
     #[test]
@@ -323,8 +501,11 @@ mod tests {
 
     #[test]
     fn a_deposit_never_overflows_the_balance() {
-        let deposit = Movement::Deposit { amount: Amount::new(Amount::MAX).unwrap() };
-        assert_eq!(deposit.apply_to(5), Ok(5 + Amount::MAX));
-        assert_eq!(deposit.apply_to(i64::MAX - 1), Err(Refusal::BalanceOverflow { balance: i64::MAX - 1 }));
+        let max = Amount::new(Amount::MAX).unwrap();
+        assert_eq!(Funds { balance: 5, held: 0 }.deposit(max), Ok(5 + Amount::MAX));
+        assert_eq!(
+            Funds { balance: i64::MAX - 1, held: 0 }.deposit(max),
+            Err(Refusal::BalanceOverflow { balance: i64::MAX - 1 })
+        );
     }
 }

@@ -57,6 +57,14 @@ pub struct ProblemDocument {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false, minimum = 0, example = 8000)]
     balance: Option<i64>,
+    /// With `insufficient_funds`: what of the balance active holds leave available.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, minimum = 0, example = 8000)]
+    available: Option<i64>,
+    /// With `capture_exceeds_hold`: the amount the hold holds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, minimum = 1, example = 4000)]
+    held: Option<i64>,
     /// With `refund_exceeds_payment`: what is left to refund of the payment or transfer.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false, minimum = 0, example = 700)]
@@ -146,6 +154,8 @@ struct Problem {
     detail: String,
     field: Option<&'static str>,
     balance: Option<i64>,
+    available: Option<i64>,
+    held: Option<i64>,
     refundable: Option<i64>,
     retry_after: bool,
 }
@@ -159,6 +169,8 @@ impl Problem {
             detail: detail.into(),
             field: None,
             balance: None,
+            available: None,
+            held: None,
             refundable: None,
             retry_after: false,
         }
@@ -296,13 +308,47 @@ fn wallet_problem(err: &WalletError) -> Problem {
             "Wallet exists",
             "a wallet with this id already exists",
         ),
-        WalletError::Refused(Refusal::InsufficientFunds { balance }) => Problem::new(
-            S::UNPROCESSABLE_ENTITY,
-            "insufficient_funds",
-            "Insufficient funds",
-            format!("the balance of {balance} does not cover this payment"),
-        )
-        .with_balance(*balance),
+        WalletError::HoldNotFound => {
+            Problem::new(S::NOT_FOUND, "hold_not_found", "Hold not found", "no hold has this id")
+        }
+        WalletError::Refused(Refusal::InsufficientFunds { balance, available }) => {
+            let detail = if balance == available {
+                format!("the balance of {balance} does not cover this payment")
+            } else {
+                format!("the available {available} of the balance of {balance} does not cover this payment")
+            };
+            let mut problem =
+                Problem::new(S::UNPROCESSABLE_ENTITY, "insufficient_funds", "Insufficient funds", detail)
+                    .with_balance(*balance);
+            problem.available = Some(*available);
+            problem
+        }
+        WalletError::Refused(Refusal::HoldExpired) => Problem::new(
+            S::CONFLICT,
+            "hold_expired",
+            "Hold expired",
+            "the hold passed its expiry before it was captured or voided; its amount is released",
+        ),
+        WalletError::Refused(Refusal::HoldCaptured) => Problem::new(
+            S::CONFLICT,
+            "hold_captured",
+            "Hold captured",
+            "the hold was captured already; nothing changed",
+        ),
+        WalletError::Refused(Refusal::HoldVoided) => {
+            Problem::new(S::CONFLICT, "hold_voided", "Hold voided", "the hold was voided; nothing changed")
+        }
+        WalletError::Refused(Refusal::CaptureExceedsHold { held }) => {
+            let mut problem = Problem::new(
+                S::UNPROCESSABLE_ENTITY,
+                "capture_exceeds_hold",
+                "Capture exceeds hold",
+                format!("the hold holds {held}; nothing was charged"),
+            )
+            .with_field("amount");
+            problem.held = Some(*held);
+            problem
+        }
         WalletError::Refused(Refusal::BalanceOverflow { balance }) => Problem::new(
             S::UNPROCESSABLE_ENTITY,
             "balance_overflow",
@@ -378,6 +424,8 @@ impl ApiError {
             code: problem.code,
             field: problem.field,
             balance: problem.balance,
+            available: problem.available,
+            held: problem.held,
             refundable: problem.refundable,
         };
         StoredResponse {
@@ -446,4 +494,18 @@ impl IntoResponse for StoredResponse {
             HeaderValue::from_str(&self.content_type).unwrap_or(HeaderValue::from_static("application/json"));
         (status, [(header::CONTENT_TYPE, content_type)], axum::body::Body::from(self.body)).into_response()
     }
+}
+
+/// Response descriptions the operations' documentation shares (see `super::openapi`).
+pub mod described {
+    pub const UNAUTHORIZED: &str = "`unauthorized`: no known bearer token";
+    pub const TOO_LARGE: &str = "`payload_too_large`: the body is over 16 KiB";
+    pub const NOT_JSON: &str = "`unsupported_media_type`: the body is not `application/json`";
+    /// A 503 of a movement under a wallet's lease.
+    pub const MOVEMENT_UNAVAILABLE: &str = "`overloaded`, `lock_timeout`, `dependency_unavailable`, \
+                                            `request_timeout`, `outcome_unknown`: retry after `Retry-After`; \
+                                            `fence_exhausted`: the wallet needs an operator (no `Retry-After`)";
+    /// A 409 of a movement under a wallet's lease.
+    pub const MOVEMENT_CONFLICT: &str =
+        "`lease_lost` (nothing applied, retry); `idempotency_key_in_flight` (with `Retry-After`)";
 }

@@ -105,3 +105,13 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyHeader {
         }
     }
 }
+
+/// A `{id}` path segment that must be a UUID, else `field`'s rule is broken.
+pub async fn uuid_in_path<S: Send + Sync>(
+    parts: &mut Parts,
+    state: &S,
+    field: crate::domain::Field,
+) -> Result<uuid::Uuid, ApiError> {
+    let Path(id) = Path::<String>::from_request_parts(parts, state).await?;
+    uuid::Uuid::parse_str(&id).map_err(|_| crate::domain::InvalidInput { field, rule: "a UUID" }.into())
+}

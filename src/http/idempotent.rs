@@ -4,8 +4,11 @@
 use super::ApiContext;
 use super::error::ApiError;
 use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed as KeyedRequest, Prior, Scope};
+use crate::ledger::Entry;
 use crate::ledger::idempotency::StoredResponse;
-use crate::wallet::{AlreadyExists, MovementOutcome, OpenOutcome, Refusal, TransferOutcome, WalletError};
+use crate::wallet::{
+    AlreadyExists, Moved, MovementOutcome, OpenOutcome, RefundOutcome, Refusal, TransferOutcome, WalletError,
+};
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
@@ -76,8 +79,41 @@ fn json(status: StatusCode, value: &impl Serialize) -> StoredResponse {
     }
 }
 
-/// A deposit's or payment's response: the ledger entry, or the refusal.
+/// A movement's response: a deposit's or payment's ledger entry, a hold captured (with its `pay`
+/// entry) or voided, or the refusal. A hold placed is [`render_hold_placed`].
 pub fn render_movement(outcome: &MovementOutcome) -> StoredResponse {
+    render_moved(StatusCode::OK, outcome)
+}
+
+/// A new hold's response: `201` and the hold, or the refusal.
+pub fn render_hold_placed(outcome: &MovementOutcome) -> StoredResponse {
+    render_moved(StatusCode::CREATED, outcome)
+}
+
+fn render_moved(status: StatusCode, outcome: &MovementOutcome) -> StoredResponse {
+    match outcome {
+        Ok(Moved::Entry(entry)) => json(status, entry),
+        Ok(Moved::Hold { hold, entry }) => {
+            json(status, &HoldReceipt { hold: hold.clone(), entry: entry.clone() })
+        }
+        Ok(Moved::Released) => json(status, &serde_json::json!({})),
+        Err(refusal) => ApiError::Wallet(WalletError::Refused(*refusal)).render(),
+    }
+}
+
+/// A hold as a hold operation answers: the hold, and the `pay` entry its capture wrote.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct HoldReceipt {
+    #[serde(flatten)]
+    pub hold: crate::ledger::hold::Hold,
+    /// The capture's `pay` entry; omitted unless this request captured the hold.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub entry: Option<Entry>,
+}
+
+/// A payment refund's response: its `refund` entry, or the refusal.
+pub fn render_entry(outcome: &RefundOutcome) -> StoredResponse {
     match outcome {
         Ok(entry) => json(StatusCode::OK, entry),
         Err(refusal) => ApiError::Wallet(WalletError::Refused(*refusal)).render(),
@@ -100,9 +136,17 @@ pub fn render_open(outcome: &OpenOutcome) -> StoredResponse {
     }
 }
 
-/// The live response for a movement, rendered exactly as a replay of it would be.
-pub fn movement_response(result: Result<crate::ledger::Entry, WalletError>) -> Response {
-    outcome_response(result, render_movement)
+/// The live response for a movement, rendered by `render` exactly as a replay of it would be.
+pub fn movement_response(
+    result: Result<Moved, WalletError>,
+    render: fn(&MovementOutcome) -> StoredResponse,
+) -> Response {
+    outcome_response(result, render)
+}
+
+/// The live response for a payment refund, rendered exactly as a replay of it would be.
+pub fn entry_response(result: Result<Entry, WalletError>) -> Response {
+    outcome_response(result, render_entry)
 }
 
 /// The live response for a transfer, rendered exactly as a replay of it would be.
@@ -129,9 +173,5 @@ fn outcome_response<T>(
 }
 
 fn refusal_code(refusal: &Refusal) -> &'static str {
-    match refusal {
-        Refusal::InsufficientFunds { .. } => "insufficient_funds",
-        Refusal::BalanceOverflow { .. } => "balance_overflow",
-        Refusal::RefundExceedsPayment { .. } => "refund_exceeds_payment",
-    }
+    refusal.code()
 }

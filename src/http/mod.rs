@@ -5,6 +5,7 @@ pub mod auth;
 mod error;
 mod extract;
 mod health;
+mod holds;
 mod idempotent;
 mod openapi;
 mod probe;
@@ -70,6 +71,7 @@ pub fn router(ctx: ApiContext) -> Router {
         .merge(
             wallets::router()
                 .merge(transfers::router())
+                .merge(holds::router())
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token))
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), shed_when_full)),
         )

@@ -1,7 +1,7 @@
 //! The API's OpenAPI 3.1 document, generated from the handlers' `#[utoipa::path]` annotations and
 //! the schemas of the types they take and return, served at `GET /openapi.json`.
 
-use super::{ApiContext, health, transfers, wallets};
+use super::{ApiContext, health, holds, transfers, wallets};
 use axum::{Router, http::header, response::IntoResponse, routing::get};
 use serde_json::Value;
 use std::sync::LazyLock;
@@ -28,6 +28,10 @@ use utoipa::{Modify, OpenApi};
         transfers::get_transfer,
         transfers::refund_transfer,
         transfers::refund_payment,
+        holds::place_hold,
+        holds::get_hold,
+        holds::capture,
+        holds::void,
         health::healthz,
         health::readyz,
         health::metrics,
@@ -37,6 +41,7 @@ use utoipa::{Modify, OpenApi};
     tags(
         (name = "wallets", description = "Open, read, deposit, pay, page through the ledger (bearer token)"),
         (name = "transfers", description = "Money between wallets, and refunds (bearer token)"),
+        (name = "holds", description = "Reserve now, capture or void later, or let expire (bearer token)"),
         (name = "operations", description = "Health, readiness, metrics and this document; no token"),
     )
 )]

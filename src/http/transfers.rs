@@ -1,9 +1,10 @@
 //! `/transfers` and `/wallets/{id}/refunds`: money between wallets, and back.
 
 use super::ApiContext;
+use super::error::described::{MOVEMENT_CONFLICT as CONFLICT, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
-use super::idempotent::{self, Keyed, render_movement, render_transfer};
+use super::idempotent::{self, Keyed, render_entry, render_transfer};
 use crate::domain;
 use crate::domain::{Access, Field};
 use crate::idempotency::Scope;
@@ -12,7 +13,7 @@ use crate::ledger::transfer::Transfer;
 use crate::wallet::{Amount, Between, InvalidInput, Parties, Refund, WalletId};
 use axum::{
     Json, Router,
-    extract::{Extension, FromRequestParts, Path, State},
+    extract::{Extension, FromRequestParts, State},
     http::{Uri, request::Parts},
     response::Response,
     routing::{get, post},
@@ -22,13 +23,8 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 // Response descriptions shared by the operations' documentation.
-const UNAUTHORIZED: &str = "`unauthorized`: no known bearer token";
-const TOO_LARGE: &str = "`payload_too_large`: the body is over 16 KiB";
-const NOT_JSON: &str = "`unsupported_media_type`: the body is not `application/json`";
 const UNAVAILABLE: &str = "`lock_timeout`, `dependency_unavailable`, `request_timeout`, `outcome_unknown`: \
                            retry after `Retry-After`";
-const CONFLICT: &str =
-    "`lease_lost` (nothing applied, retry); `idempotency_key_in_flight` (with `Retry-After`)";
 
 pub fn router() -> Router<ApiContext> {
     Router::new()
@@ -51,10 +47,7 @@ impl<S: Send + Sync> FromRequestParts<S> for TransferPath {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        let Path(id) = Path::<String>::from_request_parts(parts, state).await?;
-        let id =
-            Uuid::parse_str(&id).map_err(|_| InvalidInput { field: Field::TransferId, rule: "a UUID" })?;
-        Ok(Self(id))
+        Ok(Self(super::extract::uuid_in_path(parts, state, Field::TransferId).await?))
     }
 }
 
@@ -272,7 +265,7 @@ async fn refund_payment(
         .map_err(|_| InvalidInput { field: Field::Payment, rule: "the id of a pay entry (a UUID)" })?;
     let amount = body.value.amount.map(Amount::new).transpose()?;
     let keyed = Keyed { key, path: uri.path(), body: &body.raw };
-    let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_movement);
+    let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_entry);
     let refund = Refund { wallet: id, payment, amount };
-    Ok(idempotent::movement_response(ctx.wallets.refund_payment(&access, refund, key).await))
+    Ok(idempotent::entry_response(ctx.wallets.refund_payment(&access, refund, key).await))
 }

@@ -1,6 +1,7 @@
 //! `/wallets`: open, read, deposit, pay, and page through the ledger.
 
 use super::ApiContext;
+use super::error::described::{MOVEMENT_CONFLICT, MOVEMENT_UNAVAILABLE, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, QueryParams, WalletPath};
 use super::idempotent::{self, Keyed, render_movement, render_open};
@@ -8,7 +9,7 @@ use crate::domain;
 use crate::domain::{Access, Field};
 use crate::idempotency::{Receipt, Scope};
 use crate::ledger::{Entry, Wallet};
-use crate::wallet::{AlreadyExists, Amount, InvalidInput, Movement, WalletError, WalletId};
+use crate::wallet::{AlreadyExists, Amount, InvalidInput, Moved, Movement, WalletError, WalletId};
 use axum::{
     Json, Router,
     extract::{Extension, State},
@@ -20,18 +21,10 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 // Response descriptions shared by the operations' documentation.
-const UNAUTHORIZED: &str = "`unauthorized`: no known bearer token";
 const NO_WALLET: &str = "`wallet_not_found` (also a wallet of another caller: to it, it does not exist); `not_found` for an empty id";
-const TOO_LARGE: &str = "`payload_too_large`: the body is over 16 KiB";
-const NOT_JSON: &str = "`unsupported_media_type`: the body is not `application/json`";
 const KEY_REUSED: &str = "`idempotency_key_reused`: the key was used for a different request";
 const UNAVAILABLE: &str =
     "`overloaded`, `dependency_unavailable`, `request_timeout`: retry after `Retry-After`";
-const MOVEMENT_UNAVAILABLE: &str = "`overloaded`, `lock_timeout`, `dependency_unavailable`, \
-                                    `request_timeout`, `outcome_unknown`: retry after `Retry-After`; \
-                                    `fence_exhausted`: the wallet needs an operator (no `Retry-After`)";
-const MOVEMENT_CONFLICT: &str =
-    "`lease_lost` (nothing applied, retry); `idempotency_key_in_flight` (with `Retry-After`)";
 
 pub fn router() -> Router<ApiContext> {
     Router::new()
@@ -268,10 +261,10 @@ async fn move_money(
 ) -> Response {
     let key = idempotent::keyed(Scope::wallet(&access.caller, id), keyed, render_movement);
     let result = ctx.wallets.apply(access, id, movement, key).await;
-    if let Ok(entry) = &result {
+    if let Some(entry) = result.as_ref().ok().and_then(Moved::entry) {
         tracing::Span::current().record("fence", entry.fence);
     }
-    idempotent::movement_response(result)
+    idempotent::movement_response(result, render_movement)
 }
 
 /// At most this many entries per page.

@@ -9,9 +9,13 @@
 //! or a transfer), and a `refund` entry refunds a `pay` entry of its own wallet.
 //! For the whole system: money is conserved, so the balances add up to the opening balances plus
 //! deposits minus payments plus refunds of payments (transfers add nothing: their legs cancel).
+//! For every wallet with holds: what it holds equals the sum of its holds still `held`, and is no
+//! more than its balance (the available balance is never negative). A captured hold has exactly one
+//! ledger entry, a `pay` of its wallet of what it captured; any other hold has none.
 //! For every stored idempotent success: it points at exactly one ledger entry, the one its response
 //! reports (for a transfer, one of its legs), in the scope it was made for, so no key was charged
-//! twice or without a record.
+//! twice or without a record; a hold placed or voided reports a hold of its wallet and no entry, a
+//! capture its hold and the `pay` entry that charged it.
 
 use super::StoreError;
 use sqlx::{PgConnection, Row};
@@ -29,6 +33,7 @@ pub struct Report {
     pub wallets: i64,
     pub entries: i64,
     pub transfers: i64,
+    pub holds: i64,
     pub keys: i64,
     pub problems: Vec<String>,
 }
@@ -41,6 +46,7 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
         r#"select (select count(*) from wallet) as wallets,
                   (select count(*) from ledger_entry) as entries,
                   (select count(*) from transfer) as transfers,
+                  (select count(*) from hold) as holds,
                   (select count(*) from idempotency_key where claim is null) as keys"#,
     )
     .fetch_one(&mut *conn)
@@ -48,12 +54,14 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
     report.wallets = totals.try_get("wallets")?;
     report.entries = totals.try_get("entries")?;
     report.transfers = totals.try_get("transfers")?;
+    report.holds = totals.try_get("holds")?;
     report.keys = totals.try_get("keys")?;
 
     wallets(conn, &mut report).await?;
     chains(conn, &mut report).await?;
     transfers(conn, &mut report).await?;
     refunds(conn, &mut report).await?;
+    holds(conn, &mut report).await?;
     conservation(conn, &mut report).await?;
     keys(conn, &mut report).await?;
     Ok(report)
@@ -214,6 +222,64 @@ async fn refunds(conn: &mut PgConnection, report: &mut Report) -> Result<(), Sto
     Ok(())
 }
 
+/// What each wallet holds is the sum of its holds still held, within its balance; a captured hold
+/// has exactly its one `pay` entry, any other hold none.
+async fn holds(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
+    let rows = sqlx::query(
+        // language=PostgreSQL
+        r#"select w.id, w.balance, w.held,
+                  coalesce((select sum(h.amount) from hold h
+                            where h.wallet_id = w.id and h.status = 'held'), 0)::int8 as active
+           from wallet w
+           where w.held > w.balance
+              or w.held <> coalesce((select sum(h.amount) from hold h
+                                     where h.wallet_id = w.id and h.status = 'held'), 0)
+           order by w.id"#,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for w in rows {
+        let id: String = w.try_get("id")?;
+        let (balance, held, active): (i64, i64, i64) =
+            (w.try_get("balance")?, w.try_get("held")?, w.try_get("active")?);
+        if held != active {
+            report
+                .problems
+                .push(format!("wallet {id}: holds {held} but its active holds add up to {active}"));
+        }
+        if held > balance {
+            report
+                .problems
+                .push(format!("wallet {id}: holds {held} of a balance of {balance}: available is negative"));
+        }
+    }
+    let rows = sqlx::query(
+        // language=PostgreSQL
+        r#"select h.id::text as id, h.status, h.captured, count(e.id) as entries,
+                  count(e.id) filter (where e.kind = 'pay' and e.wallet_id = h.wallet_id
+                                        and e.amount = h.captured and e.id = h.capture_entry) as matching
+           from hold h left join ledger_entry e on e.hold_id = h.id
+           group by h.id
+           having count(e.id) <> case when h.status = 'captured' then 1 else 0 end
+               or count(e.id) filter (where e.kind = 'pay' and e.wallet_id = h.wallet_id
+                                        and e.amount = h.captured and e.id = h.capture_entry)
+                  <> case when h.status = 'captured' then 1 else 0 end
+           order by h.id"#,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for h in rows {
+        let (id, status): (String, String) = (h.try_get("id")?, h.try_get("status")?);
+        let (captured, entries, matching): (i64, i64, i64) =
+            (h.try_get("captured")?, h.try_get("entries")?, h.try_get("matching")?);
+        report.problems.push(format!(
+            "hold {id} ({status}, captured {captured}): {entries} ledger entries, {matching} the `pay` of its \
+             capture (want one for a captured hold, none otherwise)"
+        ));
+    }
+    Ok(())
+}
+
 /// The balances add up to what came in and went out of the system; transfers move money inside it.
 async fn conservation(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
     let row = sqlx::query(
@@ -244,18 +310,23 @@ async fn conservation(conn: &mut PgConnection, report: &mut Report) -> Result<()
 async fn keys(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
     let rows = sqlx::query(
         // language=PostgreSQL
-        r#"select k.scope, k.key, k.status, k.entry_id, e.wallet_id as ledger_wallet,
-                  convert_from(k.body, 'UTF8')::jsonb ->> 'id' as reported_id
-           from idempotency_key k left join ledger_entry e on e.id = k.entry_id
-           where k.claim is null and k.status between 200 and 299
-             and (e.id is null
-                  or (k.scope like $1 || '%'
-                      and (convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.id::text
-                           or k.scope <> $1 || e.wallet_id))
-                  or (k.scope = 'wallets'
-                      and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.wallet_id)
-                  or (k.scope = 'transfers'
-                      and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.transfer_id::text))
+        r#"select k.scope, k.key, k.status, k.entry_id, e.wallet_id as ledger_wallet, k.reported_id
+           from (select *, convert_from(body, 'UTF8')::jsonb as response,
+                        convert_from(body, 'UTF8')::jsonb ->> 'id' as reported_id
+                 from idempotency_key where claim is null and status between 200 and 299) k
+           left join ledger_entry e on e.id = k.entry_id
+           left join hold h on k.scope like $1 || '%' and h.id::text = k.reported_id
+           where not (
+               -- A deposit's or payment's entry, of the scope's wallet.
+               (k.scope like $1 || '%' and e.id is not null and h.id is null
+                and k.reported_id = e.id::text and k.scope = $1 || e.wallet_id)
+               -- A hold of the scope's wallet: placed or voided (no entry), or captured (its entry).
+               or (h.id is not null and k.scope = $1 || h.wallet_id
+                   and ((e.id is null and k.response -> 'entry' is null)
+                        or (e.hold_id = h.id and k.response -> 'entry' ->> 'id' = e.id::text)))
+               or (k.scope = 'wallets' and k.reported_id is not distinct from e.wallet_id)
+               or (k.scope = 'transfers' and e.id is not null
+                   and k.reported_id is not distinct from e.transfer_id::text))
            order by k.scope, k.key"#,
     )
     .bind(crate::domain::WALLET_SCOPE_PREFIX)

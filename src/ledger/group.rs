@@ -7,11 +7,13 @@
 //!    lease's fence or a higher one is [`ReadOutcome::FenceBehind`]: its fence counter went
 //!    backwards, or the lease is stale, and the holder must lift it (or be refused) first. A round
 //!    whose every wallet its holder already knows (from its last write, or the lease's note) need
-//!    not read: its keys are then checked by the write itself (below).
+//!    not read: its keys are then checked by the write itself (below). The read also brings the
+//!    holds the round's captures and voids name, and the expired holds of the wallets whose
+//!    movements need their amount (see `crate::wallet::batch`).
 //! 2. [`commit`] writes every wallet of the round with its own compare-and-set, `UPDATE ... SET
 //!    fence = $ours ... WHERE fence = $read AND version = $read AND balance = $read ...`, inserts
-//!    the ledger entries and the stored idempotent responses of the wallets that matched, and
-//!    nothing of those that did not. One autocommit statement: one WAL flush for the round, and
+//!    the ledger entries, the holds placed and settled and the stored idempotent responses of the
+//!    wallets that matched, and nothing of those that did not. One autocommit statement: one WAL flush for the round, and
 //!    no transaction left open between statements, so a replica that stalls or is cut off
 //!    mid-round holds no row lock. A key stored before fails it whole on the key's primary key,
 //!    nothing written: the round reads the keys then, and writes again.
@@ -30,6 +32,7 @@
 //! one wallet is left out of the round ([`Committed::busy`]) and the others go on: a stalled or
 //! partitioned holder never holds up a round, and two rounds that share wallets never deadlock.
 
+use super::hold::Hold;
 use super::idempotency::{KeyRef, StoredResponse};
 use super::{Entry, StoreError, WalletRead};
 use chrono::{DateTime, Utc};
@@ -49,9 +52,11 @@ pub struct ToRead<'a> {
 /// What the read found of one wallet.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReadOutcome {
-    /// The wallet as it is, with the fence of its last writer (below the lease's) and its owner.
+    /// The wallet as it is, with what its holds reserve, the fence of its last writer (below the
+    /// lease's) and its owner.
     Ready {
         wallet: WalletRead,
+        held: i64,
         fence: i64,
         owner: Option<Arc<str>>,
     },
@@ -71,20 +76,42 @@ pub struct FoundKey {
     pub response: Option<StoredResponse>,
 }
 
-/// What [`read`] found: each wallet's outcome by id, and each key still live by
-/// `(caller, scope, key)`.
+/// What [`read`] found: each wallet's outcome by id, each key still live by
+/// `(caller, scope, key)`, and the holds asked for.
 #[derive(Debug, Default)]
 pub struct Found {
     pub wallets: HashMap<String, ReadOutcome>,
     pub keys: HashMap<(String, String, String), FoundKey>,
+    pub holds: HashMap<Uuid, Hold>,
 }
 
-/// Reads `wallets` and looks up `keys` (deleting those past their retention: they behave as new),
-/// in one statement.
+/// The holds a round reads: those its captures and voids name, and every hold still held that
+/// expired by `now` of the wallets whose movements need their amount.
+#[derive(Debug, Clone, Copy)]
+pub struct HoldsToRead<'a> {
+    pub ids: &'a [Uuid],
+    pub expired_of: &'a [&'a str],
+    pub now: DateTime<Utc>,
+}
+
+impl HoldsToRead<'_> {
+    /// No hold to read.
+    pub fn none() -> Self {
+        HoldsToRead { ids: &[], expired_of: &[], now: Utc::now() }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty() && self.expired_of.is_empty()
+    }
+}
+
+/// Reads `wallets`, looks up `keys` (deleting those past their retention: they behave as new) and
+/// reads `holds`, in one statement.
 pub async fn read(
     conn: &mut PgConnection,
     wallets: &[ToRead<'_>],
     keys: &[KeyRef<'_>],
+    holds: HoldsToRead<'_>,
 ) -> Result<Found, StoreError> {
     let ids: Vec<&str> = wallets.iter().map(|w| w.id).collect();
     let callers: Vec<&str> = keys.iter().map(|k| k.caller).collect();
@@ -98,34 +125,66 @@ pub async fn read(
                where k.caller = q.caller and k.scope = q.scope and k.key = q.key
                  and k.expires_at < now()
            )
-           select w.id as wallet_id, w.balance, w.version, w.fence, w.owner, null::text as caller,
-                  null::text as scope, null::text as key, null::bytea as fingerprint,
-                  null::int2 as status, null::text as content_type, null::bytea as body
+           select w.id as wallet_id, w.balance, w.held, w.version, w.fence, w.owner,
+                  null::text as caller, null::text as scope, null::text as key,
+                  null::bytea as fingerprint, null::int2 as status, null::text as content_type,
+                  null::bytea as body, null::uuid as hold_id, null::text as hold_wallet,
+                  null::int8 as hold_amount, null::text as hold_status,
+                  null::timestamptz as hold_expires_at, null::text as hold_reference,
+                  null::timestamptz as hold_created_at, null::int8 as hold_fence
            from wallet w
            where w.id = any($1::text[])
            union all
-           select null, null, null, null, null, k.caller, k.scope, k.key, k.fingerprint, k.status,
-                  k.content_type, k.body
+           select null, null, null, null, null, null, k.caller, k.scope, k.key, k.fingerprint,
+                  k.status, k.content_type, k.body, null, null, null, null, null, null, null, null
            from idempotency_key k
            join unnest($2::text[], $3::text[], $4::text[]) as q(caller, scope, key)
              on k.caller = q.caller and k.scope = q.scope and k.key = q.key
-           where k.expires_at >= now()"#,
+           where k.expires_at >= now()
+           union all
+           select null, null, null, null, null, null, null, null, null, null, null, null, null,
+                  h.id, h.wallet_id, h.amount, h.status, h.expires_at, h.reference, h.created_at,
+                  h.fence
+           from hold h
+           where h.id = any($5::uuid[])
+              or (h.wallet_id = any($6::text[]) and h.status = 'held' and h.expires_at <= $7)"#,
     )
     .bind(&ids)
     .bind(&callers)
     .bind(&scopes)
     .bind(&names)
+    .bind(holds.ids)
+    .bind(holds.expired_of)
+    .bind(holds.now)
     .fetch_all(conn)
     .await?;
 
     let mut found = Found::default();
     // Each wallet row as it is: (balance and version, the fence of its last writer, its owner).
-    let mut rows_read: HashMap<String, (WalletRead, i64, Option<Arc<str>>)> = HashMap::new();
+    let mut rows_read: HashMap<String, ReadOutcome> = HashMap::new();
     for row in rows {
         if let Some(id) = row.try_get::<Option<String>, _>("wallet_id")? {
             let wallet = WalletRead { balance: row.try_get("balance")?, version: row.try_get("version")? };
             let owner = row.try_get::<Option<&str>, _>("owner")?.map(Arc::from);
-            rows_read.insert(id, (wallet, row.try_get("fence")?, owner));
+            let (held, fence) = (row.try_get("held")?, row.try_get("fence")?);
+            rows_read.insert(id, ReadOutcome::Ready { wallet, held, fence, owner });
+        } else if let Some(id) = row.try_get::<Option<Uuid>, _>("hold_id")? {
+            let status: &str = row.try_get("hold_status")?;
+            let hold = Hold {
+                id,
+                wallet_id: row.try_get("hold_wallet")?,
+                amount: row.try_get("hold_amount")?,
+                captured: 0,
+                status: crate::domain::HoldStatus::parse(status)
+                    .ok_or_else(|| sqlx::Error::Decode(format!("unknown hold status {status:?}").into()))?,
+                expires_at: row.try_get("hold_expires_at")?,
+                reference: row.try_get("hold_reference")?,
+                created_at: row.try_get("hold_created_at")?,
+                settled_at: None,
+                capture_entry: None,
+                fence: row.try_get("hold_fence")?,
+            };
+            found.holds.insert(id, hold);
         } else if let Some(caller) = row.try_get::<Option<String>, _>("caller")? {
             let status: Option<i16> = row.try_get("status")?;
             let content_type: Option<String> = row.try_get("content_type")?;
@@ -146,10 +205,10 @@ pub async fn read(
         .iter()
         .map(|wallet| {
             let outcome = match rows_read.get(wallet.id) {
-                Some(&(_, seen, _)) if seen >= wallet.fence => ReadOutcome::FenceBehind { seen },
-                Some((wallet, fence, owner)) => {
-                    ReadOutcome::Ready { wallet: *wallet, fence: *fence, owner: owner.clone() }
+                Some(&ReadOutcome::Ready { fence: seen, .. }) if seen >= wallet.fence => {
+                    ReadOutcome::FenceBehind { seen }
                 }
+                Some(ready) => ready.clone(),
                 None => ReadOutcome::NotFound,
             };
             (wallet.id.to_owned(), outcome)
@@ -159,8 +218,8 @@ pub async fn read(
 }
 
 /// One wallet's write in a [`commit`]: from the state the holder read (`read_balance`,
-/// `read_version`, `owner`, and `read_fence`, the fence of the row's last writer) to `version` and
-/// `balance`, under the lease holding `fence`. With no entries (`version == read_version`) it only
+/// `read_held`, `read_version`, `owner`, and `read_fence`, the fence of the row's last writer) to
+/// `version`, `balance` and `held`, under the lease holding `fence`. With no entries (`version == read_version`) it only
 /// checks that the wallet is still as read (and raises its fence), so refusals are stored only
 /// from a state this holder owns.
 ///
@@ -173,9 +232,22 @@ pub struct WalletWrite<'a> {
     pub read_fence: i64,
     pub read_version: i64,
     pub read_balance: i64,
+    pub read_held: i64,
     pub owner: Option<&'a str>,
     pub balance: i64,
+    pub held: i64,
     pub version: i64,
+}
+
+/// A hold's settlement in a [`commit`]: `captured` (with what it charged and its `pay` entry),
+/// `voided` or `expired`, written with its wallet.
+#[derive(Debug, Clone, Copy)]
+pub struct Settlement<'a> {
+    pub hold: Uuid,
+    pub wallet_id: &'a str,
+    pub status: crate::domain::HoldStatus,
+    pub captured: i64,
+    pub capture_entry: Option<Uuid>,
 }
 
 /// A response to store for an idempotency key, with the wallet whose write it depends on.
@@ -196,6 +268,9 @@ pub struct GroupWrite<'a> {
     /// (every entry of a round has the round's time).
     pub entries: Vec<&'a Entry>,
     pub keys: Vec<KeyWrite<'a>>,
+    /// Holds placed (each with its wallet, amount, expiry, reference and fence).
+    pub placed: Vec<&'a Hold>,
+    pub settled: Vec<Settlement<'a>>,
 }
 
 /// What a [`commit`] did, by wallet id.
@@ -230,24 +305,43 @@ pub async fn commit(
            ),
            moved as (
                update wallet w set balance = b.balance, version = b.version, fence = b.fence,
-                                   updated_at = now()
+                                   held = b.held, updated_at = now()
                from locked
                join unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $25::int8[],
-                           $26::int8[], $27::text[])
-                   as b(id, fence, read_version, balance, version, read_fence, read_balance, owner)
+                           $26::int8[], $27::text[], $28::int8[], $29::int8[])
+                   as b(id, fence, read_version, balance, version, read_fence, read_balance, owner,
+                        read_held, held)
                    on b.id = locked.id
                where w.id = locked.id and w.fence = b.read_fence and w.version = b.read_version
-                 and w.balance = b.read_balance and w.owner is not distinct from b.owner
+                 and w.balance = b.read_balance and w.held = b.read_held
+                 and w.owner is not distinct from b.owner
                returning w.id
+           ),
+           placed as (
+               insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at)
+               select p.id, p.wallet_id, p.amount, p.expires_at, p.reference, p.fence, $13
+               from unnest($31::uuid[], $32::text[], $33::int8[], $34::timestamptz[], $35::text[],
+                           $36::int8[])
+                   as p(id, wallet_id, amount, expires_at, reference, fence)
+               where p.wallet_id in (select id from moved)
+           ),
+           settled as (
+               update hold h set status = s.status, captured = s.captured,
+                                 capture_entry = s.capture_entry, settled_at = $13
+               from unnest($37::uuid[], $38::text[], $39::text[], $40::int8[], $41::uuid[])
+                   as s(id, wallet_id, status, captured, capture_entry)
+               where h.id = s.id and h.wallet_id = s.wallet_id
+                 and s.wallet_id in (select id from moved)
            ),
            entries as (
                insert into ledger_entry
-                   (id, wallet_id, seq, kind, amount, balance_after, fence, reference, created_at)
+                   (id, wallet_id, seq, kind, amount, balance_after, fence, reference, hold_id,
+                    created_at)
                select e.id, e.wallet_id, e.seq, e.kind, e.amount, e.balance_after, e.fence,
-                      e.reference, $13
+                      e.reference, e.hold_id, $13
                from unnest($6::uuid[], $7::text[], $8::int8[], $9::text[], $10::int8[], $11::int8[],
-                           $12::int8[], $14::text[])
-                   as e(id, wallet_id, seq, kind, amount, balance_after, fence, reference)
+                           $12::int8[], $14::text[], $30::uuid[])
+                   as e(id, wallet_id, seq, kind, amount, balance_after, fence, reference, hold_id)
                where e.wallet_id in (select id from moved)
            ),
            keys as (
@@ -292,6 +386,20 @@ pub async fn commit(
     .bind(w.iter().map(|w| w.read_fence).collect::<Vec<_>>())
     .bind(w.iter().map(|w| w.read_balance).collect::<Vec<_>>())
     .bind(w.iter().map(|w| w.owner).collect::<Vec<_>>())
+    .bind(w.iter().map(|w| w.read_held).collect::<Vec<_>>())
+    .bind(w.iter().map(|w| w.held).collect::<Vec<_>>())
+    .bind(e.iter().map(|e| e.hold_id).collect::<Vec<_>>())
+    .bind(write.placed.iter().map(|h| h.id).collect::<Vec<_>>())
+    .bind(write.placed.iter().map(|h| h.wallet_id.as_str()).collect::<Vec<_>>())
+    .bind(write.placed.iter().map(|h| h.amount).collect::<Vec<_>>())
+    .bind(write.placed.iter().map(|h| h.expires_at).collect::<Vec<_>>())
+    .bind(write.placed.iter().map(|h| h.reference.as_deref()).collect::<Vec<_>>())
+    .bind(write.placed.iter().map(|h| h.fence).collect::<Vec<_>>())
+    .bind(write.settled.iter().map(|s| s.hold).collect::<Vec<_>>())
+    .bind(write.settled.iter().map(|s| s.wallet_id).collect::<Vec<_>>())
+    .bind(write.settled.iter().map(|s| s.status.as_str()).collect::<Vec<_>>())
+    .bind(write.settled.iter().map(|s| s.captured).collect::<Vec<_>>())
+    .bind(write.settled.iter().map(|s| s.capture_entry).collect::<Vec<_>>())
     .fetch_all(conn)
     .await?;
     let mut committed = Committed::default();

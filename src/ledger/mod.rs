@@ -26,6 +26,7 @@
 
 pub mod audit;
 pub mod group;
+pub mod hold;
 pub mod idempotency;
 pub mod schema;
 pub mod transfer;
@@ -102,12 +103,20 @@ impl StoreError {
 }
 
 /// One wallet as stored.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema, sqlx::FromRow)]
 pub struct Wallet {
     #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
     pub id: String,
     #[schema(minimum = 0, example = 7500)]
     pub balance: i64,
+    /// The balance less what the wallet's active holds reserve: what a payment, a transfer or a
+    /// new hold may spend.
+    #[schema(minimum = 0, example = 3500)]
+    pub available: i64,
+    /// What the wallet's holds not yet settled reserve, expired ones included (see
+    /// [`hold::release_expired`]).
+    #[serde(skip)]
+    pub held: i64,
     #[schema(minimum = 1, example = 2)]
     pub version: i64,
     #[serde(skip)]
@@ -195,13 +204,18 @@ pub struct Entry {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     pub refund_of: Option<Uuid>,
+    /// The hold a `pay` entry captured; omitted otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub hold_id: Option<Uuid>,
     pub created_at: DateTime<Utc>,
 }
 
 /// The columns [`Entry`]'s `FromRow` reads, as a literal for `concat!`.
 macro_rules! entry_columns {
     () => {
-        "id, wallet_id, seq, kind, amount, balance_after, fence, reference, transfer_id, refund_of, created_at"
+        "id, wallet_id, seq, kind, amount, balance_after, fence, reference, transfer_id, refund_of, hold_id, \
+         created_at"
     };
 }
 pub(crate) use entry_columns;
@@ -219,6 +233,7 @@ impl sqlx::FromRow<'_, sqlx::postgres::PgRow> for Entry {
             reference: row.try_get("reference")?,
             transfer_id: row.try_get("transfer_id")?,
             refund_of: row.try_get("refund_of")?,
+            hold_id: row.try_get("hold_id")?,
             created_at: row.try_get("created_at")?,
         })
     }
@@ -252,6 +267,7 @@ impl TryFrom<EntryRow> for Entry {
             reference: row.reference,
             transfer_id: None,
             refund_of: None,
+            hold_id: None,
             created_at: row.created_at,
         })
     }
@@ -290,6 +306,19 @@ pub struct WalletRead {
     pub version: i64,
 }
 
+/// The columns [`Wallet`]'s `FromRow` reads, of a row of `wallet`. The available balance is the
+/// balance less the holds still held and not expired; a wallet that holds nothing (most) needs no
+/// look at its holds.
+macro_rules! wallet_columns {
+    () => {
+        "id, balance, held, version, fence, owner, created_at, updated_at, \
+         balance - case when held = 0 then 0 else (
+             select coalesce(sum(h.amount), 0)::int8 from hold h
+             where h.wallet_id = wallet.id and h.status = 'held' and h.expires_at > now()
+         ) end as available"
+    };
+}
+
 /// Creates a wallet owned by `owner` with an opening balance and its `open` entry, so that from
 /// its first moment the wallet's balance equals the sum of its ledger. No lease is needed: a new
 /// row has no other writer, and its primary key refuses a second creation.
@@ -299,15 +328,14 @@ pub async fn create_wallet(
     owner: &str,
     balance: i64,
 ) -> Result<(Wallet, Entry), StoreError> {
-    let wallet = sqlx::query_as!(
-        Wallet,
+    let wallet = sqlx::query_as::<_, Wallet>(concat!(
         // language=PostgreSQL
-        r#"insert into wallet (id, balance, version, owner) values ($1, $2, 1, $3)
-           returning id, balance, version, fence, owner, created_at, updated_at"#,
-        id,
-        balance,
-        owner,
-    )
+        "insert into wallet (id, balance, version, owner) values ($1, $2, 1, $3) returning ",
+        wallet_columns!()
+    ))
+    .bind(id)
+    .bind(balance)
+    .bind(owner)
     .fetch_one(&mut *conn)
     .await
     .map_err(|err| match &err {
@@ -330,12 +358,13 @@ pub async fn create_wallet(
 }
 
 pub async fn find_wallet(conn: &mut PgConnection, id: &str) -> Result<Option<Wallet>, StoreError> {
-    Ok(sqlx::query_as!(
-        Wallet,
+    Ok(sqlx::query_as(concat!(
         // language=PostgreSQL
-        "select id, balance, version, fence, owner, created_at, updated_at from wallet where id = $1",
-        id,
-    )
+        "select ",
+        wallet_columns!(),
+        " from wallet where id = $1"
+    ))
+    .bind(id)
     .fetch_optional(conn)
     .await?)
 }

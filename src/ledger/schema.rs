@@ -19,8 +19,9 @@ pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
 }
 
 /// Grants `role` exactly what the service needs on the tables of the current schema, and nothing
-/// else: it reads wallets and writes their balance, version and fence, appends to the ledger and the transfers (never updates or
-/// deletes them), and manages idempotency keys. Replicas connect as that role; migrations run as the owner. Granting
+/// else: it reads wallets and writes their balance, version, fence and held amount, appends to the
+/// ledger and the transfers (never updates or deletes them), places holds and settles them (the
+/// status columns only), and manages idempotency keys. Replicas connect as that role; migrations run as the owner. Granting
 /// again is harmless, so every `walletlock migrate --app-role` re-applies it.
 pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
     let valid = !role.is_empty()
@@ -35,10 +36,14 @@ pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
         // The columns a movement writes, and no other: a wallet's id and owner never change.
         format!(r#"revoke update on "{schema}".wallet from {role}"#),
         format!(
-            r#"grant select, insert, update (balance, version, fence, updated_at) on "{schema}".wallet to {role}"#
+            r#"grant select, insert, update (balance, version, fence, held, updated_at) on "{schema}".wallet to {role}"#
         ),
         format!(r#"grant select, insert on "{schema}".ledger_entry to {role}"#),
         format!(r#"grant select, insert on "{schema}".transfer to {role}"#),
+        format!(r#"revoke update on "{schema}".hold from {role}"#),
+        format!(
+            r#"grant select, insert, update (status, captured, capture_entry, settled_at) on "{schema}".hold to {role}"#
+        ),
         format!(r#"grant select, insert, update, delete on "{schema}".idempotency_key to {role}"#),
     ] {
         tx.execute(sqlx::AssertSqlSafe(statement)).await?;

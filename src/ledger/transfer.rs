@@ -22,6 +22,8 @@ use uuid::Uuid;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LockedWallet {
     pub balance: i64,
+    /// What its holds not yet settled reserve (see [`super::hold::release_expired`]).
+    pub held: i64,
     pub version: i64,
     /// The highest fence any holder has written the row with.
     pub fence: i64,
@@ -43,7 +45,7 @@ pub async fn lock_wallets(
         .await?;
     let rows = sqlx::query(
         // language=PostgreSQL
-        "select id, balance, version, fence, owner from wallet where id = any($1) order by id for update",
+        "select id, balance, held, version, fence, owner from wallet where id = any($1) order by id for update",
     )
     .bind(ids)
     .fetch_all(&mut *tx)
@@ -52,6 +54,7 @@ pub async fn lock_wallets(
         .map(|row| {
             let locked = LockedWallet {
                 balance: row.try_get("balance")?,
+                held: row.try_get("held")?,
                 version: row.try_get("version")?,
                 fence: row.try_get("fence")?,
                 owner: row.try_get("owner")?,

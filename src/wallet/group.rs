@@ -16,16 +16,20 @@
 //! whose note was stale matches nothing; its job comes back ([`JobOutcome::Stale`]) to be read
 //! and run again, and the others commit.
 
-use super::batch::{self, FoundKeys, Held, Op, Plan};
-use super::{WalletError, WalletId};
-use crate::ledger::Entry;
-use crate::ledger::group::{self as store, GroupWrite, KeyWrite, ReadOutcome, ToRead, WalletWrite};
+use super::batch::{self, FoundKeys, Held, Known, Op, Plan};
+use super::{Moved, WalletError, WalletId};
+use crate::ledger::group::{
+    self as store, GroupWrite, HoldsToRead, KeyWrite, ReadOutcome, Settlement, ToRead, WalletWrite,
+};
+use crate::ledger::hold::Hold;
 use crate::ledger::idempotency::KeyRef;
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
+use uuid::Uuid;
 
 /// The most movements one round writes.
 pub const MAX_ROUND_OPS: usize = 512;
@@ -50,7 +54,7 @@ pub struct Job {
 pub enum JobOutcome {
     /// Each op's result; `held` is the wallet after them (`None`: the lease was lost or the write
     /// failed, and the holder must stop).
-    Done { held: Option<Held>, results: Vec<Result<Entry, WalletError>> },
+    Done { held: Option<Held>, results: Vec<Result<Moved, WalletError>> },
     /// The wallet's row has seen a fence at least as high as the lease's: nothing ran, the ops come
     /// back, to run again once the lease's fence is lifted above `seen`.
     FenceBehind { seen: i64, ops: Vec<Op> },
@@ -201,9 +205,20 @@ async fn run_round(db: &PgPool, lane: Lane, settings: RoundSettings, round: Vec<
     // between our read and our write) fails the write whole; the second read finds it and
     // replays it.
     let mut first_attempt = true;
+    // The wallets whose movements need their expired holds read (see `batch`).
+    let mut expired_of: HashSet<String> = HashSet::new();
     loop {
+        let now = round_time();
         let look_up_keys = !(first_attempt && fresh);
-        let reading = read(&mut conn, &mut pending, &mut ready, look_up_keys);
+        let hold_ids: Vec<Uuid> = pending
+            .iter()
+            .map(|(job, _)| job)
+            .chain(ready.iter().map(|r| &r.job))
+            .flat_map(|job| job.ops.iter().filter_map(Op::settles))
+            .collect();
+        let expired: Vec<&str> = expired_of.iter().map(String::as_str).collect();
+        let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired, now };
+        let reading = read(&mut conn, &mut pending, &mut ready, look_up_keys, holds);
         let (mut found, gave_up) = match tokio::time::timeout(settings.answer_within, reading).await {
             Ok(found) => (found, false),
             Err(_) => (Err(WalletError::from(unanswered(settings.answer_within))), true),
@@ -217,20 +232,39 @@ async fn run_round(db: &PgPool, lane: Lane, settings: RoundSettings, round: Vec<
                 Ok(fresh) => fresh,
                 Err(err) => return answer_all(pending, ready, &err.into()),
             };
-            found = read(&mut conn, &mut pending, &mut ready, true).await;
+            found = read(&mut conn, &mut pending, &mut ready, true, holds).await;
         }
-        let found = match found {
+        let (keys, held_holds) = match found {
             Ok(found) => found,
             Err(err) => {
                 conn.close_on_drop();
                 return answer_all(pending, ready, &err);
             }
         };
-        let now = round_time();
         let plans: Vec<Plan> = ready
             .iter()
-            .map(|r| batch::decide(&r.job.id, r.job.fence, &r.held, &r.job.ops, &found, now))
+            .map(|r| {
+                let known = Known {
+                    keys: &keys,
+                    holds: &held_holds,
+                    expired_read: expired_of.contains(r.job.id.as_str()),
+                    now,
+                };
+                batch::decide(&r.job.id, r.job.fence, &r.held, &r.job.ops, known)
+            })
             .collect();
+        let short: Vec<String> = ready
+            .iter()
+            .zip(&plans)
+            .filter(|(_, plan)| plan.needs_expired)
+            .map(|(r, _)| r.job.id.as_str().to_owned())
+            .collect();
+        if !short.is_empty() {
+            // Nothing is written yet: read those wallets' expired holds, and decide again.
+            expired_of.extend(short);
+            first_attempt = false;
+            continue;
+        }
         let write = group_write(&ready, &plans);
         let written = if write.wallets.is_empty() {
             Ok(Default::default())
@@ -313,20 +347,22 @@ fn answer_all(pending: Vec<Submission>, ready: Vec<Ready>, err: &WalletError) ->
 }
 
 /// The round's read: reads the wallets of `pending` not yet held (moving them to `ready`, or
-/// answering those not found or whose fence is behind) and looks up the keys of every ready job.
-/// With every wallet held and `look_up_keys` false, reads nothing: the write checks the keys.
+/// answering those not found or whose fence is behind), looks up the keys of every ready job and
+/// reads `holds`. With every wallet held, no hold to read and `look_up_keys` false, reads nothing:
+/// the write checks the keys.
 async fn read(
     conn: &mut sqlx::PgConnection,
     pending: &mut Vec<Submission>,
     ready: &mut Vec<Ready>,
     look_up_keys: bool,
-) -> Result<FoundKeys, WalletError> {
+    holds: HoldsToRead<'_>,
+) -> Result<(FoundKeys, HashMap<Uuid, Hold>), WalletError> {
     let to_read: Vec<ToRead<'_>> = pending
         .iter()
         .filter(|(job, _)| job.held.is_none())
         .map(|(job, _)| ToRead { id: job.id.as_str(), fence: job.fence })
         .collect();
-    let keys: Vec<KeyRef<'_>> = if look_up_keys || !to_read.is_empty() {
+    let keys: Vec<KeyRef<'_>> = if look_up_keys || !to_read.is_empty() || !holds.is_empty() {
         pending
             .iter()
             .map(|(job, _)| job)
@@ -336,17 +372,18 @@ async fn read(
     } else {
         Vec::new()
     };
-    let mut found = if to_read.is_empty() && keys.is_empty() {
+    let mut found = if to_read.is_empty() && keys.is_empty() && holds.is_empty() {
         store::Found::default()
     } else {
-        store::read(conn, &to_read, &keys).await.map_err(WalletError::from)?
+        store::read(conn, &to_read, &keys, holds).await.map_err(WalletError::from)?
     };
     for (job, reply) in pending.drain(..) {
         let held = match job.held {
             Some(held) => held,
             None => match found.wallets.get(job.id.as_str()) {
-                Some(ReadOutcome::Ready { wallet, fence, owner }) => Held {
+                Some(ReadOutcome::Ready { wallet, held, fence, owner }) => Held {
                     balance: wallet.balance,
+                    held: *held,
                     version: wallet.version,
                     fence: *fence,
                     owner: owner.clone(),
@@ -364,7 +401,7 @@ async fn read(
         };
         ready.push(Ready { job: Job { held: Some(held.clone()), ..job }, held, reply });
     }
-    Ok(std::mem::take(&mut found.keys))
+    Ok((std::mem::take(&mut found.keys), std::mem::take(&mut found.holds)))
 }
 
 /// What the round writes: every wallet with an op that runs, its entries, its keys' responses.
@@ -378,11 +415,21 @@ fn group_write<'a>(ready: &'a [Ready], plans: &'a [Plan]) -> GroupWrite<'a> {
             read_fence: r.held.fence,
             read_version: r.held.version,
             read_balance: r.held.balance,
+            read_held: r.held.held,
             owner: r.held.owner.as_deref(),
             balance: plan.after.balance,
+            held: plan.after.held,
             version: plan.after.version,
         });
         write.entries.extend(plan.entries.iter());
+        write.placed.extend(plan.placed.iter());
+        write.settled.extend(plan.settled.iter().map(|s| Settlement {
+            hold: s.hold,
+            wallet_id: id,
+            status: s.status,
+            captured: s.captured,
+            capture_entry: s.capture_entry,
+        }));
         for (op, response) in &plan.responses {
             let Some(key) = &r.job.ops[*op].key else { continue };
             write.keys.push(KeyWrite {

@@ -16,16 +16,20 @@
 
 mod batch;
 mod group;
+mod holds;
 mod payee;
 mod queue;
 mod transfer;
 
-pub use crate::domain::{Access, Amount, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId};
+pub use crate::domain::{
+    Access, Amount, HoldLife, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId,
+};
 pub use queue::{MAX_BATCH, MAX_HOLD};
 pub use transfer::{Between, Refund, RefundOutcome, TransferOutcome};
 
 use crate::idempotency::{self, KeySettings, Keyed, Prior, Receipt};
 use crate::lease::{Lease, LeaseClient, LeaseError};
+use crate::ledger::hold::Hold;
 use crate::ledger::{self, Entry, StoreError, Wallet};
 use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
@@ -38,12 +42,20 @@ use tracing::Instrument;
 /// common ones at zero.
 pub fn describe_metrics() {
     use metrics::{Unit, describe_counter, describe_histogram};
-    describe_counter!("walletlock_movements_total", "Deposits and payments, by kind and outcome.");
+    describe_counter!(
+        "walletlock_movements_total",
+        "Deposits, payments, and holds placed, captured and voided, by kind and outcome."
+    );
     transfer::describe_metrics();
-    for kind in ["pay", "deposit"] {
+    for kind in ["pay", "deposit", "hold", "capture", "void"] {
         for outcome in
             ["accepted", "insufficient_funds", "lock_timeout", "overloaded", "lease_lost", "unavailable"]
         {
+            metrics::counter!("walletlock_movements_total", "kind" => kind, "outcome" => outcome).absolute(0);
+        }
+    }
+    for kind in ["capture", "void"] {
+        for outcome in ["hold_captured", "hold_voided", "hold_expired"] {
             metrics::counter!("walletlock_movements_total", "kind" => kind, "outcome" => outcome).absolute(0);
         }
     }
@@ -94,6 +106,9 @@ pub enum WalletError {
     /// No `pay` entry of the wallet has this id.
     #[error("payment not found")]
     PaymentNotFound,
+    /// No hold has this id (or its wallet is one the caller may not use).
+    #[error("hold not found")]
+    HoldNotFound,
     #[error("wallet already exists")]
     Exists,
     #[error(transparent)]
@@ -141,11 +156,11 @@ impl WalletError {
     fn outcome(&self) -> &'static str {
         match self {
             WalletError::NotFound | WalletError::PartyNotFound { .. } => "not_found",
-            WalletError::TransferNotFound | WalletError::PaymentNotFound => "not_found",
+            WalletError::TransferNotFound | WalletError::PaymentNotFound | WalletError::HoldNotFound => {
+                "not_found"
+            }
             WalletError::Exists => "exists",
-            WalletError::Refused(Refusal::InsufficientFunds { .. }) => "insufficient_funds",
-            WalletError::Refused(Refusal::BalanceOverflow { .. }) => "balance_overflow",
-            WalletError::Refused(Refusal::RefundExceedsPayment { .. }) => "refund_exceeds_payment",
+            WalletError::Refused(refusal) => refusal.code(),
             WalletError::LockTimeout { .. } => "lock_timeout",
             WalletError::Overloaded => "overloaded",
             WalletError::LeaseLost => "lease_lost",
@@ -166,8 +181,27 @@ impl WalletError {
     }
 }
 
+/// What a movement did: the ledger entry of a deposit or payment; the hold placed, captured (with
+/// its `pay` entry) or voided; the expired holds released.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Moved {
+    Entry(Entry),
+    Hold { hold: Hold, entry: Option<Entry> },
+    Released,
+}
+
+impl Moved {
+    /// The ledger entry it wrote, if any.
+    pub fn entry(&self) -> Option<&Entry> {
+        match self {
+            Moved::Entry(entry) | Moved::Hold { entry: Some(entry), .. } => Some(entry),
+            _ => None,
+        }
+    }
+}
+
 /// How a movement ended, as stored for its idempotency key.
-pub type MovementOutcome = Result<Entry, Refusal>;
+pub type MovementOutcome = Result<Moved, Refusal>;
 
 /// A wallet creation refused because the id is taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -385,6 +419,7 @@ impl Wallets {
     fn leave_note(&self, id: &WalletId, wallet: &Wallet) {
         let opened = batch::Held {
             balance: wallet.balance,
+            held: wallet.held,
             version: wallet.version,
             fence: wallet.fence,
             owner: wallet.owner.as_deref().map(Arc::from),
@@ -437,11 +472,8 @@ impl Wallets {
         id: &WalletId,
         movement: Movement,
         key: Option<Keyed<MovementOutcome>>,
-    ) -> Result<Entry, WalletError> {
-        let kind = match movement {
-            Movement::Deposit { .. } => "deposit",
-            Movement::Pay { .. } => "pay",
-        };
+    ) -> Result<Moved, WalletError> {
+        let kind = movement.kind();
         let op = batch::Op { movement, access: access.clone(), key };
         let result = match self.strategy {
             Strategy::Queue => {
@@ -510,7 +542,7 @@ impl Wallets {
 
     /// The tutorial's way: this request takes the lease itself, has its movement written alone
     /// under it, and releases.
-    async fn apply_alone(&self, id: &WalletId, op: batch::Op) -> Result<Entry, WalletError> {
+    async fn apply_alone(&self, id: &WalletId, op: batch::Op) -> Result<Moved, WalletError> {
         let mut lease = self.leases.acquire(&lease_name(id)).await?;
         tracing::Span::current().record("lease_wait_ms", lease.waited().as_secs_f64() * 1e3);
         lease.keep_alive();
@@ -530,7 +562,7 @@ impl Wallets {
         lease: &mut Lease,
         id: &WalletId,
         mut op: batch::Op,
-    ) -> Result<Entry, WalletError> {
+    ) -> Result<Moved, WalletError> {
         // After one resynchronization our fence is above every fence the row has seen, unless
         // another holder raised the fence meanwhile, which only a lost lease lets happen.
         let mut resynced = false;

@@ -259,7 +259,7 @@ impl Wallets {
                 rows.get(parties.from.as_str()).filter(|row| queued.access.may_use(row.owner.as_deref()));
             let to =
                 rows.get(parties.to.as_str()).filter(|row| queued.access.may_pay_into(row.owner.as_deref()));
-            let (Some(from), Some(to)) = (from.cloned(), to.cloned()) else {
+            let (Some(_), Some(_)) = (from, to) else {
                 let field = if from.is_none() { "from" } else { "to" };
                 results.push(Err(WalletError::PartyNotFound { field }));
                 continue;
@@ -270,9 +270,13 @@ impl Wallets {
                 results.push(Err(WalletError::AlreadyRan(Prior::of(&found, &key.fingerprint))));
                 continue;
             }
+            if let Some(payer) = rows.get_mut(parties.from.as_str()) {
+                super::transfer::release_if_short(&mut tx, payer, &parties.from, *amount, now).await?;
+            }
+            let (from, to) = (&rows[parties.from.as_str()], &rows[parties.to.as_str()]);
             let sides: [Side<'_>; 2] = [
-                (&parties.from, &from, fence_of(parties.from.as_str())),
-                (&parties.to, &to, fence_of(parties.to.as_str())),
+                (&parties.from, from, fence_of(parties.from.as_str())),
+                (&parties.to, to, fence_of(parties.to.as_str())),
             ];
             let outcome = plan_transfer(sides[0], sides[1], *amount, reference.clone(), None, now);
             if let Ok(transfer) = &outcome {

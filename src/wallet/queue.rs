@@ -15,9 +15,8 @@
 
 use super::batch::{Held, Op};
 use super::group::{Job, JobOutcome};
-use super::{WalletError, WalletId, Wallets, lease_name};
+use super::{Moved, WalletError, WalletId, Wallets, lease_name};
 use crate::lease::{Lease, LeaseError, Released};
-use crate::ledger::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -32,7 +31,7 @@ pub const MAX_HOLD: Duration = Duration::from_millis(100);
 /// What a queued request learns: its result, how long it waited for its batch to start, and how
 /// long its batch took in Postgres.
 pub struct Reply {
-    pub result: Result<Entry, WalletError>,
+    pub result: Result<Moved, WalletError>,
     pub waited: Duration,
     pub db: Duration,
 }
@@ -329,7 +328,7 @@ impl Wallets {
 }
 
 /// Sends a request its result.
-fn answer(pending: Pending, result: Result<Entry, WalletError>, db: Duration) {
+fn answer(pending: Pending, result: Result<Moved, WalletError>, db: Duration) {
     let waited = pending.enqueued.elapsed().saturating_sub(db);
     let _ = pending.reply.send(Reply { result, waited, db });
 }

@@ -24,8 +24,8 @@
 //! transfer waits for it, as another replica would (bounded by the lease wait); the worker hands
 //! the lease over after its current batch, because the transfer marks it contended.
 
-use super::{Access, Amount, Movement, MovementOutcome, Refusal, WalletError, WalletId, Wallets, lease_name};
-use crate::domain::{self, Parties};
+use super::{Access, Amount, Refusal, WalletError, WalletId, Wallets, lease_name};
+use crate::domain::{self, Funds, Parties};
 use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
 use crate::ledger::transfer::{self as store, FoundTransfer, LockedWallet, Transfer, WalletWrite};
@@ -42,7 +42,7 @@ pub(super) const ROW_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 pub type TransferOutcome = Result<Transfer, Refusal>;
 
 /// How a refund of a payment ended, as stored for its idempotency key: its `refund` entry.
-pub type RefundOutcome = MovementOutcome;
+pub type RefundOutcome = Result<Entry, Refusal>;
 
 /// A transfer to make.
 #[derive(Debug, Clone)]
@@ -344,7 +344,7 @@ impl Wallets {
         let wallets = work.wallets();
         let ids: Vec<&str> = wallets.iter().map(|id| id.as_str()).collect();
         let mut tx = self.db.begin().await?;
-        let locked = store::lock_wallets(&mut tx, &ids, ROW_LOCK_TIMEOUT).await?;
+        let mut locked = store::lock_wallets(&mut tx, &ids, ROW_LOCK_TIMEOUT).await?;
         for wallet in &wallets {
             let row = locked.get(wallet.as_str()).filter(|row| work.may_touch(wallet, row.owner.as_deref()));
             let Some(row) = row else { return Err(work.missing(wallet).into()) };
@@ -367,6 +367,9 @@ impl Wallets {
                     }
                     None => amount.ok_or(Refusal::RefundExceedsPayment { refundable: 0 }),
                 };
+                if let (Ok(amount), Some(payer)) = (amount, locked.get_mut(parties.from.as_str())) {
+                    release_if_short(&mut tx, payer, &parties.from, amount, now).await?;
+                }
                 let from = (&parties.from, &locked[parties.from.as_str()], fence_of(&parties.from));
                 let to = (&parties.to, &locked[parties.to.as_str()], fence_of(&parties.to));
                 let outcome = amount.and_then(|amount| {
@@ -391,7 +394,7 @@ impl Wallets {
                 let fence = fence_of(&refund.wallet);
                 let outcome =
                     domain::refund_amount(refund.amount, payment.amount, refunded).and_then(|amount| {
-                        let balance = Movement::Deposit { amount }.apply_to(wallet.balance)?;
+                        let balance = Funds { balance: wallet.balance, held: wallet.held }.deposit(amount)?;
                         Ok(Entry {
                             id: ledger::new_entry_id(),
                             wallet_id: refund.wallet.as_str().to_owned(),
@@ -403,6 +406,7 @@ impl Wallets {
                             reference: None,
                             transfer_id: None,
                             refund_of: Some(payment.id),
+                            hold_id: None,
                             created_at: now,
                         })
                     });
@@ -435,6 +439,24 @@ impl Wallets {
 
 pub(super) type Side<'a> = (&'a WalletId, &'a LockedWallet, i64);
 
+/// Before a payer `row` short of `amount` while something of it is held is refused, releases its
+/// holds that expired by `now` (in the caller's transaction, which has the row locked under the
+/// payer's lease and writes it fenced): they may cover it, and only a write that releases them may
+/// count on that.
+pub(super) async fn release_if_short(
+    tx: &mut sqlx::PgConnection,
+    row: &mut LockedWallet,
+    id: &WalletId,
+    amount: Amount,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<(), Failure> {
+    let funds = Funds { balance: row.balance, held: row.held };
+    if row.held > 0 && funds.available() < amount.get() {
+        row.held = crate::ledger::hold::release_expired(tx, id.as_str(), now).await?;
+    }
+    Ok(())
+}
+
 /// Counts how a transfer (or refund) of `kind` ended.
 pub(super) fn count_outcome<T>(kind: &'static str, result: &Result<T, WalletError>) {
     let outcome = result.as_ref().map_or_else(WalletError::outcome, |_| "accepted");
@@ -454,8 +476,8 @@ pub(super) fn plan_transfer(
     refund_of: Option<Uuid>,
     now: chrono::DateTime<chrono::Utc>,
 ) -> Result<Transfer, Refusal> {
-    let from_balance = Movement::Pay { amount, reference: None }.apply_to(from.1.balance)?;
-    let to_balance = Movement::Deposit { amount }.apply_to(to.1.balance)?;
+    let from_balance = Funds { balance: from.1.balance, held: from.1.held }.pay(amount)?;
+    let to_balance = Funds { balance: to.1.balance, held: to.1.held }.deposit(amount)?;
     let id = Uuid::new_v4();
     let leg = |(wallet, row, fence): Side<'_>, kind, balance| Entry {
         id: ledger::new_entry_id(),
@@ -468,6 +490,7 @@ pub(super) fn plan_transfer(
         reference: reference.clone(),
         transfer_id: Some(id),
         refund_of: None,
+        hold_id: None,
         created_at: now,
     };
     Ok(Transfer {

@@ -1,7 +1,7 @@
 //! Group commit: movements queued for one wallet are applied in batches under one lease, each still
 //! decided on its own, none applied if the batch's fenced commit is refused.
 
-use crate::support::{CALLER, TestEnv, books, eventually, render, tester};
+use crate::support::{CALLER, EntryOf, TestEnv, books, eventually, render, tester};
 use std::time::{Duration, Instant};
 use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
 use walletlock::wallet::{
@@ -35,7 +35,7 @@ async fn one_batch(
     let mut queued = Vec::new();
     for (movement, key) in movements {
         let (wallets, id) = (wallets.clone(), id.clone());
-        queued.push(tokio::spawn(async move { wallets.apply(&tester(), &id, movement, key).await }));
+        queued.push(tokio::spawn(async move { wallets.apply(&tester(), &id, movement, key).await.entry() }));
         // Let each one reach the queue before the next, so the order is the order given.
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -59,7 +59,7 @@ async fn a_payment_that_does_not_fit_is_refused_alone_in_its_batch() {
         one_batch(&env, &wallets, &id, vec![(pay(60), None), (pay(50), None), (pay(30), None)]).await;
 
     assert_eq!(results[0].as_ref().unwrap().balance, 40);
-    assert!(matches!(results[1], Err(WalletError::Refused(Refusal::InsufficientFunds { balance: 40 }))));
+    assert!(matches!(results[1], Err(WalletError::Refused(Refusal::InsufficientFunds { balance: 40, .. }))));
     assert_eq!(results[2].as_ref().unwrap().balance, 10);
     let (first, third) = (results[0].as_ref().unwrap(), results[2].as_ref().unwrap());
     assert_eq!((first.version, third.version), (2, 3), "one entry each, in order");
@@ -90,7 +90,7 @@ async fn two_requests_with_one_key_in_one_batch_charge_once() {
     assert_eq!(first.balance, 90);
     match &results[1] {
         Err(WalletError::AlreadyRan(Prior::Replay(stored))) => {
-            assert_eq!(stored, &render(&Ok(first.clone())))
+            assert_eq!(stored, &render(&Ok(walletlock::wallet::Moved::Entry(first.clone()))))
         }
         other => panic!("the second one gets the first one's response: {other:?}"),
     }
@@ -120,7 +120,8 @@ async fn a_lease_lost_while_the_wallet_is_busy_applies_none_of_the_batch_and_eve
     let mut queued = Vec::new();
     for (amount, key) in [(10, Some(keyed(&id, "held"))), (20, None), (30, None)] {
         let (wallets, id) = (wallets.clone(), id.clone());
-        queued.push(tokio::spawn(async move { wallets.apply(&tester(), &id, pay(amount), key).await }));
+        queued
+            .push(tokio::spawn(async move { wallets.apply(&tester(), &id, pay(amount), key).await.entry() }));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     holder.release().await.unwrap();
@@ -161,7 +162,7 @@ async fn a_batch_that_outlives_the_ttl_keeps_its_lease_through_the_watchdog() {
         .unwrap();
     let payment = tokio::spawn({
         let (wallets, id) = (wallets.clone(), id.clone());
-        async move { wallets.apply(&tester(), &id, pay(10), None).await }
+        async move { wallets.apply(&tester(), &id, pay(10), None).await.entry() }
     });
     let key = env.lease_key(&lease_name(&id));
     eventually("the worker holds the lease", Duration::from_secs(2), || async {
@@ -194,7 +195,7 @@ async fn two_replicas_hammering_one_wallet_are_both_served() {
             tokio::spawn(async move {
                 let mut accepted = 0;
                 while Instant::now() < stop_at {
-                    replica.apply(&tester(), &id, pay(1), None).await.expect("served, not timed out");
+                    replica.apply(&tester(), &id, pay(1), None).await.entry().expect("served, not timed out");
                     accepted += 1;
                 }
                 (n % 2, accepted)

@@ -1,6 +1,6 @@
 //! The race: many replicas spend from one wallet at the same instant.
 
-use crate::support::{CALLER, TestEnv, books, eventually, tester};
+use crate::support::{CALLER, EntryOf, TestEnv, books, eventually, tester};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Barrier;
@@ -36,7 +36,7 @@ async fn fifty_concurrent_spends_through_three_replicas_accept_exactly_ten() {
             let (replica, id, start) = (replicas[n % 3].clone(), id.clone(), start.clone());
             tokio::spawn(async move {
                 start.wait().await;
-                replica.apply(&tester(), &id, pay(10), None).await
+                replica.apply(&tester(), &id, pay(10), None).await.entry()
             })
         })
         .collect();

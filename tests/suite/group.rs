@@ -2,12 +2,12 @@
 //! own fence and version; a wallet whose lease was lost is left out alone, a key sent twice runs
 //! once, and rounds that share wallets wait for each other instead of deadlocking.
 
-use crate::support::{CALLER, TestEnv, books, eventually, render, tester};
+use crate::support::{CALLER, EntryOf, TestEnv, books, eventually, render, tester};
 use std::time::{Duration, Instant};
 use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
-use walletlock::ledger::group::{self, GroupWrite, ReadOutcome, ToRead, WalletWrite};
+use walletlock::ledger::group::{self, GroupWrite, HoldsToRead, ReadOutcome, ToRead, WalletWrite};
 use walletlock::ledger::{self, Entry, EntryKind};
-use walletlock::wallet::{Amount, Movement, WalletError, WalletId, lease_name};
+use walletlock::wallet::{Amount, Moved, Movement, WalletError, WalletId, lease_name};
 
 async fn wallet_with(db: &sqlx::PgPool, balance: i64) -> WalletId {
     let id = WalletId::generate();
@@ -27,6 +27,7 @@ fn payment(id: &WalletId, fence: i64, version: i64, amount: i64, balance: i64) -
         reference: None,
         transfer_id: None,
         refund_of: None,
+        hold_id: None,
         created_at: chrono::Utc::now(),
     }
 }
@@ -41,8 +42,10 @@ fn first_writes(ids: &[WalletId], fence: i64) -> Vec<WalletWrite<'_>> {
             read_fence: 0,
             read_version: 1,
             read_balance: 100,
+            read_held: 0,
             owner: Some(CALLER),
             balance: 90,
+            held: 0,
             version: 2,
         })
         .collect()
@@ -55,7 +58,7 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
     let ids = [wallet_with(&db, 100).await, wallet_with(&db, 100).await, wallet_with(&db, 100).await];
     let mut conn = db.acquire().await.unwrap();
     let reads: Vec<ToRead> = ids.iter().map(|id| ToRead { id: id.as_str(), fence: 5 }).collect();
-    let found = group::read(&mut conn, &reads, &[]).await.unwrap();
+    let found = group::read(&mut conn, &reads, &[], HoldsToRead::none()).await.unwrap();
     for id in &ids {
         assert!(
             matches!(found.wallets[id.as_str()], ReadOutcome::Ready { fence: 0, .. }),
@@ -66,19 +69,27 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
     // The second wallet's lease passes to a newer holder, which reads and writes it first.
     let newer = [ToRead { id: ids[1].as_str(), fence: 6 }];
     assert!(matches!(
-        group::read(&mut conn, &newer, &[]).await.unwrap().wallets[ids[1].as_str()],
+        group::read(&mut conn, &newer, &[], HoldsToRead::none()).await.unwrap().wallets[ids[1].as_str()],
         ReadOutcome::Ready { .. }
     ));
     let newer_entry = payment(&ids[1], 6, 2, 10, 90);
-    let write =
-        GroupWrite { wallets: first_writes(&ids[1..2], 6), entries: vec![&newer_entry], keys: Vec::new() };
+    let write = GroupWrite {
+        wallets: first_writes(&ids[1..2], 6),
+        entries: vec![&newer_entry],
+        keys: Vec::new(),
+        ..Default::default()
+    };
     let committed =
         group::commit(&mut conn, &write, chrono::Utc::now(), Duration::from_secs(60)).await.unwrap();
     assert!(committed.moved.contains(ids[1].as_str()), "{committed:?}");
 
     let entries: Vec<Entry> = ids.iter().map(|id| payment(id, 5, 2, 10, 90)).collect();
-    let write =
-        GroupWrite { wallets: first_writes(&ids, 5), entries: entries.iter().collect(), keys: Vec::new() };
+    let write = GroupWrite {
+        wallets: first_writes(&ids, 5),
+        entries: entries.iter().collect(),
+        keys: Vec::new(),
+        ..Default::default()
+    };
     let committed =
         group::commit(&mut conn, &write, chrono::Utc::now(), Duration::from_secs(60)).await.unwrap();
 
@@ -92,7 +103,7 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
     }
     // The stale holder can read no more: the row has seen a higher fence than its lease's.
     let stale = [ToRead { id: ids[1].as_str(), fence: 5 }];
-    let found = group::read(&mut conn, &stale, &[]).await.unwrap();
+    let found = group::read(&mut conn, &stale, &[], HoldsToRead::none()).await.unwrap();
     assert_eq!(found.wallets[ids[1].as_str()], ReadOutcome::FenceBehind { seen: 6 });
 }
 
@@ -118,12 +129,15 @@ async fn a_round_leaves_out_a_wallet_whose_row_another_statement_holds_and_write
             read_fence: 0,
             read_version: 1,
             read_balance: 100,
+            read_held: 0,
             owner: Some(CALLER),
             balance: 90,
+            held: 0,
             version: 2,
         })
         .collect();
-    let write = GroupWrite { wallets, entries: entries.iter().collect(), keys: Vec::new() };
+    let write =
+        GroupWrite { wallets, entries: entries.iter().collect(), keys: Vec::new(), ..Default::default() };
     let started = Instant::now();
     let committed =
         group::commit(&mut conn, &write, chrono::Utc::now(), Duration::from_secs(60)).await.unwrap();
@@ -156,7 +170,7 @@ async fn one_key_twice_in_a_round_of_several_wallets_charges_once() {
     let mut blocked = Vec::new();
     for id in &stuck {
         let (wallets, id) = (wallets.clone(), id.clone());
-        blocked.push(tokio::spawn(async move { wallets.apply(&tester(), &id, pay(1), None).await }));
+        blocked.push(tokio::spawn(async move { wallets.apply(&tester(), &id, pay(1), None).await.entry() }));
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let keyed = || Keyed {
@@ -168,7 +182,7 @@ async fn one_key_twice_in_a_round_of_several_wallets_charges_once() {
     let mut queued = Vec::new();
     for (id, key) in [(&ids[0], Some(keyed())), (&ids[0], Some(keyed())), (&ids[1], None), (&ids[2], None)] {
         let (wallets, id) = (wallets.clone(), id.clone());
-        queued.push(tokio::spawn(async move { wallets.apply(&tester(), &id, pay(10), key).await }));
+        queued.push(tokio::spawn(async move { wallets.apply(&tester(), &id, pay(10), key).await.entry() }));
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     eventually("every wallet's worker holds its lease", Duration::from_secs(2), || async {
@@ -192,7 +206,7 @@ async fn one_key_twice_in_a_round_of_several_wallets_charges_once() {
     let first = results[0].as_ref().expect("the first request with the key runs");
     match &results[1] {
         Err(WalletError::AlreadyRan(Prior::Replay(stored))) => {
-            assert_eq!(stored, &render(&Ok(first.clone())))
+            assert_eq!(stored, &render(&Ok(Moved::Entry(first.clone()))))
         }
         other => panic!("the second request with the key replays the first: {other:?}"),
     }
@@ -240,7 +254,9 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                 while Instant::now() < stop_at {
                     fence += 4;
                     let reads: Vec<ToRead> = ids.iter().map(|id| ToRead { id: id.as_str(), fence }).collect();
-                    let found = group::read(&mut conn, &reads, &[]).await.expect("no deadlock at the read");
+                    let found = group::read(&mut conn, &reads, &[], HoldsToRead::none())
+                        .await
+                        .expect("no deadlock at the read");
                     let mut entries = Vec::new();
                     let mut wallets = Vec::new();
                     for id in &ids {
@@ -254,13 +270,20 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                                 read_fence,
                                 read_version: read.version,
                                 read_balance: read.balance,
+                                read_held: 0,
                                 owner: Some(CALLER),
                                 balance: read.balance - 1,
+                                held: 0,
                                 version: read.version + 1,
                             });
                         }
                     }
-                    let write = GroupWrite { wallets, entries: entries.iter().collect(), keys: Vec::new() };
+                    let write = GroupWrite {
+                        wallets,
+                        entries: entries.iter().collect(),
+                        keys: Vec::new(),
+                        ..Default::default()
+                    };
                     group::commit(&mut conn, &write, chrono::Utc::now(), Duration::from_secs(60))
                         .await
                         .expect("no deadlock at the write");

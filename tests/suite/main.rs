@@ -15,6 +15,7 @@ mod faults;
 mod fence;
 mod fleet;
 mod group;
+mod holds;
 mod idempotency;
 mod lease;
 mod metrics;

@@ -1,7 +1,7 @@
 //! The lease's note: a wallet's next holder starts from what the last one wrote, without reading
 //! the row, and a note that is stale or forged moves no money.
 
-use crate::support::{CALLER, TestEnv, books, eventually, tester};
+use crate::support::{CALLER, EntryOf, TestEnv, books, eventually, tester};
 use std::time::Duration;
 use walletlock::wallet::{Access, Amount, Movement, Refusal, WalletError, WalletId, Wallets, lease_name};
 
@@ -35,14 +35,18 @@ async fn forge_note(env: &TestEnv, id: &WalletId, note: &str) {
 async fn each_holder_leaves_the_wallet_as_it_wrote_it_for_the_next() {
     let env = TestEnv::new();
     let (wallets, id, db, _schema) = opened(&env, 100).await;
-    assert_eq!(note(&env, &id).await.as_deref(), Some("w1:100:1:0:tester"), "balance:version:fence:owner");
+    assert_eq!(
+        note(&env, &id).await.as_deref(),
+        Some("w2:100:0:1:0:tester"),
+        "balance:held:version:fence:owner"
+    );
 
-    let first = wallets.apply(&tester(), &id, pay(30), None).await.unwrap();
-    let second = wallets.apply(&tester(), &id, pay(20), None).await.unwrap();
+    let first = wallets.apply(&tester(), &id, pay(30), None).await.entry().unwrap();
+    let second = wallets.apply(&tester(), &id, pay(20), None).await.entry().unwrap();
 
     assert_eq!((first.balance, second.balance), (70, 50));
     assert!(second.fence > first.fence, "two leases, one after the other");
-    let expected = format!("w1:50:3:{}:tester", second.fence);
+    let expected = format!("w2:50:0:3:{}:tester", second.fence);
     assert_eq!(note(&env, &id).await, Some(expected), "the last holder's write");
     let books = books(&db, id.as_str()).await;
     assert_eq!((books.balance, books.ledger_sum, books.pays), (50, 50, 2));
@@ -53,9 +57,10 @@ async fn a_stale_note_costs_a_read_and_moves_nothing_by_itself() {
     let env = TestEnv::new();
     let (wallets, id, db, _schema) = opened(&env, 100).await;
     // A note left behind by a write it does not know of: the row has version 1, balance 100.
-    forge_note(&env, &id, "w1:40:1:0:tester").await;
+    forge_note(&env, &id, "w2:40:0:1:0:tester").await;
 
-    let entry = wallets.apply(&tester(), &id, pay(70), None).await.expect("decided on the row, not the note");
+    let entry =
+        wallets.apply(&tester(), &id, pay(70), None).await.entry().expect("decided on the row, not the note");
 
     assert_eq!((entry.balance, entry.version), (30, 2));
     let books = books(&db, id.as_str()).await;
@@ -68,12 +73,12 @@ async fn a_note_forged_to_show_more_money_spends_none_of_it() {
     let (wallets, id, db, _schema) = opened(&env, 100).await;
     // Anyone who may write to Redis can write a note: the row's own version and fence, a richer
     // balance.
-    forge_note(&env, &id, "w1:1000000:1:0:tester").await;
+    forge_note(&env, &id, "w2:1000000:0:1:0:tester").await;
 
-    let refused = wallets.apply(&tester(), &id, pay(500), None).await;
+    let refused = wallets.apply(&tester(), &id, pay(500), None).await.entry();
 
     assert!(
-        matches!(refused, Err(WalletError::Refused(Refusal::InsufficientFunds { balance: 100 }))),
+        matches!(refused, Err(WalletError::Refused(Refusal::InsufficientFunds { balance: 100, .. }))),
         "{refused:?}"
     );
     let books = books(&db, id.as_str()).await;
@@ -86,12 +91,13 @@ async fn a_note_naming_another_owner_neither_hides_the_wallet_nor_hands_it_over(
     let (wallets, id, db, _schema) = opened(&env, 100).await;
     let other = Access::own_wallets("other");
 
-    forge_note(&env, &id, "w1:100:1:0:other").await;
-    let taken = wallets.apply(&other, &id, pay(10), None).await;
+    forge_note(&env, &id, "w2:100:0:1:0:other").await;
+    let taken = wallets.apply(&other, &id, pay(10), None).await.entry();
     assert!(matches!(taken, Err(WalletError::NotFound)), "{taken:?}");
 
-    forge_note(&env, &id, "w1:100:1:0:other").await;
-    let owners = wallets.apply(&tester(), &id, pay(10), None).await.expect("the owner's payment runs");
+    forge_note(&env, &id, "w2:100:0:1:0:other").await;
+    let owners =
+        wallets.apply(&tester(), &id, pay(10), None).await.entry().expect("the owner's payment runs");
     assert_eq!(owners.balance, 90);
     let books = books(&db, id.as_str()).await;
     assert_eq!((books.balance, books.pays), (90, 1), "only the owner's payment");
@@ -101,11 +107,17 @@ async fn a_note_naming_another_owner_neither_hides_the_wallet_nor_hands_it_over(
 async fn a_note_that_is_not_one_is_ignored() {
     let env = TestEnv::new();
     let (wallets, id, _db, _schema) = opened(&env, 100).await;
-    for garbage in
-        ["", "w1:", "w2:100:1:0:tester", "w1:100:x:0:tester", "w1:-5:1:0:tester", "w1:100:1:99:tester"]
-    {
+    for garbage in [
+        "",
+        "w2:",
+        "w1:100:1:0:tester",
+        "w2:100:0:x:0:tester",
+        "w2:-5:0:1:0:tester",
+        "w2:100:0:1:99:tester",
+        "w2:100:101:1:0:tester",
+    ] {
         forge_note(&env, &id, garbage).await;
-        let entry = wallets.apply(&tester(), &id, pay(1), None).await;
+        let entry = wallets.apply(&tester(), &id, pay(1), None).await.entry();
         assert!(entry.is_ok(), "with the note {garbage:?}: {entry:?}");
     }
 }

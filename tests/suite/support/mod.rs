@@ -258,13 +258,24 @@ pub async fn books(db: &PgPool, wallet: &str) -> Books {
     Books { balance, ledger_sum, pays, fence }
 }
 
+/// The ledger entry of a deposit or payment, from what [`walletlock::wallet::Wallets::apply`] did.
+pub trait EntryOf {
+    fn entry(self) -> Result<walletlock::ledger::Entry, walletlock::wallet::WalletError>;
+}
+
+impl EntryOf for Result<walletlock::wallet::Moved, walletlock::wallet::WalletError> {
+    fn entry(self) -> Result<walletlock::ledger::Entry, walletlock::wallet::WalletError> {
+        self.map(|moved| moved.entry().cloned().expect("a deposit or payment writes an entry"))
+    }
+}
+
 /// A stand-in for the HTTP layer's rendering of a movement's outcome, for tests that store
 /// idempotent responses without a server: the entry's id, or the refusal.
 pub fn render(
     outcome: &walletlock::wallet::MovementOutcome,
 ) -> walletlock::ledger::idempotency::StoredResponse {
     let body = match outcome {
-        Ok(entry) => entry.id.to_string(),
+        Ok(moved) => moved.entry().map(|entry| entry.id.to_string()).unwrap_or_default(),
         Err(refusal) => refusal.to_string(),
     };
     walletlock::ledger::idempotency::StoredResponse {

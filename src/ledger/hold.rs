@@ -1,0 +1,131 @@
+//! Holds as stored: read by id for the API, released when expired inside a transfer's
+//! transaction, and found for the sweeper. Placing and settling holds is part of a round's one
+//! statement ([`super::group::commit`]), like every movement of a wallet's queue.
+
+use super::StoreError;
+use crate::domain::HoldStatus;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{PgConnection, Row};
+use uuid::Uuid;
+
+/// A hold, as the API shows it. A hold still `held` past `expires_at` shows as `expired`: its
+/// amount is available again, whether or not a movement has released it yet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct Hold {
+    pub id: Uuid,
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
+    pub wallet_id: String,
+    /// Minor units reserved.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 4000)]
+    pub amount: i64,
+    /// What its capture charged; 0 unless captured.
+    #[schema(minimum = 0, example = 0)]
+    pub captured: i64,
+    pub status: HoldStatus,
+    pub expires_at: DateTime<Utc>,
+    #[schema(required = true, max_length = 256, example = "ride-77")]
+    pub reference: Option<String>,
+    pub created_at: DateTime<Utc>,
+    /// When it was captured, voided or released; null while held.
+    #[schema(required = true)]
+    pub settled_at: Option<DateTime<Utc>>,
+    /// The `pay` entry of its capture; omitted unless captured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub capture_entry: Option<Uuid>,
+    /// The fence of the lease it was placed under.
+    #[serde(skip)]
+    pub fence: i64,
+}
+
+impl Hold {
+    /// As it stands at `now`: a hold still held past its expiry is expired.
+    pub fn as_of(mut self, now: DateTime<Utc>) -> Self {
+        if self.status == HoldStatus::Held && self.expires_at <= now {
+            self.status = HoldStatus::Expired;
+        }
+        self
+    }
+}
+
+impl sqlx::FromRow<'_, sqlx::postgres::PgRow> for Hold {
+    fn from_row(row: &sqlx::postgres::PgRow) -> Result<Self, sqlx::Error> {
+        let status: &str = row.try_get("status")?;
+        Ok(Hold {
+            id: row.try_get("id")?,
+            wallet_id: row.try_get("wallet_id")?,
+            amount: row.try_get("amount")?,
+            captured: row.try_get("captured")?,
+            status: HoldStatus::parse(status)
+                .ok_or_else(|| sqlx::Error::Decode(format!("unknown hold status {status:?}").into()))?,
+            expires_at: row.try_get("expires_at")?,
+            reference: row.try_get("reference")?,
+            created_at: row.try_get("created_at")?,
+            settled_at: row.try_get("settled_at")?,
+            capture_entry: row.try_get("capture_entry")?,
+            fence: row.try_get("fence")?,
+        })
+    }
+}
+
+/// The hold, with the owner of its wallet (who may see and settle it).
+pub async fn find_hold(
+    conn: &mut PgConnection,
+    id: Uuid,
+) -> Result<Option<(Hold, Option<String>)>, StoreError> {
+    let row = sqlx::query(
+        // language=PostgreSQL
+        "select h.*, w.owner from hold h join wallet w on w.id = h.wallet_id where h.id = $1",
+    )
+    .bind(id)
+    .fetch_optional(conn)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let owner: Option<String> = row.try_get("owner")?;
+    Ok(Some((sqlx::FromRow::from_row(&row)?, owner)))
+}
+
+/// Releases the holds of wallet `id` that expired by `now`, in the caller's transaction, which has
+/// the wallet's row locked under its lease (a transfer's); returns what is held after. The caller's
+/// fenced write of the row, later in the same transaction, decides whether any of it stands.
+pub async fn release_expired(
+    conn: &mut PgConnection,
+    id: &str,
+    now: DateTime<Utc>,
+) -> Result<i64, StoreError> {
+    Ok(sqlx::query_scalar(
+        // language=PostgreSQL
+        r#"with released as (
+               update hold set status = 'expired', settled_at = $2
+               where wallet_id = $1 and status = 'held' and expires_at <= $2
+               returning amount
+           )
+           update wallet set held = held - (select coalesce(sum(amount), 0) from released)
+           where id = $1
+           returning held"#,
+    )
+    .bind(id)
+    .bind(now)
+    .fetch_one(conn)
+    .await?)
+}
+
+/// Wallets with holds still held that expired before `before`: what the sweeper releases. At most
+/// `limit`.
+pub async fn wallets_with_expired_holds(
+    conn: &mut PgConnection,
+    before: DateTime<Utc>,
+    limit: i64,
+) -> Result<Vec<String>, StoreError> {
+    Ok(sqlx::query_scalar(
+        // language=PostgreSQL
+        r#"select distinct wallet_id from hold
+           where status = 'held' and expires_at < $1
+           limit $2"#,
+    )
+    .bind(before)
+    .bind(limit)
+    .fetch_all(conn)
+    .await?)
+}
