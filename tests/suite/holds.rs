@@ -5,8 +5,11 @@ use crate::support::app::{TestApp, spawn_app};
 use crate::support::fleet::{Fleet, audit};
 use crate::support::load::open_wallets;
 use crate::support::{TestEnv, eventually};
+use nix::sys::signal::Signal;
 use reqwest::Response;
 use serde_json::{Value, json};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 async fn body(response: Response) -> (u16, Value) {
@@ -326,4 +329,211 @@ async fn a_retried_capture_with_its_key_replays_and_charges_once() {
     assert_eq!(again.text().await.unwrap(), first, "byte for byte");
     assert_eq!(available(&app, "keyed").await, (75, 75), "charged once");
     books_balance(&app);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_between_a_hold_and_its_capture_or_inside_the_capture_loses_nothing() {
+    let env = TestEnv::new();
+    let mut fleet = Fleet::start(&env, 2, &[]).await;
+    open_wallets(&fleet, &["ride"], 1_000).await;
+    // The hold is placed on replica-0, which is then killed: nothing of the hold lived in it.
+    let (status, placed) =
+        post(&fleet.client, fleet.replicas[0].url("/wallets/ride/holds"), json!({ "amount": 400 })).await;
+    assert_eq!(status, 201, "{placed}");
+    fleet.replicas[0].stop(Signal::SIGKILL);
+    let id = placed["id"].as_str().unwrap().to_owned();
+
+    // replica-1 captures it, and dies right after its commit, before it answers.
+    fleet.replicas[1].stop(Signal::SIGTERM);
+    fleet.replicas[1].set_env("WALLETLOCK_FAILPOINT", Some("after_commit"));
+    fleet.replicas[1].start();
+    let capture = |url: String| {
+        fleet
+            .client
+            .post(url)
+            .header("idempotency-key", "capture-ride")
+            .json(&json!({ "amount": 250 }))
+            .send()
+    };
+    assert!(capture(fleet.replicas[1].url(&format!("/holds/{id}/capture"))).await.is_err(), "no answer");
+    let replica = &mut fleet.replicas[1];
+    crate::support::servers::wait_until("replica-1 died", Duration::from_secs(5), || replica.exited());
+
+    // The retry, on replica-0 started again, learns the capture's outcome and charges nothing more.
+    fleet.replicas[0].start();
+    let retried = capture(fleet.replicas[0].url(&format!("/holds/{id}/capture"))).await.unwrap();
+    assert_eq!(retried.headers().get("idempotent-replayed").and_then(|v| v.to_str().ok()), Some("true"));
+    let (status, captured) = body(retried).await;
+    assert_eq!((status, captured["captured"].as_i64()), (200, Some(250)), "{captured}");
+    assert_eq!(
+        fleet_available(&fleet, "ride").await,
+        (Some(750), Some(750)),
+        "charged once, the rest released"
+    );
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_holds_captures_voids_and_payments_on_one_wallet_never_spend_what_is_held() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 3, &[]).await;
+    // Enough for most of the run: it runs short of available money towards the end.
+    let opening = 30_000;
+    open_wallets(&fleet, &["busy"], opening).await;
+    let stop = Arc::new(AtomicBool::new(false));
+
+    // Watching all along, through nginx: the available balance is never negative, nor above the
+    // balance.
+    let watcher = {
+        let (client, url, stop) = (fleet.client.clone(), fleet.url("/wallets/busy"), stop.clone());
+        tokio::spawn(async move {
+            let mut seen = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let wallet: Value = client.get(&url).send().await.unwrap().json().await.unwrap();
+                let (balance, available) =
+                    (wallet["balance"].as_i64().unwrap(), wallet["available"].as_i64().unwrap());
+                assert!(
+                    (0..=balance).contains(&available),
+                    "available {available} of a balance of {balance}"
+                );
+                seen += 1;
+            }
+            seen
+        })
+    };
+    // Sixteen clients, each placing holds of 1 to 400 and capturing (part of), voiding or keeping
+    // them, and paying 1 to 400 between, 25 operations each; every one with its own key.
+    let clients: Vec<_> = (0..16)
+        .map(|n| {
+            let (client, base) = (fleet.client.clone(), fleet.url(""));
+            tokio::spawn(async move { hold_client(&client, &base, n, 25).await })
+        })
+        .collect();
+    let mut tally = Tally::default();
+    for client in clients {
+        tally.add(client.await.unwrap());
+    }
+    stop.store(true, Ordering::Relaxed);
+    let watched = watcher.await.unwrap();
+    eprintln!("16 clients on one wallet: {tally:?}; the available balance read {watched} times");
+    assert!(tally.held > 0 && tally.captured > 0 && tally.voided > 0 && tally.paid > 0, "{tally:?}");
+    assert!(tally.short > 0, "the wallet ran short of available money at times: {tally:?}");
+
+    // The books: what was charged is what the clients were told; what is held is what they kept.
+    let charged = tally.captured_amount + tally.paid_amount;
+    let (balance, available) = fleet_available(&fleet, "busy").await;
+    assert_eq!(balance, Some(opening - charged), "{tally:?}");
+    assert_eq!(available, Some(opening - charged - tally.kept_amount), "{tally:?}");
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "{report}");
+}
+
+/// What the clients of the concurrent-holds test were told.
+#[derive(Debug, Default)]
+struct Tally {
+    held: usize,
+    captured: usize,
+    voided: usize,
+    paid: usize,
+    /// Holds and payments refused with `insufficient_funds`.
+    short: usize,
+    captured_amount: i64,
+    paid_amount: i64,
+    /// What the holds neither captured nor voided still reserve.
+    kept_amount: i64,
+}
+
+impl Tally {
+    fn add(&mut self, other: Tally) {
+        self.held += other.held;
+        self.captured += other.captured;
+        self.voided += other.voided;
+        self.paid += other.paid;
+        self.short += other.short;
+        self.captured_amount += other.captured_amount;
+        self.paid_amount += other.paid_amount;
+        self.kept_amount += other.kept_amount;
+    }
+}
+
+/// Sends `request` to `url` with `key` until the answer is definite (a movement that timed out, or
+/// whose lease was lost, applied nothing; one whose outcome is unknown is sent again with its key).
+async fn until_definite(client: &reqwest::Client, url: &str, request: &Value, key: &str) -> (u16, Value) {
+    for _ in 0..50 {
+        let sent = client.post(url).header("idempotency-key", key).json(request).send().await;
+        let Ok(response) = sent else { continue };
+        let (status, answer) = body(response).await;
+        match (status, answer["code"].as_str().unwrap_or("")) {
+            (503, _) | (409, "lease_lost" | "idempotency_key_in_flight") | (502 | 504, _) => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            _ => return (status, answer),
+        }
+    }
+    panic!("{url}: no definite answer for {key}");
+}
+
+async fn hold_client(client: &reqwest::Client, base: &str, n: usize, operations: usize) -> Tally {
+    use rand::Rng;
+    let mut tally = Tally::default();
+    let mut open: Vec<(String, i64)> = Vec::new();
+    for op in 0..operations {
+        let (choice, amount) = {
+            let mut rng = rand::rng();
+            (rng.random_range(0..5), rng.random_range(1..=400))
+        };
+        let key = format!("c{n}-{op}");
+        match (choice, open.pop()) {
+            (0 | 1, Some((hold, held))) => {
+                let part = if choice == 0 { json!({}) } else { json!({ "amount": (held / 2).max(1) }) };
+                let (status, answer) =
+                    until_definite(client, &format!("{base}/holds/{hold}/capture"), &part, &key).await;
+                assert_eq!(status, 200, "{answer}");
+                tally.captured += 1;
+                tally.captured_amount += answer["captured"].as_i64().unwrap();
+            }
+            (2, Some((hold, _))) => {
+                let (status, answer) =
+                    until_definite(client, &format!("{base}/holds/{hold}/void"), &json!({}), &key).await;
+                assert_eq!(status, 200, "{answer}");
+                tally.voided += 1;
+            }
+            (3, kept) => {
+                open.extend(kept);
+                let (status, answer) = until_definite(
+                    client,
+                    &format!("{base}/wallets/busy/pay"),
+                    &json!({ "amount": amount }),
+                    &key,
+                )
+                .await;
+                match status {
+                    200 => (tally.paid, tally.paid_amount) = (tally.paid + 1, tally.paid_amount + amount),
+                    422 => tally.short += 1,
+                    _ => panic!("{answer}"),
+                }
+            }
+            (_, kept) => {
+                open.extend(kept);
+                let (status, answer) = until_definite(
+                    client,
+                    &format!("{base}/wallets/busy/holds"),
+                    &json!({ "amount": amount }),
+                    &key,
+                )
+                .await;
+                match status {
+                    201 => {
+                        tally.held += 1;
+                        open.push((answer["id"].as_str().unwrap().to_owned(), amount));
+                    }
+                    422 => tally.short += 1,
+                    _ => panic!("{answer}"),
+                }
+            }
+        }
+    }
+    tally.kept_amount = open.iter().map(|(_, amount)| amount).sum();
+    tally
 }
