@@ -147,7 +147,12 @@ pub async fn read(
                   h.fence
            from hold h
            where h.id = any($5::uuid[])
-              or (h.wallet_id = any($6::text[]) and h.status = 'held' and h.expires_at <= $7)"#,
+           union all
+           select null, null, null, null, null, null, null, null, null, null, null, null, null,
+                  h.id, h.wallet_id, h.amount, h.status, h.expires_at, h.reference, h.created_at,
+                  h.fence
+           from hold h
+           where h.wallet_id = any($6::text[]) and h.status = 'held' and h.expires_at <= $7"#,
     )
     .bind(&ids)
     .bind(&callers)
