@@ -17,6 +17,7 @@ mod fleet;
 mod group;
 mod holds;
 mod idempotency;
+mod layers;
 mod lease;
 mod metrics;
 mod notes;
