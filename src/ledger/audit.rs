@@ -227,13 +227,11 @@ async fn refunds(conn: &mut PgConnection, report: &mut Report) -> Result<(), Sto
 async fn holds(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
     let rows = sqlx::query(
         // language=PostgreSQL
-        r#"select w.id, w.balance, w.held,
-                  coalesce((select sum(h.amount) from hold h
-                            where h.wallet_id = w.id and h.status = 'held'), 0)::int8 as active
+        r#"select w.id, w.balance, w.held, coalesce(a.active, 0)::int8 as active
            from wallet w
-           where w.held > w.balance
-              or w.held <> coalesce((select sum(h.amount) from hold h
-                                     where h.wallet_id = w.id and h.status = 'held'), 0)
+           left join (select wallet_id, sum(amount) as active from hold where status = 'held'
+                      group by wallet_id) a on a.wallet_id = w.id
+           where w.held > w.balance or w.held <> coalesce(a.active, 0)
            order by w.id"#,
     )
     .fetch_all(&mut *conn)
@@ -310,23 +308,33 @@ async fn conservation(conn: &mut PgConnection, report: &mut Report) -> Result<()
 async fn keys(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
     let rows = sqlx::query(
         // language=PostgreSQL
-        r#"select k.scope, k.key, k.status, k.entry_id, e.wallet_id as ledger_wallet, k.reported_id
-           from (select *, convert_from(body, 'UTF8')::jsonb as response,
-                        convert_from(body, 'UTF8')::jsonb ->> 'id' as reported_id
-                 from idempotency_key where claim is null and status between 200 and 299) k
-           left join ledger_entry e on e.id = k.entry_id
-           left join hold h on k.scope like $1 || '%' and h.id::text = k.reported_id
-           where not (
-               -- A deposit's or payment's entry, of the scope's wallet.
-               (k.scope like $1 || '%' and e.id is not null and h.id is null
-                and k.reported_id = e.id::text and k.scope = $1 || e.wallet_id)
-               -- A hold of the scope's wallet: placed or voided (no entry), or captured (its entry).
-               or (h.id is not null and k.scope = $1 || h.wallet_id
-                   and ((e.id is null and k.response -> 'entry' is null)
-                        or (e.hold_id = h.id and k.response -> 'entry' ->> 'id' = e.id::text)))
-               or (k.scope = 'wallets' and k.reported_id is not distinct from e.wallet_id)
-               or (k.scope = 'transfers' and e.id is not null
-                   and k.reported_id is not distinct from e.transfer_id::text))
+        r#"select k.scope, k.key, k.status, k.entry_id, e.wallet_id as ledger_wallet,
+                  convert_from(k.body, 'UTF8')::jsonb ->> 'id' as reported_id
+           from idempotency_key k left join ledger_entry e on e.id = k.entry_id
+           where k.claim is null and k.status between 200 and 299
+             and (
+               -- No entry: only a hold placed or voided answers without one, and it reports a
+               -- hold of the scope's wallet (looked up by its key; the CASE casts only a uuid).
+               (e.id is null and not exists (
+                   select 1 from hold h
+                   where h.id = case when convert_from(k.body, 'UTF8')::jsonb ->> 'id'
+                                          ~ '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+                                     then (convert_from(k.body, 'UTF8')::jsonb ->> 'id')::uuid end
+                     and k.scope = $1 || h.wallet_id
+                     and convert_from(k.body, 'UTF8')::jsonb -> 'entry' is null))
+               -- A capture: it reports its hold, and the `pay` entry that charged it.
+               or (e.hold_id is not null
+                   and (convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.hold_id::text
+                        or convert_from(k.body, 'UTF8')::jsonb -> 'entry' ->> 'id' is distinct from e.id::text
+                        or k.scope <> $1 || e.wallet_id))
+               -- A deposit, payment or refund: it reports its entry, of the scope's wallet.
+               or (e.id is not null and e.hold_id is null and k.scope like $1 || '%'
+                   and (convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.id::text
+                        or k.scope <> $1 || e.wallet_id))
+               or (k.scope = 'wallets'
+                   and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.wallet_id)
+               or (k.scope = 'transfers'
+                   and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.transfer_id::text))
            order by k.scope, k.key"#,
     )
     .bind(crate::domain::WALLET_SCOPE_PREFIX)

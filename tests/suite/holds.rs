@@ -537,3 +537,31 @@ async fn hold_client(client: &reqwest::Client, base: &str, n: usize, operations:
     tally.kept_amount = open.iter().map(|(_, amount)| amount).sum();
     tally
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_finds_a_held_amount_off_its_holds_and_a_capture_without_its_entry() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    app.open_wallet("audited", 100).await;
+    let (_, first) = hold(&app, "audited", json!({ "amount": 30 })).await;
+    let (_, second) = hold(&app, "audited", json!({ "amount": 20 })).await;
+    books_balance(&app);
+
+    // Behind the service's back (as the schema's owner): the wallet forgets what it holds, and a
+    // hold is marked captured with no entry charging it.
+    sqlx::query("update wallet set held = 10 where id = 'audited'").execute(&app.db).await.unwrap();
+    let second: uuid::Uuid = second["id"].as_str().unwrap().parse().unwrap();
+    sqlx::query(
+        "update hold set status = 'captured', captured = 20, capture_entry = gen_random_uuid(), settled_at = now()
+         where id = $1",
+    )
+    .bind(second)
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let (ok, report) = audit(&app._schema.url);
+    assert!(!ok, "{report}");
+    assert!(report.contains("wallet audited: holds 10 but its active holds add up to 30"), "{report}");
+    assert!(report.contains(&format!("hold {second} (captured, captured 20): 0 ledger entries")), "{report}");
+    assert!(!report.contains(first["id"].as_str().unwrap()), "the untouched hold is fine: {report}");
+}
