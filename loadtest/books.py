@@ -7,8 +7,10 @@
 
 The client's side is the k6 console log of the run (pay.js with ACK_LOG=1): one `WL {...}` line
 (a console message may hold several, one per line) per wallet it opened (with the balance the API
-acknowledged) and per deposit, payment or transfer, with its final outcome as the client saw it: 200
-with the ledger entry's id (both legs', for a transfer), a refusal (nothing applied), or undecided.
+acknowledged) and per deposit, payment, transfer, hold placed, capture or void, with its final
+outcome as the client saw it: 200 with the ledger entry's id (both legs', for a transfer; the pay
+entry, and what it charged, for a capture; none for a void), 201 with the hold's id and expiry for
+a hold placed, a refusal (nothing applied), or undecided.
 Undecided operations are settled first, the way a client would: by sending the same request with
 the same Idempotency-Key until the API decides it (a stored answer is replayed; a request that
 never ran runs now).
@@ -23,6 +25,16 @@ GET /wallets/{id}/transactions):
   every accepted operation is in the ledger exactly once (its entry id, both legs of a transfer;
   a payment's or a transfer's reference is its key), and the ledger holds no payment, deposit or
   transfer leg the client was not told was accepted
+
+and, for a run with holds, where a capture counts as a payment of what it charged:
+
+  every acknowledged capture's pay entry is in the ledger once, with its hold_id and amount, and
+  the ledger charges no hold the client was not told was captured (voided and expired holds
+  charge nothing)
+  after every hold not acknowledged captured or voided has expired (the check waits for the last
+  expiry, at most MAX_HOLD_WAIT_S): available == balance (no hold is left active), and
+  GET /holds/{id} of every hold placed shows what the client was told: captured (that much, by
+  that entry), voided, or else expired
 
 Last, `walletlock audit` checks every wallet in the database. Prints the tutorial's line, summed
 over the run's wallets:
@@ -45,8 +57,12 @@ import threading
 import time
 import urllib.parse
 from collections import defaultdict
+from datetime import datetime
 
 MAX_PROBLEMS_SHOWN = 20
+# How long the check waits for the last hold not settled by the client to expire (pay.js places
+# them for 1 s or HOLD_EXPIRES_IN, 30 s); one that expires later is a problem, not waited for.
+MAX_HOLD_WAIT_S = 120
 TEXT_MSG = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
 
 
@@ -148,13 +164,25 @@ def settle(client, ops, deadline_s=60):
     for record in undecided:
         path = urllib.parse.urlsplit(record["url"]).path
         headers = {"Content-Type": "application/json", "Idempotency-Key": record["key"]}
+        # A void has no body.
+        request_body = (record["body"] or "").encode()
         while True:
-            status, _, data = client.request("POST", path, body=record["body"].encode(), headers=headers)
+            status, _, data = client.request("POST", path, body=request_body, headers=headers)
             try:
                 body = json.loads(data)
             except ValueError:
                 body = {}
             code = body.get("code", "") if isinstance(body, dict) else ""
+            if status == 201 and record["op"] == "hold":
+                record.update(s=201, hold=body["id"], expires_at=body["expires_at"], settled=True)
+                break
+            if status == 200 and record["op"] == "capture":
+                record.update(s=200, amount=body["captured"], entry=body["entry"]["id"], settled=True)
+                charged += 1
+                break
+            if status == 200 and record["op"] == "void":
+                record.update(s=200, settled=True)
+                break
             if status == 200 and record["op"] == "transfer":
                 record.update(s=200, entry=body["from_entry"]["id"], to_entry=body["to_entry"]["id"], settled=True)
                 charged += 1
@@ -199,6 +227,8 @@ def read_wallet(client, wallet):
 
 # The ledger entry kinds that take money out of a wallet; every other kind puts it in.
 DEBITS = ("pay", "transfer_out")
+# The kind of entry an accepted operation makes, where it is not the operation's own name.
+ENTRY_KIND = {"capture": "pay"}
 # The kinds the load test makes, each acknowledged to the client (and counted) one by one; a
 # payment's and a transfer leg's reference is the operation's key.
 COUNTED = ("pay", "deposit", "transfer_out", "transfer_in")
@@ -221,19 +251,27 @@ def legs(record):
     ]
 
 
-def check_wallet(wallet, opening, accepted_ops, refused_keys, state, entries):
-    """Problems with one wallet's books (accepted_ops: its legs; refused_keys: (op, key) of its
-    refused payments and transfers); (problems, balance, expected)."""
+def check_wallet(wallet, opening, accepted_ops, refused_keys, state, entries, holds=False):
+    """Problems with one wallet's books (accepted_ops: its legs and captures; refused_keys: (op, key)
+    of its refused payments and transfers; holds: whether the run placed holds, all expired or
+    settled by now); (problems, balance, expected)."""
     problems = []
     moved = defaultdict(int)
     for r in accepted_ops:
         moved[r["op"]] += r["amount"]
-    expected = opening + sum(sign(kind) * amount for kind, amount in moved.items())
+    expected = opening + sum(sign(ENTRY_KIND.get(op, op)) * amount for op, amount in moved.items())
     balance = state["balance"]
     if balance < 0:
         problems.append(f"wallet {wallet}: negative balance {balance}")
+    if holds and state.get("available") != balance:
+        problems.append(
+            f"wallet {wallet}: available {state.get('available')} but balance {balance} "
+            "after every hold expired or was settled"
+        )
     if balance != expected:
-        figures = ", ".join(f"{kind} {sign(kind) * amount:+}" for kind, amount in sorted(moved.items()))
+        figures = ", ".join(
+            f"{op} {sign(ENTRY_KIND.get(op, op)) * amount:+}" for op, amount in sorted(moved.items())
+        )
         problems.append(
             f"wallet {wallet}: balance {balance} but expected {expected} "
             f"(opened with {opening}; accepted: {figures or 'nothing'})"
@@ -276,8 +314,10 @@ def check_wallet(wallet, opening, accepted_ops, refused_keys, state, entries):
         entry = by_id.get(record["entry"])
         if entry is None:
             problems.append(f"wallet {wallet}: accepted {record['op']} {record['key']} (entry {record['entry']}) is not in the ledger")
-        elif entry["kind"] != record["op"] or entry["amount"] != record["amount"]:
+        elif entry["kind"] != ENTRY_KIND.get(record["op"], record["op"]) or entry["amount"] != record["amount"]:
             problems.append(f"wallet {wallet}: accepted {record['op']} of {record['amount']} is a {entry['kind']} of {entry['amount']} in the ledger")
+        elif record["op"] == "capture" and entry.get("hold_id") != record["hold"]:
+            problems.append(f"wallet {wallet}: capture {record['key']} of hold {record['hold']} is a pay entry of hold {entry.get('hold_id')}")
         if record["op"] in KEYED and by_reference.get(record["key"], 0) != 1:
             what = "payment" if record["op"] == "pay" else record["op"]
             problems.append(f"wallet {wallet}: {what} {record['key']} is in the ledger {by_reference.get(record['key'], 0)} times")
@@ -286,11 +326,83 @@ def check_wallet(wallet, opening, accepted_ops, refused_keys, state, entries):
             what = "payment" if op == "pay" else op
             problems.append(f"wallet {wallet}: {what} {key} was refused to the client but is in the ledger")
     for kind in COUNTED:
-        in_ledger = sum(1 for e in entries if e["kind"] == kind)
+        # A capture's pay entry (it names its hold) is counted with the captures, below.
+        in_ledger = sum(1 for e in entries if e["kind"] == kind and e.get("hold_id") is None)
         acknowledged = sum(1 for r in accepted_ops if r["op"] == kind)
         if in_ledger != acknowledged:
             problems.append(f"wallet {wallet}: {in_ledger} {kind} entries in the ledger, {acknowledged} acknowledged")
+
+    # Each acknowledged capture charged its hold once; no other hold is charged.
+    charges = defaultdict(list)
+    for e in entries:
+        if e.get("hold_id") is not None:
+            charges[e["hold_id"]].append(e)
+    captures = {r["hold"]: r for r in accepted_ops if r["op"] == "capture"}
+    for hold, record in captures.items():
+        times = len(charges.get(hold, []))
+        if times != 1:
+            problems.append(f"wallet {wallet}: capture {record['key']} of hold {hold} is in the ledger {times} times")
+    for hold, charged in charges.items():
+        if hold not in captures:
+            problems.append(
+                f"wallet {wallet}: the ledger charges hold {hold} {sum(e['amount'] for e in charged)} "
+                f"({len(charged)} {charged[0]['kind']} entries), but the client was not told it was captured"
+            )
     return problems, balance, expected
+
+
+def hold_states(ops):
+    """The holds the client placed, by id, each with what it was told became of it: its capture's
+    record, `voided`, or `expired` (left alone, or its capture or void refused)."""
+    holds = {r["hold"]: {**r, "told": "expired"} for r in ops.values() if r["op"] == "hold" and r["s"] == 201}
+    problems = []
+    for r in ops.values():
+        if r["op"] not in ("capture", "void") or r["s"] != 200:
+            continue
+        hold = holds.get(r["hold"])
+        if hold is None:
+            problems.append(f"{r['op']} {r['key']} of hold {r['hold']}, which the run did not place")
+        elif hold["told"] != "expired":
+            problems.append(f"hold {r['hold']}: settled twice, by {r['key']} and by {hold['settlement']['key']}")
+        else:
+            hold.update(told="captured" if r["op"] == "capture" else "voided", settlement=r)
+    return holds, problems
+
+
+def wait_for_expiry(holds):
+    """Waits until every hold the client did not capture or void has expired (1 s past the last
+    expires_at, at most MAX_HOLD_WAIT_S); returns the problems (holds expiring later) and the wait."""
+    pending = [h for h in holds.values() if h["told"] == "expired"]
+    if not pending:
+        return [], 0.0
+    expiry = {h["hold"]: datetime.fromisoformat(h["expires_at"]).timestamp() for h in pending}
+    wait = min(max(0.0, max(expiry.values()) + 1 - time.time()), MAX_HOLD_WAIT_S)
+    time.sleep(wait)
+    now = time.time()
+    late = [h for h in pending if expiry[h["hold"]] > now]
+    return [f"hold {h['hold']} expires at {h['expires_at']}, after the check's wait ({MAX_HOLD_WAIT_S} s)" for h in late], wait
+
+
+def check_hold(client, hold):
+    """Problems with one hold as the API shows it (GET /holds/{id}), against what the client was told."""
+    status, body = client.get_json(f"/holds/{hold['hold']}")
+    if status != 200 or not isinstance(body, dict):
+        return [f"GET /holds/{hold['hold']}: HTTP {status}"]
+    told = hold["told"]
+    settlement = hold.get("settlement") or {}
+    want = {
+        "wallet_id": hold["w"],
+        "amount": hold["amount"],
+        "status": told,
+        "captured": settlement.get("amount", 0) if told == "captured" else 0,
+    }
+    if told == "captured":
+        want["capture_entry"] = settlement["entry"]
+    seen = {field: body.get(field) for field in want}
+    if seen == want:
+        return []
+    shown = ", ".join(f"{field} {value}" for field, value in seen.items())
+    return [f"hold {hold['hold']} (wallet {hold['w']}, {hold['key']}): {shown}, but the client was told {told}"]
 
 
 def main():
@@ -315,10 +427,17 @@ def main():
     if undecided:
         print(f"settled {undecided} undecided operations by replaying their keys: {settled_charged} charged")
 
+    holds, found = hold_states(ops)
+    problems.extend(found)
+    # Before the wallets are read: their available balances count only holds still active.
+    found, waited = wait_for_expiry(holds)
+    problems.extend(found)
+
     per_wallet = defaultdict(list)
     refused = defaultdict(list)
     for record in ops.values():
-        if record["s"] == 200:
+        # A void charges nothing; a capture is a payment of what it charged.
+        if record["s"] == 200 and record["op"] != "void":
             for wallet, leg in legs(record):
                 per_wallet[wallet].append(leg)
         elif record["op"] in ("pay", "transfer"):
@@ -336,7 +455,7 @@ def main():
             balance, expected = (state or {}).get("balance", 0), opened[wallet]
         else:
             found, balance, expected = check_wallet(
-                wallet, opened[wallet], per_wallet[wallet], refused[wallet], state, entries
+                wallet, opened[wallet], per_wallet[wallet], refused[wallet], state, entries, bool(holds)
             )
         with lock:
             totals["balance"] += balance
@@ -346,17 +465,32 @@ def main():
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.threads) as pool:
         entries = sum(pool.map(one, sorted(opened)))
+        for found in pool.map(lambda hold: check_hold(client, hold), holds.values()):
+            problems.extend(found)
 
-    accepted = sum(1 for r in ops.values() if r["s"] == 200 and r["op"] in ("pay", "transfer"))
-    deposits = sum(1 for r in ops.values() if r["s"] == 200 and r["op"] == "deposit")
-    transfers = sum(1 for r in ops.values() if r["s"] == 200 and r["op"] == "transfer")
-    refusals = sum(1 for r in ops.values() if r["s"] != 200)
+    def count(op, status=200):
+        return sum(1 for r in ops.values() if r["s"] == status and r["op"] == op)
+
+    # A capture is a payment: accepted counts it.
+    accepted = count("pay") + count("transfer") + count("capture")
+    refusals = sum(1 for r in ops.values() if r["s"] not in (200, 201))
     print(
-        f"books: {len(opened)} wallets, {len(ops)} operations ({accepted - transfers} payments, {transfers} "
-        f"transfers and {deposits} deposits accepted, {refusals} refused), {entries} ledger entries read "
+        f"books: {len(opened)} wallets, {len(ops)} operations ({count('pay')} payments, {count('transfer')} "
+        f"transfers and {count('deposit')} deposits accepted, {refusals} refused), {entries} ledger entries read "
         "through the API "
         f"in {time.monotonic() - started:.1f} s"
     )
+    if holds:
+        told = defaultdict(int)
+        for hold in holds.values():
+            told[hold["told"]] += 1
+        charged = sum(r["amount"] for r in ops.values() if r["op"] == "capture" and r["s"] == 200)
+        late = sum(1 for r in ops.values() if r.get("code") == "hold_expired")
+        print(
+            f"holds: {len(holds)} placed: {told['captured']} captured ({charged} charged), {told['voided']} voided, "
+            f"{told['expired']} expired (left alone, or their capture or void refused: {late} too late); waited "
+            f"{waited:.1f} s for the last expiry, then read every hold through GET /holds/{{id}}"
+        )
 
     audit_ok = True
     if args.audit:
@@ -364,7 +498,9 @@ def main():
         output = (result.stdout + result.stderr).strip().splitlines()
         audit_ok = result.returncode == 0
         if audit_ok:
-            print(output[-1] if output else "audit OK")
+            # Its verdict is the last line it prints, not a log line (a slow statement's) after it.
+            verdict = result.stdout.strip().splitlines() or output
+            print(verdict[-1] if verdict else "audit OK")
         else:
             for line in output[:MAX_PROBLEMS_SHOWN]:
                 print(f"audit: {line}")

@@ -16,6 +16,10 @@
 //   transfer   transfers of 1 to 100 (POST /transfers) from payers picked at random among 10,000
 //              wallets to PAYEES (100) merchants picked by a Zipf law (the k-th most popular is
 //              paid 1/k as often as the first): a few hot payees, a long tail, both legs booked
+//   holds      holds of 1 to 100 (POST /wallets/{id}/holds) on 10,000 wallets picked at random: a
+//              fifth placed for 1 s and left to expire, the rest placed for HOLD_EXPIRES_IN (30) s
+//              and at once captured in full, captured in part (1 to the amount) or voided, a
+//              third each; every placing, capture and void with a key of its own
 //   flood      FLOOD (10,000) payments of 1 on one wallet, all sent at the same instant, each on a
 //              connection of its own, once (no retry): VUS (10) users each send FLOOD / VUS in one
 //              http.batch. Every one must be answered 200, 503 `overloaded` or `lock_timeout`, or
@@ -31,7 +35,7 @@
 // Other settings, all optional: BASE_URL (http://127.0.0.1:8080), DURATION (60s), VUS, RATE,
 // WALLETS and INITIAL (per scenario below), RUN_ID (prefix of the run's wallet ids and keys; made up
 // in setup() when unset), P95_MS and P99_MS (latency thresholds on deposits and payments; per
-// scenario below),
+// scenario below), HOLD_EXPIRES_IN (holds: the life in seconds of those not left to expire, 30),
 // API_TOKEN (sent as `Authorization: Bearer`; loadtest/run takes it from `deploy/local token`),
 // MAX_ERROR_RATE (0.001, unexpected answers per request), SUMMARY_JSON (where handleSummary writes
 // the JSON summary; none when unset), ACK_LOG=1 (one `WL {...}` line per finished
@@ -43,14 +47,16 @@
 // skips the opening in setup() and uses the wallets RUN_ID's OPEN_ONLY run opened. Unset, setup()
 // opens the wallets and the scenario runs, in one k6 run.
 //
-// Every deposit and payment carries a unique Idempotency-Key (also its `reference`). An answer that
-// leaves the outcome unknown (no answer, a 502/504 from nginx, 500, 503 request_timeout, 409
-// idempotency_key_in_flight) is retried with the same key until it is decided; what is still
-// undecided at the end is logged as such, and loadtest/books.py settles it after the run by
-// replaying the key. So every operation ends as charged exactly once, or not at all, and the client
-// knows which: the books can be checked exactly.
+// Every deposit, payment, transfer, hold placed, capture and void carries a unique Idempotency-Key
+// (also the `reference` of a payment, a transfer or a hold, and so of a capture's pay entry). An
+// answer that leaves the outcome unknown (no answer, a 502/504 from nginx, 500, 503
+// request_timeout, 409 idempotency_key_in_flight) is retried with the same key until it is decided;
+// what is still undecided at the end is logged as such, and loadtest/books.py settles it after the
+// run by replaying the key. So every operation ends as applied exactly once, or not at all, and the
+// client knows which: the books can be checked exactly.
 //
-// Expected outcomes, not failures: 200, 422 insufficient_funds, 503 lock_timeout, 503 overloaded,
+// Expected outcomes, not failures: 200 (201 for a hold placed), 409 hold_expired (a capture or void
+// that came after its hold's expiry), 422 insufficient_funds, 503 lock_timeout, 503 overloaded,
 // 409 lease_lost, 503 dependency_unavailable, 409 idempotency_key_in_flight, 429 rate_limited (each
 // 503 and 429 with Retry-After). Anything else (a status 0, a 5xx that is not one of those, a 400,
 // a 200 whose entry does not match the request, a 503 or 429 without Retry-After) counts in
@@ -70,6 +76,7 @@ const PROFILES = {
   doubletap: { wallets: 1000, initial: 1000000000, vus: 32, p95_ms: 1000, p99_ms: 2000 },
   mixed: { wallets: 100, initial: 100, vus: 32, p95_ms: 1000, p99_ms: 2000 },
   transfer: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 2000, p99_ms: 3000 },
+  holds: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 2000, p99_ms: 3000 },
   read: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 1000, p99_ms: 2000 },
   health: { wallets: 0, initial: 1, vus: 64, p95_ms: 1000, p99_ms: 2000 },
   // A shed answer is immediate, a served one waits its turn: bounded by nginx's read timeout.
@@ -130,6 +137,13 @@ const ACK_LOG = __ENV.ACK_LOG === '1';
 const OPEN_ONLY = __ENV.OPEN_ONLY === '1';
 const OPENED = __ENV.OPENED === '1';
 const FLOOD = positiveInt('FLOOD', 10000);
+// holds: the share placed for 1 s and left alone, to expire. The others last HOLD_EXPIRES_IN s: long
+// enough that their capture or void, sent right after, comes first even on a loaded machine, short
+// enough that the book check, which waits for every hold not settled to expire, waits little for
+// one whose capture or void was refused.
+const HOLDS_LEFT = 0.2;
+const HOLD_EXPIRES_IN = positiveInt('HOLD_EXPIRES_IN', 30);
+if (HOLD_EXPIRES_IN > 604800) throw new Error(`HOLD_EXPIRES_IN must be at most 604800 (7 days), not ${HOLD_EXPIRES_IN}`);
 // transfer: wallets 0..PAYEES-1 are the payees, the rest the payers (so never one wallet twice).
 const PAYEES = positiveInt('PAYEES', 100);
 if (SCENARIO === 'transfer' && PAYEES >= WALLETS) throw new Error(`PAYEES (${PAYEES}) must be fewer than WALLETS (${WALLETS})`);
@@ -210,6 +224,11 @@ http.setResponseCallback(http.expectedStatuses(200, 201, 409, 422, 429, 503));
 // Final outcome of each operation (one payment or deposit, however many requests it took).
 const accepted = new Counter('accepted'); // payments charged (200)
 const deposited = new Counter('deposited'); // deposits credited (200)
+const holdsPlaced = new Counter('holds_placed'); // holds placed (201)
+const captured = new Counter('captured'); // holds captured (200; also counted in accepted)
+const voided = new Counter('voided'); // holds voided (200)
+const holdsLeft = new Counter('holds_left'); // holds placed and left to expire
+const holdExpired = new Counter('hold_expired'); // a capture or void too late: 409 hold_expired
 const insufficientFunds = new Counter('insufficient_funds');
 const lockTimeout = new Counter('lock_timeout');
 const leaseLost = new Counter('lease_lost');
@@ -354,12 +373,46 @@ export function setup() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// One deposit or payment: send, classify, retry while undecided.
+// One deposit, payment, transfer, hold placed, capture or void: send, classify, retry while
+// undecided.
 
-// Whether a 200's body describes this operation: a ledger entry of `wallet` (pay, deposit), or a
-// transfer from `wallet` to `to` with both its legs.
+// Whether a 200's (a hold placed: 201's) body describes this operation: a ledger entry of `wallet`
+// (pay, deposit), a transfer from `wallet` to `to` with both its legs, a new hold of `amount` on
+// `wallet`, or hold `to` of `wallet` captured (`amount`: what was charged, with its pay entry) or
+// voided.
 function describes(body, kind, wallet, amount, to) {
   if (body === null) return false;
+  if (kind === 'hold') {
+    return (
+      body.wallet_id === wallet &&
+      body.amount === amount &&
+      body.status === 'held' &&
+      body.captured === 0 &&
+      typeof body.id === 'string' &&
+      typeof body.expires_at === 'string'
+    );
+  }
+  if (kind === 'capture') {
+    const entry = body.entry;
+    return (
+      body.id === to &&
+      body.wallet_id === wallet &&
+      body.status === 'captured' &&
+      body.captured === amount &&
+      entry !== null &&
+      typeof entry === 'object' &&
+      entry.wallet_id === wallet &&
+      entry.kind === 'pay' &&
+      entry.amount === amount &&
+      entry.hold_id === to &&
+      body.capture_entry === entry.id &&
+      Number.isInteger(entry.balance) &&
+      entry.balance >= 0
+    );
+  }
+  if (kind === 'void') {
+    return body.id === to && body.wallet_id === wallet && body.status === 'voided' && body.captured === 0;
+  }
   if (kind !== 'transfer') {
     return (
       body.wallet_id === wallet &&
@@ -390,16 +443,19 @@ function describes(body, kind, wallet, amount, to) {
   );
 }
 
-// What one answer says about the operation.
-//   decided: 'charged' (200), 'refused' (nothing applied, the API says so), or null (unknown yet)
+// What one answer says about the operation (`to`: a transfer's payee, or the hold a capture or
+// void settles).
+//   decided: 'charged' (200, 201 for a hold placed: applied), 'refused' (nothing applied, the API
+//            says so), or null (unknown yet)
 function classify(res, kind, wallet, amount, to) {
   const replay = res.headers['Idempotent-Replayed'] === 'true';
   if (replay) replayed.add(1);
-  const errorCode = res.status === 200 ? '' : code(res);
+  const ok = kind === 'hold' ? 201 : 200;
+  const errorCode = res.status === ok ? '' : code(res);
   let decided = null;
   let expected = true;
   let entry = null;
-  if (res.status === 200) {
+  if (res.status === ok) {
     try {
       entry = res.json();
     } catch (_) {
@@ -420,6 +476,8 @@ function classify(res, kind, wallet, amount, to) {
   } else if (res.status === 429 && errorCode === 'rate_limited') {
     decided = 'refused';
   } else if (res.status === 409 && errorCode === 'lease_lost') {
+    decided = 'refused';
+  } else if (res.status === 409 && errorCode === 'hold_expired') {
     decided = 'refused';
   } else if (res.status === 409 && errorCode === 'idempotency_key_in_flight') {
     inFlight.add(1);
@@ -444,7 +502,14 @@ function classify(res, kind, wallet, amount, to) {
 }
 
 // The route of each kind's requests (the `name` tag).
-const MOVE_NAMES = { pay: 'POST /wallets/{id}/pay', deposit: 'POST /wallets/{id}/deposit', transfer: 'POST /transfers' };
+const MOVE_NAMES = {
+  pay: 'POST /wallets/{id}/pay',
+  deposit: 'POST /wallets/{id}/deposit',
+  transfer: 'POST /transfers',
+  hold: 'POST /wallets/{id}/holds',
+  capture: 'POST /holds/{id}/capture',
+  void: 'POST /holds/{id}/void',
+};
 
 // A key is made of RUN_ID (checked in setup) and numbers: it needs no escaping in JSON, so the
 // body is written out rather than built by JSON.stringify, one less object per iteration.
@@ -467,24 +532,58 @@ function transferRequest(from, to, amount, key) {
   };
 }
 
+function holdRequest(wallet, amount, expiresIn, key) {
+  return {
+    method: 'POST',
+    url: `${BASE_URL}/wallets/${wallet}/holds`,
+    body: `{"amount":${amount},"expires_in":${expiresIn},"reference":"${key}"}`,
+    params: { headers: keyedHeaders(key), tags: { op: 'move', name: MOVE_NAMES.hold } },
+  };
+}
+
+// A capture (`amount`: null for all of the hold, `{}`) or a void (no body) of hold `hold`.
+function settleHoldRequest(kind, hold, amount, key) {
+  let body = null;
+  if (kind === 'capture') body = amount === null ? '{}' : `{"amount":${amount}}`;
+  return {
+    method: 'POST',
+    url: `${BASE_URL}/holds/${hold}/${kind}`,
+    body,
+    params: { headers: keyedHeaders(key), tags: { op: 'move', name: MOVE_NAMES[kind] } },
+  };
+}
+
 function send(request) {
   return http.request(request.method, request.url, request.body, request.params);
 }
 
-// Records the final outcome of one operation (`to`: a transfer's payee). A transfer counts as
-// accepted, like a payment: money left a wallet.
+// Records the final outcome of one operation (`to`: a transfer's payee, or the hold a capture or
+// void settles, logged as `hold`; `amount`: a capture's is what it charges). A transfer and a
+// capture count as accepted, like a payment: money left a wallet.
 function finish(kind, wallet, amount, key, request, outcome, to) {
   operations.add(1);
+  const other = kind === 'capture' || kind === 'void' ? 'hold' : 'to';
   if (outcome === null) {
     undecided.add(1);
-    ack({ op: kind, w: wallet, to, amount, key, s: 'undecided', url: request.url, body: request.body });
+    ack({ op: kind, w: wallet, [other]: to, amount, key, s: 'undecided', url: request.url, body: request.body });
     return;
   }
   if (outcome.decided === 'charged') {
     if (kind === 'deposit') deposited.add(1);
+    else if (kind === 'hold') holdsPlaced.add(1);
+    else if (kind === 'void') voided.add(1);
     else accepted.add(1);
-    // The line of nearly every operation, written out (wallets and key need no escaping).
-    if (kind === 'transfer') {
+    if (kind === 'capture') captured.add(1);
+    // The line of nearly every operation, written out (wallets, keys and hold ids need no escaping).
+    if (kind === 'hold') {
+      const hold = `"hold":"${outcome.entry.id}","expires_at":${JSON.stringify(outcome.entry.expires_at)}`;
+      ack(`{"op":"hold","w":"${wallet}","amount":${amount},"key":"${key}","s":201,${hold}}`);
+    } else if (kind === 'capture') {
+      const entry = JSON.stringify(outcome.entry.entry.id);
+      ack(`{"op":"capture","w":"${wallet}","hold":"${to}","amount":${amount},"key":"${key}","s":200,"entry":${entry}}`);
+    } else if (kind === 'void') {
+      ack(`{"op":"void","w":"${wallet}","hold":"${to}","amount":${amount},"key":"${key}","s":200}`);
+    } else if (kind === 'transfer') {
       const legs = `"entry":${JSON.stringify(outcome.entry.from_entry.id)},"to_entry":${JSON.stringify(outcome.entry.to_entry.id)}`;
       ack(`{"op":"transfer","w":"${wallet}","to":"${to}","amount":${amount},"key":"${key}","s":200,${legs}}`);
     } else {
@@ -498,7 +597,8 @@ function finish(kind, wallet, amount, key, request, outcome, to) {
   else if (outcome.code === 'dependency_unavailable') dependencyUnavailable.add(1);
   else if (outcome.code === 'overloaded') overloaded.add(1);
   else if (outcome.code === 'rate_limited') rateLimited.add(1);
-  ack({ op: kind, w: wallet, to, amount, key, s: outcome.status, code: outcome.code });
+  else if (outcome.code === 'hold_expired') holdExpired.add(1);
+  ack({ op: kind, w: wallet, [other]: to, amount, key, s: outcome.status, code: outcome.code });
 }
 
 // Sends the request until an answer decides it, at most TRIES times in all (`first` may hold the
@@ -533,6 +633,36 @@ function transfer(runId) {
   const key = `${runId}-transfer-${__VU}-${__ITER}`;
   const request = transferRequest(from, to, amount, key);
   finish('transfer', from, amount, key, request, settle(request, 'transfer', from, amount, null, to), to);
+}
+
+// One hold of 1 to 100 on a wallet at random: placed for 1 s and left to expire (HOLDS_LEFT), or
+// placed for HOLD_EXPIRES_IN s and at once captured in full, captured in part or voided. A hold
+// that was not placed (refused, or undecided: books.py settles it, and then it is left to expire)
+// goes no further.
+function holds(runId) {
+  const wallet = walletId(runId, randomInt(0, WALLETS - 1));
+  const amount = randomInt(1, 100);
+  const left = Math.random() < HOLDS_LEFT;
+  const key = `${runId}-hold-${__VU}-${__ITER}`;
+  const request = holdRequest(wallet, amount, left ? 1 : HOLD_EXPIRES_IN, key);
+  const placed = settle(request, 'hold', wallet, amount, null);
+  finish('hold', wallet, amount, key, request, placed);
+  if (placed === null || placed.decided !== 'charged') return;
+  if (left) {
+    holdsLeft.add(1);
+    return;
+  }
+  const hold = placed.entry.id;
+  // Captured in full (`{}`: no amount), captured in part, or voided (nothing charged).
+  const pick = Math.random();
+  const kind = pick < 2 / 3 ? 'capture' : 'void';
+  const part = pick >= 1 / 3 && pick < 2 / 3 ? randomInt(1, amount) : null;
+  // What the answer and the record show: a capture's charge, a void's hold.
+  const figure = part === null ? amount : part;
+  const settleKey = `${runId}-${kind}-${__VU}-${__ITER}`;
+  const settleRequest = settleHoldRequest(kind, hold, part, settleKey);
+  const outcome = settle(settleRequest, kind, wallet, figure, null, hold);
+  finish(kind, wallet, figure, settleKey, settleRequest, outcome, hold);
 }
 
 // The same payment twice at once, one key: one charge, and both answers say so.
@@ -629,6 +759,9 @@ export default function (data) {
     case 'transfer':
       transfer(runId);
       break;
+    case 'holds':
+      holds(runId);
+      break;
     case 'read':
       read(walletId(runId, randomInt(0, WALLETS - 1)));
       break;
@@ -686,6 +819,11 @@ export function handleSummary(data) {
     max_ms: metric(data, `http_req_duration{op:${OP}}`, 'max'),
     accepted: metric(data, 'accepted', 'count'),
     deposited: metric(data, 'deposited', 'count'),
+    holds_placed: metric(data, 'holds_placed', 'count'),
+    captured: metric(data, 'captured', 'count'),
+    voided: metric(data, 'voided', 'count'),
+    holds_left: metric(data, 'holds_left', 'count'),
+    hold_expired: metric(data, 'hold_expired', 'count'),
     insufficient_funds: metric(data, 'insufficient_funds', 'count'),
     lock_timeout: metric(data, 'lock_timeout', 'count'),
     lease_lost: metric(data, 'lease_lost', 'count'),
@@ -714,6 +852,14 @@ export function handleSummary(data) {
         ` dependency_unavailable=${figures.dependency_unavailable} overloaded=${figures.overloaded}` +
         ` rate_limited=${figures.rate_limited} replayed=${figures.replayed}` +
         ` in_flight=${figures.in_flight} undecided=${figures.undecided}`,
+      ...(SCENARIO === 'holds'
+        ? [
+            `  holds placed=${figures.holds_placed} (${f(figures.holds_placed / DURATION_S)}/s)` +
+              ` captured=${figures.captured} (${f(figures.captured / DURATION_S)}/s)` +
+              ` voided=${figures.voided} (${f(figures.voided / DURATION_S)}/s)` +
+              ` left to expire=${figures.holds_left} hold_expired=${figures.hold_expired}`,
+          ]
+        : []),
       `  dropped connections: ${figures.dropped_connections}; 503/429 without Retry-After: ${figures.no_retry_after}`,
       `  unexpected errors: ${figures.unexpected} (${(figures.unexpected_rate * 100).toFixed(3)}% of requests)` +
         (MODEL === 'open' ? `, dropped iterations: ${figures.dropped_iterations}` : ''),

@@ -5,9 +5,15 @@
                                                            client saw accepted
     loadtest/tamper.py ACKS first-transfer                 "KEY FROM TO" of the first transfer the
                                                            client saw accepted
+    loadtest/tamper.py ACKS first-capture                  "KEY WALLET HOLD" of the first capture
+                                                           the client saw accepted (first-void: of
+                                                           the first void)
     loadtest/tamper.py ACKS drop KEY                       the record without the operation KEY
     loadtest/tamper.py ACKS refuse KEY                     the record with the operation KEY refused
                                                            (503 lock_timeout) instead of charged
+    loadtest/tamper.py ACKS captured KEY                   the record with the void KEY a capture
+                                                           of all of its hold instead, by a pay
+                                                           entry that does not exist
     loadtest/tamper.py ACKS undecided WALLET KEY --base-url URL
                                                            the record plus a payment of 1 from
                                                            WALLET with key KEY whose answer was
@@ -22,8 +28,17 @@ kind of broken books.
 import argparse
 import json
 import sys
+import uuid
 
 import books
+
+# first-OP: the operation, what it is called, the fields printed and what they are.
+FIRSTS = {
+    "first-pay": ("pay", "payment", ("key", "w"), "KEY WALLET"),
+    "first-transfer": ("transfer", "transfer", ("key", "w", "to"), "KEY FROM TO"),
+    "first-capture": ("capture", "capture", ("key", "w", "hold"), "KEY WALLET HOLD"),
+    "first-void": ("void", "void", ("key", "w", "hold"), "KEY WALLET HOLD"),
+}
 
 
 def compact(value):
@@ -34,10 +49,11 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("acks", help="the k6 console log of the run (pay.js with ACK_LOG=1)")
     modes = parser.add_subparsers(dest="mode", required=True)
-    modes.add_parser("first-pay", help="print KEY WALLET of the first accepted payment")
-    modes.add_parser("first-transfer", help="print KEY FROM TO of the first accepted transfer")
+    for mode, (_, name, _, shown) in FIRSTS.items():
+        modes.add_parser(mode, help=f"print {shown} of the first accepted {name}")
     modes.add_parser("drop", help="leave out the operation KEY").add_argument("key")
     modes.add_parser("refuse", help="the operation KEY refused instead of charged").add_argument("key")
+    modes.add_parser("captured", help="the void KEY a capture by a made-up entry").add_argument("key")
     undecided = modes.add_parser("undecided", help="add a payment of 1 whose answer was never seen")
     undecided.add_argument("wallet")
     undecided.add_argument("key")
@@ -48,19 +64,13 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     records = list(books.ack_records(args.acks))
-    if args.mode == "first-pay":
-        first = next((r for r in records if r["op"] == "pay" and r["s"] == 200), None)
+    if args.mode in FIRSTS:
+        op, name, fields, _ = FIRSTS[args.mode]
+        first = next((r for r in records if r["op"] == op and r["s"] == 200), None)
         if first is None:
-            print("tamper.py: the record holds no accepted payment", file=sys.stderr)
+            print(f"tamper.py: the record holds no accepted {name}", file=sys.stderr)
             return 1
-        print(first["key"], first["w"])
-        return 0
-    if args.mode == "first-transfer":
-        first = next((r for r in records if r["op"] == "transfer" and r["s"] == 200), None)
-        if first is None:
-            print("tamper.py: the record holds no accepted transfer", file=sys.stderr)
-            return 1
-        print(first["key"], first["w"], first["to"])
+        print(*(first[field] for field in fields))
         return 0
     if args.mode == "drop":
         records = [r for r in records if r.get("key") != args.key]
@@ -70,6 +80,10 @@ def main(argv=None):
                 del r["entry"]
                 r.pop("to_entry", None)
                 r.update(s=503, code="lock_timeout")
+    elif args.mode == "captured":
+        for r in records:
+            if r.get("key") == args.key:
+                r.update(op="capture", entry=str(uuid.uuid4()))
     elif args.mode == "undecided":
         body = compact({"amount": 1, "reference": args.key})
         records.append({"op": "pay", "w": args.wallet, "amount": 1, "key": args.key, "s": "undecided",
