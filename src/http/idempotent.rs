@@ -167,11 +167,7 @@ fn outcome_response<T>(
         Err(err) => return ApiError::Wallet(err).into_response(),
     };
     if let Err(refusal) = &outcome {
-        tracing::Span::current().record("outcome", refusal_code(refusal));
+        tracing::Span::current().record("outcome", refusal.code());
     }
     render(&outcome).into_response()
-}
-
-fn refusal_code(refusal: &Refusal) -> &'static str {
-    refusal.code()
 }

@@ -180,8 +180,7 @@ pub async fn read(
                 wallet_id: row.try_get("hold_wallet")?,
                 amount: row.try_get("hold_amount")?,
                 captured: 0,
-                status: crate::domain::HoldStatus::parse(status)
-                    .ok_or_else(|| sqlx::Error::Decode(format!("unknown hold status {status:?}").into()))?,
+                status: super::hold::decode_status(status)?,
                 expires_at: row.try_get("hold_expires_at")?,
                 reference: row.try_get("hold_reference")?,
                 created_at: row.try_get("hold_created_at")?,

@@ -57,8 +57,7 @@ impl sqlx::FromRow<'_, sqlx::postgres::PgRow> for Hold {
             wallet_id: row.try_get("wallet_id")?,
             amount: row.try_get("amount")?,
             captured: row.try_get("captured")?,
-            status: HoldStatus::parse(status)
-                .ok_or_else(|| sqlx::Error::Decode(format!("unknown hold status {status:?}").into()))?,
+            status: decode_status(status)?,
             expires_at: row.try_get("expires_at")?,
             reference: row.try_get("reference")?,
             created_at: row.try_get("created_at")?,
@@ -67,6 +66,12 @@ impl sqlx::FromRow<'_, sqlx::postgres::PgRow> for Hold {
             fence: row.try_get("fence")?,
         })
     }
+}
+
+/// A hold's `status` column, as stored.
+pub(super) fn decode_status(status: &str) -> Result<HoldStatus, sqlx::Error> {
+    HoldStatus::parse(status)
+        .ok_or_else(|| sqlx::Error::Decode(format!("unknown hold status {status:?}").into()))
 }
 
 /// The hold, with the owner of its wallet (who may see and settle it).
