@@ -5,7 +5,7 @@ use crate::support::app::{TestApp, spawn_app};
 use crate::support::fleet::{Fleet, audit};
 use crate::support::load::open_wallets;
 use crate::support::transfers::{Outcome, TransferLoad, check_books, settle, tally, transfer_one};
-use crate::support::{TestEnv, books};
+use crate::support::{OTHER_TOKEN, TestEnv, api_client_with, books};
 use reqwest::Response;
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -358,6 +358,136 @@ async fn refunds_racing_on_two_replicas_never_exceed_the_payment() {
         (990, 1_010)
     );
     let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "{report}");
+}
+
+/// POSTs `body` to `path` with `client`'s token: the response.
+async fn post_as(client: &reqwest::Client, app: &TestApp, path: &str, body: Value) -> Response {
+    client.post(app.url(path)).json(&body).send().await.unwrap()
+}
+
+/// The id of what a successful POST of `body` to `path` made.
+async fn made(app: &TestApp, path: &str, body: Value) -> String {
+    let response = app.post_json(path, body).await;
+    assert_eq!(response.status(), 200, "{path}");
+    response.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned()
+}
+
+async fn entry_count(db: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("select count(*) from ledger_entry").fetch_one(db).await.unwrap()
+}
+
+/// A request and how it must be refused: who sends it, where, what; the status, code and `field`.
+type Refused<'a> = (&'a reqwest::Client, &'a str, Value, u16, &'a str, Option<&'a str>);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_refused_refund_has_its_code_and_changes_nothing() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    app.open_wallet("buyer", 1_000).await;
+    app.open_wallet("seller", 0).await;
+    let other = api_client_with(OTHER_TOKEN);
+    let opened = post_as(&other, &app, "/wallets", json!({ "id": "outsider", "balance": 100 })).await;
+    assert_eq!(opened.status(), 201);
+    let payment = made(&app, "/wallets/buyer/pay", json!({ "amount": 100 })).await;
+    let deposit = made(&app, "/wallets/buyer/deposit", json!({ "amount": 50 })).await;
+    let moved = app.post_json("/transfers", json!({ "from": "buyer", "to": "seller", "amount": 300 })).await;
+    let moved: Value = moved.json().await.unwrap();
+    let transfer = moved["id"].as_str().unwrap();
+    let transfer_out = moved["from_entry"]["id"].as_str().unwrap();
+    // The seller spends most of what it was paid; and the buyer pays into another caller's wallet
+    // (`grant tester pays-into other`), which only that caller may refund.
+    made(&app, "/wallets/seller/pay", json!({ "amount": 250 })).await;
+    let into_outsider =
+        made(&app, "/transfers", json!({ "from": "buyer", "to": "outsider", "amount": 20 })).await;
+    let balances = || async {
+        let mut balances = Vec::new();
+        for wallet in ["buyer", "seller", "outsider"] {
+            balances.push(books(&app.db, wallet).await.balance);
+        }
+        balances
+    };
+    assert_eq!(balances().await, [630, 50, 120]);
+    let (entries, transfers) = (entry_count(&app.db).await, transfer_count(&app).await);
+
+    let tester = &app.client;
+    let unknown = uuid::Uuid::new_v4();
+    let (buyer, seller, ghost) =
+        ("/wallets/buyer/refunds", "/wallets/seller/refunds", "/wallets/ghost/refunds");
+    let refund_of = |id: &str| format!("/transfers/{id}/refund");
+    let (moved_back, no_transfer, not_a_uuid, theirs) = (
+        refund_of(transfer),
+        refund_of(&unknown.to_string()),
+        refund_of("not-a-uuid"),
+        refund_of(&into_outsider),
+    );
+    let cases: Vec<Refused> = vec![
+        // A payment's refund: of a `pay` entry of the caller's wallet named, of no more than was paid.
+        (tester, buyer, json!({ "payment": unknown }), 404, "payment_not_found", Some("payment")),
+        (tester, buyer, json!({ "payment": deposit }), 404, "payment_not_found", Some("payment")),
+        (tester, buyer, json!({ "payment": transfer_out }), 404, "payment_not_found", Some("payment")),
+        (tester, seller, json!({ "payment": payment }), 404, "payment_not_found", Some("payment")),
+        (tester, ghost, json!({ "payment": payment }), 404, "wallet_not_found", None),
+        (&other, buyer, json!({ "payment": payment }), 404, "wallet_not_found", None),
+        (tester, buyer, json!({ "payment": payment, "amount": 0 }), 400, "invalid_amount", Some("amount")),
+        (tester, buyer, json!({ "payment": payment, "amount": -5 }), 400, "invalid_amount", Some("amount")),
+        (tester, buyer, json!({ "payment": payment, "amount": 101 }), 422, "refund_exceeds_payment", None),
+        (tester, buyer, json!({ "payment": "nope" }), 400, "invalid_payment_id", Some("payment")),
+        (tester, buyer, json!({ "payment": payment, "amount": 1.5 }), 400, "invalid_body", None),
+        (tester, buyer, json!({ "payment": payment, "amount": "10" }), 400, "invalid_body", None),
+        (tester, buyer, json!({ "amount": 10 }), 400, "invalid_body", None),
+        (tester, buyer, json!({ "payment": payment, "to": "seller" }), 400, "invalid_body", None),
+        // A transfer's refund: of one that exists and is the caller's to refund (it may use the
+        // wallet paid into), of no more than it moved, from a payee that still has the money.
+        (tester, &no_transfer, json!({}), 404, "transfer_not_found", None),
+        (&other, &moved_back, json!({}), 404, "transfer_not_found", None),
+        (tester, &theirs, json!({}), 404, "transfer_not_found", None),
+        (tester, &not_a_uuid, json!({}), 400, "invalid_transfer_id", Some("transfer_id")),
+        (tester, &moved_back, json!({ "amount": 100 }), 422, "insufficient_funds", None),
+        (tester, &moved_back, json!({}), 422, "insufficient_funds", None),
+        (tester, &moved_back, json!({ "amount": 0 }), 400, "invalid_amount", Some("amount")),
+        (tester, &moved_back, json!({ "amount": -1 }), 400, "invalid_amount", Some("amount")),
+        (tester, &moved_back, json!({ "amount": 301 }), 422, "refund_exceeds_payment", None),
+        (tester, &moved_back, json!({ "amount": "5" }), 400, "invalid_body", None),
+        (tester, &moved_back, json!({ "amount": 5, "to": "buyer" }), 400, "invalid_body", None),
+    ];
+    for (client, path, body, status, code, field) in cases {
+        let response = post_as(client, &app, path, body.clone()).await;
+        assert_eq!(response.status(), status, "{path} {body}");
+        let (_, problem) = problem(response).await;
+        assert_eq!(problem["code"].as_str(), Some(code), "{path} {body}");
+        assert_eq!(problem["status"], status, "{path} {body}");
+        assert_eq!(problem["field"].as_str(), field, "{path} {body}");
+        match code {
+            "refund_exceeds_payment" => {
+                let paid = if path.starts_with("/wallets") { 100 } else { 300 };
+                assert_eq!(problem["refundable"], paid, "nothing refunded yet: {path} {body}");
+            }
+            "insufficient_funds" => assert_eq!(problem["balance"], 50, "what the payee has left: {body}"),
+            _ => {}
+        }
+    }
+    for path in [buyer, &moved_back] {
+        let malformed = tester
+            .post(app.url(path))
+            .header("content-type", "application/json")
+            .body("{\"amount\":")
+            .send()
+            .await
+            .unwrap();
+        let (status, malformed) = problem(malformed).await;
+        assert_eq!((status, malformed["code"].as_str()), (400, Some("malformed_json")), "{path}");
+    }
+
+    assert_eq!(balances().await, [630, 50, 120], "no money moved");
+    assert_eq!(
+        (entry_count(&app.db).await, transfer_count(&app).await),
+        (entries, transfers),
+        "nothing recorded"
+    );
+    let state: Value = app.get(&format!("/transfers/{transfer}")).await.json().await.unwrap();
+    assert_eq!(state["refunded"], 0);
+    let (ok, report) = audit(&app._schema.url);
     assert!(ok, "{report}");
 }
 
