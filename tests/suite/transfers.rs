@@ -492,6 +492,85 @@ async fn every_refused_refund_has_its_code_and_changes_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_retried_with_its_key_is_replayed_and_moves_money_once() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    app.open_wallet("rfrom", 1_000).await;
+    app.open_wallet("rto", 0).await;
+    let payment = made(&app, "/wallets/rfrom/pay", json!({ "amount": 100 })).await;
+    let transfer = made(&app, "/transfers", json!({ "from": "rfrom", "to": "rto", "amount": 200 })).await;
+    let send = |path: &str, key: &str, body: Value| {
+        app.client.post(app.url(path)).header("idempotency-key", key).json(&body).send()
+    };
+    let replayed = |response: &Response| {
+        response.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap().to_owned())
+    };
+
+    // Each refund route: a request, the same rebuilt in another key order, another request (10),
+    // and one asking more than is left once 30 is refunded (70 of the payment, 170 of the transfer).
+    let routes = [
+        (
+            "/wallets/rfrom/refunds".to_owned(),
+            json!({ "payment": payment, "amount": 30 }),
+            json!({ "amount": 30, "payment": payment }),
+            json!({ "payment": payment, "amount": 10 }),
+            json!({ "payment": payment, "amount": 71 }),
+            70,
+        ),
+        (
+            format!("/transfers/{transfer}/refund"),
+            json!({ "amount": 30 }),
+            json!({ "amount": 30 }),
+            json!({ "amount": 10 }),
+            json!({ "amount": 171 }),
+            170,
+        ),
+    ];
+    for (path, body, rebuilt, another, too_much, refundable) in routes {
+        let first = send(&path, "refund-1", body).await.unwrap();
+        assert_eq!((first.status().as_u16(), replayed(&first)), (200, None), "{path}");
+        let first = first.bytes().await.unwrap();
+        let retry = send(&path, "refund-1", rebuilt).await.unwrap();
+        assert_eq!((retry.status().as_u16(), replayed(&retry)), (200, Some("true".into())), "{path}");
+        assert_eq!(retry.bytes().await.unwrap(), first, "{path}: byte for byte the same response");
+
+        let reused = send(&path, "refund-1", another.clone()).await.unwrap();
+        let (status, reused) = problem(reused).await;
+        assert_eq!((status, reused["code"].as_str()), (422, Some("idempotency_key_reused")), "{path}");
+
+        // A refusal is stored and replayed as it was told, even once less is left to refund.
+        let refused = send(&path, "refund-2", too_much.clone()).await.unwrap();
+        assert_eq!((refused.status().as_u16(), replayed(&refused)), (422, None), "{path}");
+        let refused = refused.bytes().await.unwrap();
+        let told: Value = serde_json::from_slice(&refused).unwrap();
+        assert_eq!(
+            (told["code"].as_str(), told["refundable"].as_i64()),
+            (Some("refund_exceeds_payment"), Some(refundable)),
+            "{path}"
+        );
+        assert_eq!(app.post_json(&path, another).await.status(), 200, "{path}: without the key it runs");
+        let again = send(&path, "refund-2", too_much).await.unwrap();
+        assert_eq!((again.status().as_u16(), replayed(&again)), (422, Some("true".into())), "{path}");
+        assert_eq!(again.bytes().await.unwrap(), refused, "{path}: the refusal as it was first told");
+    }
+
+    // Each refunded once with its key (30) and once without (10).
+    let payment_refunds: i64 = sqlx::query_scalar("select count(*) from ledger_entry where kind = 'refund'")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    let transfer_refunds: i64 =
+        sqlx::query_scalar("select count(*) from transfer where refund_of is not null")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!((payment_refunds, transfer_refunds), (2, 2));
+    assert_eq!((books(&app.db, "rfrom").await.balance, books(&app.db, "rto").await.balance), (780, 160));
+    let (ok, report) = audit(&app._schema.url);
+    assert!(ok, "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transfer_waits_for_a_wallet_held_elsewhere_and_times_out_holding_nothing() {
     let env = TestEnv::new();
     let app = spawn_app(&env).await;
