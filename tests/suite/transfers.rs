@@ -570,6 +570,128 @@ async fn a_refund_retried_with_its_key_is_replayed_and_moves_money_once() {
     assert!(ok, "{report}");
 }
 
+/// Appends an entry to `wallet`'s ledger as a writer that keeps each wallet's own books straight
+/// would: the next number, the balance after it, the wallet's fence, and the wallet row moved with
+/// it. Its id.
+async fn append_entry(
+    db: &sqlx::PgPool,
+    wallet: &str,
+    kind: &str,
+    amount: i64,
+    transfer: Option<uuid::Uuid>,
+    refund_of: Option<uuid::Uuid>,
+) -> uuid::Uuid {
+    sqlx::query_scalar(
+        "with moved as (
+             update wallet
+             set balance = balance
+                           + case when $2::text in ('pay', 'transfer_out') then -$3::int8 else $3::int8 end,
+                 version = version + 1
+             where id = $1
+             returning id, balance, version, fence)
+         insert into ledger_entry
+             (id, wallet_id, seq, kind, amount, balance_after, fence, transfer_id, refund_of)
+         select gen_random_uuid(), id, version, $2::text, $3::int8, balance, fence, $4, $5 from moved
+         returning id",
+    )
+    .bind(wallet)
+    .bind(kind)
+    .bind(amount)
+    .bind(transfer)
+    .bind(refund_of)
+    .fetch_one(db)
+    .await
+    .unwrap()
+}
+
+/// Records a transfer row of `amount` from `from` to `to` (refunding `refund_of`), without legs.
+async fn record_transfer(
+    db: &sqlx::PgPool,
+    (from, to): (&str, &str),
+    amount: i64,
+    refund_of: Option<uuid::Uuid>,
+) -> uuid::Uuid {
+    let id = uuid::Uuid::new_v4();
+    sqlx::query(
+        "insert into transfer (id, from_wallet, to_wallet, amount, refund_of) values ($1, $2, $3, $4, $5)",
+    )
+    .bind(id)
+    .bind(from)
+    .bind(to)
+    .bind(amount)
+    .bind(refund_of)
+    .execute(db)
+    .await
+    .unwrap();
+    id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_finds_a_transfer_off_its_legs_refunds_beyond_what_they_refund_and_money_not_conserved() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    app.open_wallet("alice", 1_000).await;
+    app.open_wallet("bob", 0).await;
+    let payment = made(&app, "/wallets/alice/pay", json!({ "amount": 100 })).await;
+    made(&app, "/wallets/alice/refunds", json!({ "payment": payment, "amount": 40 })).await;
+    let first = made(&app, "/transfers", json!({ "from": "alice", "to": "bob", "amount": 300 })).await;
+    let refund = made(&app, &format!("/transfers/{first}/refund"), json!({ "amount": 100 })).await;
+    let untouched = made(&app, "/transfers", json!({ "from": "alice", "to": "bob", "amount": 200 })).await;
+    let (ok, report) = audit(&app._schema.url);
+    assert!(ok && report.starts_with("audit OK"), "{report}");
+
+    // Behind the service's back (as the schema's owner), the books a buggy writer would leave:
+    // each wallet's own ledger straight (every entry follows from the one before, every balance
+    // equals its ledger), so only the checks across wallets and entries can tell.
+    let db = &app.db;
+    // A transfer whose legs differ: 50 out of alice, 80 into bob.
+    let uneven = record_transfer(db, ("alice", "bob"), 50, None).await;
+    append_entry(db, "alice", "transfer_out", 50, Some(uneven), None).await;
+    append_entry(db, "bob", "transfer_in", 80, Some(uneven), None).await;
+    // A transfer with one leg: 20 out of alice, into nobody.
+    let one_legged = record_transfer(db, ("alice", "bob"), 20, None).await;
+    append_entry(db, "alice", "transfer_out", 20, Some(one_legged), None).await;
+    // The payment of 100, refunded 40 then 70.
+    let payment: uuid::Uuid = payment.parse().unwrap();
+    append_entry(db, "alice", "refund", 70, None, Some(payment)).await;
+    // The transfer of 300, refunded 100 then 250.
+    let first: uuid::Uuid = first.parse().unwrap();
+    let over_refund = record_transfer(db, ("bob", "alice"), 250, Some(first)).await;
+    append_entry(db, "bob", "transfer_out", 250, Some(over_refund), None).await;
+    append_entry(db, "alice", "transfer_in", 250, Some(over_refund), None).await;
+    // A refund entry of alice's for what was no payment: her part of the transfer of 300.
+    let leg: uuid::Uuid =
+        sqlx::query_scalar("select id from ledger_entry where transfer_id = $1 and kind = 'transfer_out'")
+            .bind(first)
+            .fetch_one(db)
+            .await
+            .unwrap();
+    let stray = append_entry(db, "alice", "refund", 5, None, Some(leg)).await;
+
+    let (ok, report) = audit(&app._schema.url);
+    assert!(!ok, "{report}");
+    for problem in [
+        format!("transfer {uneven}: 2 ledger legs, 1 matching transfer_out and 0 matching transfer_in"),
+        format!("transfer {one_legged}: 1 ledger legs, 1 matching transfer_out and 0 matching transfer_in"),
+        format!("payment {payment}: its refunds add up to 110, more than its 100"),
+        format!("transfer {first}: its refunds add up to 350, more than its 300"),
+        format!("refund entry {stray}: does not refund a payment of its own wallet"),
+        // Out: 300, 100 and 200 through the API, then 50, 20 and 250; in: the same but 80 for 50,
+        // and nothing for 20. Alice holds 795 and Bob 230, of 1,000 opened, 100 paid, 115 refunded.
+        "money not conserved: transfers took out 920 but put in 930".to_owned(),
+        "money not conserved: the balances add up to 1025, but opening balances plus deposits minus payments \
+         plus refunds are 1015"
+            .to_owned(),
+    ] {
+        assert!(report.contains(&problem), "the audit reports `{problem}`:\n{report}");
+    }
+    assert!(report.contains("audit FAILED: 7 problems"), "and nothing else:\n{report}");
+    assert!(!report.contains("wallet alice") && !report.contains("wallet bob"), "{report}");
+    for fine in [untouched, refund] {
+        assert!(!report.contains(&fine), "{fine} is fine: {report}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transfer_waits_for_a_wallet_held_elsewhere_and_times_out_holding_nothing() {
     let env = TestEnv::new();
