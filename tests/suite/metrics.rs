@@ -1,5 +1,6 @@
 //! Metrics: after a contention burst through the fleet, every replica's /metrics is valid
-//! Prometheus text (promtool, and the reference parser) and its figures match what the clients saw.
+//! Prometheus text (promtool, and the reference parser) and its figures match what the clients saw;
+//! transfers and refunds are counted by kind and outcome.
 
 use crate::support::TestEnv;
 use crate::support::fleet::Fleet;
@@ -112,4 +113,91 @@ async fn metrics_after_a_burst_match_what_the_clients_saw() {
     assert!(leases_taken > 0.0, "the replicas took leases");
     assert_eq!(accepted as usize, ok, "accepted payments counted = 200s seen: {seen:?}");
     assert_eq!(timeouts as usize, lock_timeouts, "lock timeouts counted = 503 lock_timeout seen: {seen:?}");
+}
+
+/// The samples of `walletlock_transfers_total` in `scrape` that are not zero: by kind, then outcome.
+fn transfers_counted(scrape: &str) -> BTreeMap<(String, String), f64> {
+    scrape
+        .lines()
+        .filter_map(|line| line.strip_prefix("walletlock_transfers_total{")?.split_once("} "))
+        .filter_map(|(labels, value)| {
+            let labels: BTreeMap<&str, &str> = labels
+                .split(',')
+                .filter_map(|pair| pair.split_once('='))
+                .map(|(name, value)| (name, value.trim_matches('"')))
+                .collect();
+            let value: f64 = value.trim().parse().ok()?;
+            let sample = ((labels.get("kind")?.to_string(), labels.get("outcome")?.to_string()), value);
+            (value != 0.0).then_some(sample)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfers_and_refunds_are_counted_by_kind_and_outcome() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 1, &[]).await;
+    open_wallets(&fleet, &["payer", "payee"], 100).await;
+    let replica = &fleet.replicas[0];
+    // POSTs to the replica: what the client was told (`accepted` or the problem's code), and the id
+    // of what it made.
+    let send = |path: &str, key: Option<&str>, body: Value| {
+        let mut request = fleet.client.post(replica.url(path)).json(&body);
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        async move {
+            let response = request.send().await.unwrap();
+            let status = response.status().as_u16();
+            let body: Value = response.json().await.unwrap();
+            let told = if status == 200 { "accepted" } else { body["code"].as_str().unwrap_or_default() };
+            (told.to_owned(), body["id"].as_str().unwrap_or_default().to_owned())
+        }
+    };
+    let transfer = |to: &str, amount: i64| json!({ "from": "payer", "to": to, "amount": amount });
+    let told = |sent: (String, String)| sent.0;
+
+    // Transfers: two moved, one short, one into nobody, one moved with a key and then replayed.
+    let (_, first) = send("/transfers", None, transfer("payee", 30)).await;
+    let (_, second) = send("/transfers", None, transfer("payee", 40)).await;
+    assert!(!first.is_empty() && !second.is_empty(), "both moved");
+    assert_eq!(told(send("/transfers", None, transfer("payee", 500)).await), "insufficient_funds");
+    assert_eq!(told(send("/transfers", None, transfer("ghost", 1)).await), "wallet_not_found");
+    let keyed = send("/transfers", Some("once"), transfer("payee", 5)).await;
+    assert_eq!(keyed.0, "accepted");
+    assert_eq!(send("/transfers", Some("once"), transfer("payee", 5)).await, keyed, "replayed");
+    // Refunds of transfers: one moved, one beyond what is left, one from a payee that spent it.
+    let (first, second) = (format!("/transfers/{first}/refund"), format!("/transfers/{second}/refund"));
+    assert_eq!(told(send(&first, None, json!({ "amount": 10 })).await), "accepted");
+    assert_eq!(told(send(&first, None, json!({ "amount": 25 })).await), "refund_exceeds_payment");
+    assert_eq!(told(send("/wallets/payee/pay", None, json!({ "amount": 160 })).await), "accepted");
+    assert_eq!(told(send(&second, None, json!({ "amount": 40 })).await), "insufficient_funds");
+    // Refunds of payments: two moved (5, then the rest), one beyond the payment, one of no payment.
+    let (_, payment) = send("/wallets/payer/pay", None, json!({ "amount": 20 })).await;
+    let refunds = "/wallets/payer/refunds";
+    assert_eq!(told(send(refunds, None, json!({ "payment": payment, "amount": 5 })).await), "accepted");
+    assert_eq!(told(send(refunds, None, json!({ "payment": payment })).await), "accepted");
+    let beyond = json!({ "payment": payment, "amount": 1 });
+    assert_eq!(told(send(refunds, None, beyond).await), "refund_exceeds_payment");
+    let nothing = json!({ "payment": uuid::Uuid::new_v4() });
+    assert_eq!(told(send(refunds, None, nothing).await), "payment_not_found");
+
+    // Counted once each, under its kind and outcome; a replay is not a second transfer.
+    let scrape = fleet.client.get(replica.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let expected: BTreeMap<(String, String), f64> = [
+        ("transfer", "accepted", 3.0),
+        ("transfer", "insufficient_funds", 1.0),
+        ("transfer", "not_found", 1.0),
+        ("transfer", "replayed", 1.0),
+        ("transfer_refund", "accepted", 1.0),
+        ("transfer_refund", "refund_exceeds_payment", 1.0),
+        ("transfer_refund", "insufficient_funds", 1.0),
+        ("payment_refund", "accepted", 2.0),
+        ("payment_refund", "refund_exceeds_payment", 1.0),
+        ("payment_refund", "not_found", 1.0),
+    ]
+    .into_iter()
+    .map(|(kind, outcome, count)| ((kind.to_owned(), outcome.to_owned()), count))
+    .collect();
+    assert_eq!(transfers_counted(&scrape), expected);
 }
