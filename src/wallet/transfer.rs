@@ -238,7 +238,13 @@ impl Wallets {
         amount: Option<Amount>,
         key: Option<Keyed<TransferOutcome>>,
     ) -> Result<Transfer, WalletError> {
-        let original = self.find_transfer(access, id).await?.transfer;
+        // Counted here too: a refund refused before it runs (no such transfer, or not the
+        // caller's) is a refund's outcome like any other.
+        let original = self
+            .find_transfer(access, id)
+            .await
+            .inspect_err(|err| count_outcome::<()>("transfer_refund", &Err(err.clone())))?
+            .transfer;
         let wallet = |id: &str| WalletId::parse(id).map_err(|_| WalletError::internal("a stored wallet id"));
         let parties = Parties { from: wallet(&original.to)?, to: wallet(&original.from)? };
         let work = Work::Transfer {

@@ -166,8 +166,11 @@ async fn transfers_and_refunds_are_counted_by_kind_and_outcome() {
     let keyed = send("/transfers", Some("once"), transfer("payee", 5)).await;
     assert_eq!(keyed.0, "accepted");
     assert_eq!(send("/transfers", Some("once"), transfer("payee", 5)).await, keyed, "replayed");
-    // Refunds of transfers: one moved, one beyond what is left, one from a payee that spent it.
+    // Refunds of transfers: one moved, one beyond what is left, one from a payee that spent it,
+    // one of no transfer.
     let (first, second) = (format!("/transfers/{first}/refund"), format!("/transfers/{second}/refund"));
+    let no_transfer = format!("/transfers/{}/refund", uuid::Uuid::new_v4());
+    assert_eq!(told(send(&no_transfer, None, json!({})).await), "transfer_not_found");
     assert_eq!(told(send(&first, None, json!({ "amount": 10 })).await), "accepted");
     assert_eq!(told(send(&first, None, json!({ "amount": 25 })).await), "refund_exceeds_payment");
     assert_eq!(told(send("/wallets/payee/pay", None, json!({ "amount": 160 })).await), "accepted");
@@ -192,6 +195,7 @@ async fn transfers_and_refunds_are_counted_by_kind_and_outcome() {
         ("transfer_refund", "accepted", 1.0),
         ("transfer_refund", "refund_exceeds_payment", 1.0),
         ("transfer_refund", "insufficient_funds", 1.0),
+        ("transfer_refund", "not_found", 1.0),
         ("payment_refund", "accepted", 2.0),
         ("payment_refund", "refund_exceeds_payment", 1.0),
         ("payment_refund", "not_found", 1.0),
