@@ -47,27 +47,6 @@ async fn sweep_expired_holds(wallets: Wallets, stop: CancellationToken) {
     }
 }
 
-/// How often the allocator is asked to give freed memory back to the system.
-const TRIM_EVERY: Duration = Duration::from_secs(10);
-
-/// Gives the heap's free pages back to the system every [`TRIM_EVERY`]. glibc keeps what a flood
-/// freed (in each thread's arena) for reuse, so without this a replica stays at its peak resident
-/// memory after a flood instead of returning near idle. A trim of a heap this size takes well
-/// under a millisecond.
-async fn trim_heap(stop: CancellationToken) {
-    loop {
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep(TRIM_EVERY) => {}
-        }
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        // SAFETY: malloc_trim only releases free memory; it has no preconditions.
-        unsafe {
-            libc::malloc_trim(0);
-        }
-    }
-}
-
 pub struct Application {
     listener: TcpListener,
     ctx: ApiContext,
@@ -130,12 +109,10 @@ impl Application {
         tracing::info!(replica = %ctx.replica, addr = %listener.local_addr()?, "walletlock serving");
         let stop_purging = CancellationToken::new();
         let purger = tokio::spawn(purge_expired_keys(ctx.wallets.clone(), stop_purging.clone()));
-        let trimmer = tokio::spawn(trim_heap(stop_purging.clone()));
         let sweeper = tokio::spawn(sweep_expired_holds(ctx.wallets.clone(), stop_purging.clone()));
         http::server::serve(listener, http::router(ctx.clone()), ctx.draining.clone(), shutdown, grace).await;
         stop_purging.cancel();
         let _ = purger.await;
-        let _ = trimmer.await;
         let _ = sweeper.await;
         if !ctx.wallets.drain(grace).await {
             tracing::warn!("payments still in flight after the grace period");

@@ -195,7 +195,9 @@ async fn run_round(db: &PgPool, lane: Lane, settings: RoundSettings, round: Vec<
     metrics::histogram!(crate::telemetry::metrics::ROUND_WALLETS).record(round.len() as f64);
     let kept = lane.is_some();
     let fresh = lane.as_ref().is_some_and(|lane| lane.answered.elapsed() < LANE_FRESH);
-    let mut conn = match connect(db, lane).await {
+    // The statements' futures are boxed: sqlx's are kilobytes each, and unboxed they made every
+    // round's task 15 KB, copied whole at each spawn and poll transition.
+    let mut conn = match Box::pin(connect(db, lane)).await {
         Ok(conn) => conn,
         Err(err) => return answer_all(round, Vec::new(), &err.into()),
     };
@@ -218,7 +220,7 @@ async fn run_round(db: &PgPool, lane: Lane, settings: RoundSettings, round: Vec<
             .collect();
         let expired: Vec<&str> = expired_of.iter().map(String::as_str).collect();
         let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired, now };
-        let reading = read(&mut conn, &mut pending, &mut ready, look_up_keys, holds);
+        let reading = Box::pin(read(&mut conn, &mut pending, &mut ready, look_up_keys, holds));
         let (mut found, gave_up) = match tokio::time::timeout(settings.answer_within, reading).await {
             Ok(found) => (found, false),
             Err(_) => (Err(WalletError::from(unanswered(settings.answer_within))), true),
@@ -228,11 +230,11 @@ async fn run_round(db: &PgPool, lane: Lane, settings: RoundSettings, round: Vec<
             // checkout's ping would have caught: read again, once, on a fresh one. The read is
             // safe to repeat: it writes nothing a second read would not find as it left it.
             conn.close_on_drop();
-            conn = match connect(db, None).await {
+            conn = match Box::pin(connect(db, None)).await {
                 Ok(fresh) => fresh,
                 Err(err) => return answer_all(pending, ready, &err.into()),
             };
-            found = read(&mut conn, &mut pending, &mut ready, true, holds).await;
+            found = Box::pin(read(&mut conn, &mut pending, &mut ready, true, holds)).await;
         }
         let (keys, held_holds) = match found {
             Ok(found) => found,
@@ -270,7 +272,7 @@ async fn run_round(db: &PgPool, lane: Lane, settings: RoundSettings, round: Vec<
             Ok(Default::default())
         } else {
             crate::failpoint::hit("before_commit");
-            let writing = store::commit(&mut conn, &write, now, settings.retention);
+            let writing = Box::pin(store::commit(&mut conn, &write, now, settings.retention));
             let written = tokio::time::timeout(settings.answer_within, writing)
                 .await
                 .unwrap_or_else(|_| Err(unanswered(settings.answer_within).into()));

@@ -205,10 +205,12 @@ impl Wallets {
         let name = lease_name(id);
         let mut yield_first = false;
         while let Some(deadline) = L::queues(self).earliest_deadline(id) {
+            // Each step's future is boxed: unboxed, the worker's task held the largest of them
+            // (13 KB), copied whole at its spawn.
             let acquired = if yield_first {
-                self.leases.acquire_after_others(&name, deadline).await
+                Box::pin(self.leases.acquire_after_others(&name, deadline)).await
             } else {
-                self.leases.acquire_until(&name, deadline).await
+                Box::pin(self.leases.acquire_until(&name, deadline)).await
             };
             let mut lease = match acquired {
                 Ok(lease) => lease,
@@ -223,9 +225,9 @@ impl Wallets {
                 }
             };
             lease.keep_alive();
-            let released = match L::hold(self, id, &mut lease).await {
-                Some(note) => lease.release_with_note(&note).await,
-                None => lease.release().await,
+            let released = match Box::pin(L::hold(self, id, &mut lease)).await {
+                Some(note) => Box::pin(lease.release_with_note(&note)).await,
+                None => Box::pin(lease.release()).await,
             };
             yield_first = match released {
                 Ok(Released { contended }) => contended,
