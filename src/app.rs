@@ -47,6 +47,31 @@ async fn sweep_expired_holds(wallets: Wallets, stop: CancellationToken) {
     }
 }
 
+// The replicas' allocator: glibc's malloc and free took 16% of a replica's CPU under spread
+// payments (perf), most of it in consolidating and unlinking chunks, where mimalloc's thread-local
+// free lists take little. Built without transparent huge pages (Cargo.toml): with them its eagerly
+// committed arenas made an idle replica 26 MiB resident instead of 15.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// How often the allocator is asked to give freed memory back to the system.
+const TRIM_EVERY: Duration = Duration::from_secs(10);
+
+/// Gives the heap's free pages back to the system every [`TRIM_EVERY`]. The allocator keeps what a
+/// flood freed for reuse, and purges it only as later allocations come by, so without this an idle
+/// replica stays near its peak resident memory after a flood (22-26 MiB instead of 14). A forced
+/// collection of a heap this size takes well under a millisecond.
+async fn trim_heap(stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(TRIM_EVERY) => {}
+        }
+        // SAFETY: mi_collect only frees what no allocation uses; it has no preconditions.
+        unsafe { libmimalloc_sys::mi_collect(true) };
+    }
+}
+
 pub struct Application {
     listener: TcpListener,
     ctx: ApiContext,
@@ -110,10 +135,12 @@ impl Application {
         let stop_purging = CancellationToken::new();
         let purger = tokio::spawn(purge_expired_keys(ctx.wallets.clone(), stop_purging.clone()));
         let sweeper = tokio::spawn(sweep_expired_holds(ctx.wallets.clone(), stop_purging.clone()));
+        let trimmer = tokio::spawn(trim_heap(stop_purging.clone()));
         http::server::serve(listener, http::router(ctx.clone()), ctx.draining.clone(), shutdown, grace).await;
         stop_purging.cancel();
         let _ = purger.await;
         let _ = sweeper.await;
+        let _ = trimmer.await;
         if !ctx.wallets.drain(grace).await {
             tracing::warn!("payments still in flight after the grace period");
         }

@@ -1,10 +1,6 @@
 use std::process::ExitCode;
 use walletlock::cli::{self, Cli};
 
-// See Cargo.toml for why not the system allocator.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse_or_exit();
