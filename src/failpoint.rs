@@ -3,7 +3,8 @@
 //! Built with the `failpoints` feature (only `deploy/test` enables it), `WALLETLOCK_FAILPOINT=<name>`
 //! makes the process SIGKILL itself at the point of that name: it is how the tests kill a replica
 //! exactly between its commit and its response. `WALLETLOCK_FAILPOINT=<name>:stop` makes it SIGSTOP
-//! itself there instead (a stalled process, a frozen VM), until the test sends SIGCONT. Without
+//! itself there instead (a stalled process, a frozen VM), until the test sends SIGCONT; only the
+//! first time, so the woken process serves on (under load) as one that was frozen once. Without
 //! the feature, [`hit`] is an empty inline function.
 
 /// Kills or stops the process if the failpoint `name` is armed.
@@ -18,6 +19,10 @@ pub fn hit(name: &str) {
         Some(":stop") => true,
         _ => return,
     };
+    static STOPPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if stop && STOPPED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        return;
+    }
     eprintln!("failpoint {armed}");
     // SAFETY: signals to ourselves. SIGSTOP is raised on this thread, so this thread stops before
     // it goes on (a signal sent to the process may be taken by another thread first, and this one

@@ -4,10 +4,13 @@
 use crate::support::app::{TestApp, spawn_app};
 use crate::support::fleet::{Fleet, audit};
 use crate::support::load::open_wallets;
-use crate::support::transfers::{Outcome, TransferLoad, check_books, settle, tally, transfer_one};
+use crate::support::transfers::{
+    Outcome, TransferLoad, check_books, goes_through_at_once, settle, tally, transfer_one,
+};
 use crate::support::{OTHER_TOKEN, TestEnv, api_client_with, books};
 use reqwest::Response;
 use serde_json::{Value, json};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Barrier;
@@ -61,13 +64,7 @@ async fn sixteen_clients_transferring_both_ways_never_deadlock_and_the_books_bal
     check_books(&fleet, &opening, &attempts).await;
 
     // Nothing is wedged: a transfer right after goes through at once.
-    let after = transfer_one(&fleet.client, &fleet.url(""), ("ta", "tb"), 1).await;
-    let after = match after.outcome {
-        Outcome::Applied(_) => after,
-        _ => transfer_one(&fleet.client, &fleet.url(""), ("tb", "ta"), 1).await,
-    };
-    assert!(matches!(after.outcome, Outcome::Applied(_)), "{after:?}");
-    assert!(after.took < Duration::from_millis(500), "the transfer after took {:?}", after.took);
+    goes_through_at_once(&fleet, ("ta", "tb")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -914,6 +911,152 @@ async fn a_transfer_holder_paused_past_its_leases_applies_nothing_when_it_wakes(
     let (ok, report) = audit(&fleet.database_url);
     assert!(ok, "{report}");
     eprintln!("a transfer holder paused past its leases: both wallets paid again {freed:?} after the pause");
+}
+
+/// The ids of the transfers committed so far.
+async fn committed(db: &sqlx::PgPool) -> HashSet<uuid::Uuid> {
+    let ids: Vec<uuid::Uuid> = sqlx::query_scalar("select id from transfer").fetch_all(db).await.unwrap();
+    ids.into_iter().collect()
+}
+
+/// The settings of the fault fleets: a one-second lease, and keys of dead replicas freed after two.
+const FAULT_SETTINGS: [(&str, &str); 2] = [("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s")];
+
+/// What a transfer under the load may end as once settled: applied, or refused with nothing
+/// applied (a wallet held by a dead or frozen replica is a bounded wait, then `lock_timeout`).
+fn assert_decided_on_merits(counts: &std::collections::BTreeMap<String, usize>) {
+    for code in counts.keys() {
+        assert!(
+            ["applied", "insufficient_funds", "lock_timeout", "lease_lost"].contains(&code.as_str()),
+            "a transfer neither applied nor refused with nothing applied: {counts:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_under_the_transfer_load_loses_nothing_and_applies_nothing_twice() {
+    let env = TestEnv::new();
+    let mut fleet = Fleet::start(&env, 3, &FAULT_SETTINGS).await;
+    let wallets = ["ka", "kb", "kc", "kd", "ke"];
+    let opening = 2_000;
+    open_wallets(&fleet, &wallets, opening).await;
+    let started = Instant::now();
+    let load = TransferLoad::each(&fleet, &wallets, 16, 12);
+
+    // Mid-load, replica-1 is SIGKILLed (by its pid) wherever it is: nginx answers its transfers in
+    // flight 502 and sends the rest elsewhere. It comes back armed to stop itself right after its
+    // next commit, and is SIGKILLed there: a transfer committed whose answer never left.
+    let mid_load = || async { transfer_count_in(&fleet.db).await >= 16 };
+    crate::support::eventually("the load committed 16 transfers", Duration::from_secs(20), mid_load).await;
+    fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", Some("after_commit:stop"));
+    fleet.replicas[0].start();
+    // One transfer straight to it, in case nginx sends it none before the load ends.
+    let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
+    let doomed = tokio::spawn(async move { transfer_one(&client, &url, ("kc", "kd"), 7).await });
+    let pid = fleet.replicas[0].pid();
+    crate::support::eventually("replica-1 stopped after a commit", Duration::from_secs(10), || async {
+        is_stopped(pid)
+    })
+    .await;
+    fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", None);
+    fleet.replicas[0].start();
+    let back = started.elapsed();
+
+    let mut attempts = tokio::time::timeout(Duration::from_secs(40), load.done())
+        .await
+        .expect("16 clients sent 12 transfers each within 40 s, through the kills");
+    attempts.push(doomed.await.unwrap());
+    let took = started.elapsed();
+    let undecided: HashSet<String> =
+        attempts.iter().filter(|a| matches!(a.outcome, Outcome::Unknown(_))).map(|a| a.key.clone()).collect();
+    assert!(!undecided.is_empty(), "the kills left transfers undecided: {:?}", tally(&attempts));
+    let before_retries = committed(&fleet.db).await;
+
+    // Each undecided transfer is settled by retrying it with its key: one committed before the
+    // kill is replayed (the same transfer, not a second), one that was not is applied now or
+    // refused, once.
+    settle(&fleet, &mut attempts).await;
+    let replayed = attempts
+        .iter()
+        .filter(|a| undecided.contains(&a.key))
+        .filter(|a| matches!(a.outcome, Outcome::Applied(id) if before_retries.contains(&id)))
+        .count();
+    assert!(replayed >= 1, "the transfer committed at the kill was replayed by its key's retry");
+    let counts = tally(&attempts);
+    eprintln!(
+        "16 clients, 12 transfers each, replica-1 killed twice and back {back:?} in, {took:?}: \
+         {counts:?}; {} undecided, {replayed} of them committed before the kill",
+        undecided.len()
+    );
+    assert_decided_on_merits(&counts);
+    let opening: Vec<(&str, i64)> = wallets.iter().map(|w| (*w, opening)).collect();
+    check_books(&fleet, &opening, &attempts).await;
+    goes_through_at_once(&fleet, ("ka", "kb")).await;
+}
+
+async fn version(db: &sqlx::PgPool, wallet: &str) -> i64 {
+    sqlx::query_scalar("select version from wallet where id = $1").bind(wallet).fetch_one(db).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_paused_past_its_leases_under_the_transfer_load_is_refused_when_it_wakes() {
+    let env = TestEnv::new();
+    let mut fleet = Fleet::start(&env, 3, &FAULT_SETTINGS).await;
+    let wallets = ["pa", "pb", "pc", "pd", "pe"];
+    let opening = 2_000;
+    open_wallets(&fleet, &wallets, opening).await;
+    fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", Some("transfer_leases_held:stop"));
+    fleet.replicas[0].start();
+
+    // replica-1 stops itself (a GC pause, a frozen VM) holding the leases of `pa` and `pb`, before
+    // its transaction: no row is locked, so only the fences can refuse its write when it wakes.
+    let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
+    let stale = tokio::spawn(async move { transfer_one(&client, &url, ("pa", "pb"), 40).await });
+    let pid = fleet.replicas[0].pid();
+    crate::support::eventually("replica-1 stopped holding both leases", Duration::from_secs(5), || async {
+        is_stopped(pid)
+    })
+    .await;
+    let paused_at = Instant::now();
+    let read = (version(&fleet.db, "pa").await, version(&fleet.db, "pb").await);
+
+    // The load through nginx to all three replicas (what nginx sends to replica-1 waits for it).
+    // Its leases lapse (1 s); the load's transfers between `pa` and `pb` on the other replicas
+    // take them over and commit, so each row now carries a fence above the paused holder's.
+    let load = TransferLoad::each(&fleet, &wallets, 16, 12);
+    let written = || async { (version(&fleet.db, "pa").await, version(&fleet.db, "pb").await) };
+    crate::support::eventually("pa and pb written by the others", Duration::from_secs(8), || async {
+        let now = written().await;
+        now.0 > read.0 && now.1 > read.1
+    })
+    .await;
+    let freed = paused_at.elapsed();
+    assert!(freed <= Duration::from_secs(3), "both wallets were held {freed:?} after the pause");
+
+    // Woken, the stale holder is refused: 409 lease_lost, nothing moved.
+    fleet.replicas[0].signal(nix::sys::signal::Signal::SIGCONT);
+    let stale = stale.await.unwrap();
+    assert_eq!(
+        stale.outcome,
+        Outcome::NotApplied("lease_lost".into()),
+        "replica-1 logged:\n{}",
+        fleet.replicas[0].log()
+    );
+    let mut attempts = tokio::time::timeout(Duration::from_secs(40), load.done())
+        .await
+        .expect("16 clients sent 12 transfers each within 40 s, through the pause");
+    let took = paused_at.elapsed();
+    attempts.push(stale);
+    settle(&fleet, &mut attempts).await;
+    let counts = tally(&attempts);
+    eprintln!(
+        "16 clients, 12 transfers each, replica-1 paused: pa and pb written again {freed:?} after the \
+         pause, {took:?}: {counts:?}"
+    );
+    assert_decided_on_merits(&counts);
+    let opening: Vec<(&str, i64)> = wallets.iter().map(|w| (*w, opening)).collect();
+    check_books(&fleet, &opening, &attempts).await;
+    goes_through_at_once(&fleet, ("pa", "pb")).await;
 }
 
 /// A sample of a replica's /metrics with no labels: its value.

@@ -141,6 +141,18 @@ pub async fn settle(fleet: &Fleet, attempts: &mut [TransferAttempt]) {
     }
 }
 
+/// Nothing is wedged after a load: a transfer of 1 between `pair` through nginx goes through at
+/// once (under 500 ms), or, if the first wallet cannot cover it, one the other way does.
+pub async fn goes_through_at_once(fleet: &Fleet, (a, b): (&str, &str)) {
+    let after = transfer_one(&fleet.client, &fleet.url(""), (a, b), 1).await;
+    let after = match after.outcome {
+        Outcome::Applied(_) => after,
+        _ => transfer_one(&fleet.client, &fleet.url(""), (b, a), 1).await,
+    };
+    assert!(matches!(after.outcome, Outcome::Applied(_)), "the transfer after: {after:?}");
+    assert!(after.took < Duration::from_millis(500), "the transfer after took {:?}", after.took);
+}
+
 /// How many attempts ended each way, by code.
 pub fn tally(attempts: &[TransferAttempt]) -> std::collections::BTreeMap<String, usize> {
     let mut tally = std::collections::BTreeMap::new();
