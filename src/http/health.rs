@@ -2,23 +2,21 @@
 
 use super::ApiContext;
 use axum::{
-    Json, Router,
+    Json,
     extract::State,
     http::{StatusCode, header},
     response::IntoResponse,
-    routing::get,
 };
 use serde::Serialize;
 use std::time::Duration;
+use utoipa_axum::{router::OpenApiRouter, routes};
 
 /// How long each dependency may take to answer a readiness probe.
 const PROBE_LIMIT: Duration = Duration::from_millis(800);
 
-pub fn router() -> Router<ApiContext> {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+/// The health, readiness and metrics routes, each at the path and method of its `#[utoipa::path]`.
+pub fn router() -> OpenApiRouter<ApiContext> {
+    OpenApiRouter::default().routes(routes!(healthz)).routes(routes!(readyz)).routes(routes!(metrics))
 }
 
 /// `GET /healthz`'s answer.

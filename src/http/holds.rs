@@ -13,14 +13,14 @@ use crate::idempotency::Scope;
 use crate::ledger::hold::Hold;
 use crate::wallet::{Amount, Movement, WalletId};
 use axum::{
-    Json, Router,
+    Json,
     extract::{Extension, FromRequestParts, State},
     http::{Uri, request::Parts},
     response::Response,
-    routing::{get, post},
 };
 use serde::Deserialize;
 use utoipa::ToSchema;
+use utoipa_axum::{router::OpenApiRouter, routes};
 use uuid::Uuid;
 
 const NO_HOLD: &str = "`hold_not_found` (also a hold on a wallet of another caller)";
@@ -28,12 +28,13 @@ const SETTLED: &str = "`hold_captured`, `hold_voided`, `hold_expired`: the hold 
                        changed; `lease_lost` (nothing applied, retry); `idempotency_key_in_flight` \
                        (with `Retry-After`)";
 
-pub fn router() -> Router<ApiContext> {
-    Router::new()
-        .route("/wallets/{id}/holds", post(place_hold))
-        .route("/holds/{id}", get(get_hold))
-        .route("/holds/{id}/capture", post(capture))
-        .route("/holds/{id}/void", post(void))
+/// The hold routes, each at the path and method of its `#[utoipa::path]`.
+pub fn router() -> OpenApiRouter<ApiContext> {
+    OpenApiRouter::default()
+        .routes(routes!(place_hold))
+        .routes(routes!(get_hold))
+        .routes(routes!(capture))
+        .routes(routes!(void))
 }
 
 /// The `{id}` segment of a hold route: a UUID.

@@ -35,6 +35,8 @@ use tower_http::{
     trace::{DefaultOnRequest, DefaultOnResponse, TraceLayer},
 };
 use tracing::Level;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
 
 /// The largest request body accepted, in bytes.
 pub const BODY_LIMIT: usize = 16 * 1024;
@@ -61,13 +63,13 @@ pub struct ApiContext {
     pub in_flight: Arc<Semaphore>,
 }
 
-/// The whole API with its middleware.
+/// The whole API with its middleware. Each route is registered once, by its handler module, with
+/// its documentation; the OpenAPI document at `/openapi.json` is what this router collected.
 pub fn router(ctx: ApiContext) -> Router {
     let served_by = HeaderValue::from_str(&ctx.replica).unwrap_or(HeaderValue::from_static("walletlock"));
     let replica = ctx.replica.clone();
-    Router::new()
-        .merge(health::router())
-        .merge(openapi::router())
+    // Merged in the order the document lists the paths (routing does not depend on it).
+    let (routes, api) = OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
         .merge(
             wallets::router()
                 .merge(transfers::router())
@@ -75,6 +77,11 @@ pub fn router(ctx: ApiContext) -> Router {
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token))
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), shed_when_full)),
         )
+        .merge(health::router())
+        .merge(openapi::router())
+        .split_for_parts();
+    openapi::publish(api);
+    routes
         .fallback(|| async { ApiError::RouteNotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(middleware::from_fn_with_state(ctx.clone(), bounded_and_draining))

@@ -1,13 +1,22 @@
 //! The API's OpenAPI 3.1 document, generated from the handlers' `#[utoipa::path]` annotations and
 //! the schemas of the types they take and return, served at `GET /openapi.json`.
+//!
+//! The document is built from the router itself: each handler module registers its routes with
+//! `utoipa_axum`'s `routes!`, which takes a route's path and method from its handler's
+//! `#[utoipa::path]`, so a route and its documentation are one registration and there is no list of
+//! paths to keep in step. [`ApiDoc`] holds only what belongs to no route (the info and the tags);
+//! `super::router` merges the handler modules' routers onto it and hands the paths they collected
+//! to [`publish`], which adds the bearer scheme and the headers every response carries and renders
+//! the document once.
 
-use super::{ApiContext, health, holds, transfers, wallets};
-use axum::{Router, http::header, response::IntoResponse, routing::get};
+use super::ApiContext;
+use axum::{http::header, response::IntoResponse};
 use serde_json::Value;
-use std::sync::LazyLock;
+use std::sync::OnceLock;
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::openapi::{ObjectBuilder, RefOr, Type, header::HeaderBuilder};
 use utoipa::{Modify, OpenApi};
+use utoipa_axum::{router::OpenApiRouter, routes};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -18,26 +27,6 @@ use utoipa::{Modify, OpenApi};
                        are integers in minor units. Every error is an RFC 9457 problem with a stable \
                        `code`."
     ),
-    paths(
-        wallets::open_wallet,
-        wallets::get_wallet,
-        wallets::deposit,
-        wallets::pay,
-        wallets::transactions,
-        transfers::transfer,
-        transfers::get_transfer,
-        transfers::refund_transfer,
-        transfers::refund_payment,
-        holds::place_hold,
-        holds::get_hold,
-        holds::capture,
-        holds::void,
-        health::healthz,
-        health::readyz,
-        health::metrics,
-        openapi_json,
-    ),
-    modifiers(&BearerAndCommonHeaders),
     tags(
         (name = "wallets", description = "Open, read, deposit, pay, page through the ledger (bearer token)"),
         (name = "transfers", description = "Money between wallets, and refunds (bearer token)"),
@@ -47,7 +36,8 @@ use utoipa::{Modify, OpenApi};
 )]
 pub struct ApiDoc;
 
-/// The security scheme the `/wallets` operations name, and the headers every response carries.
+/// The security scheme the `/wallets` operations name, and the headers every response carries;
+/// applied by [`publish`] once the router has collected the paths.
 struct BearerAndCommonHeaders;
 
 /// Sent on every response: (name, description).
@@ -86,9 +76,10 @@ fn always_sent(header: &str, status: &str) -> bool {
     }
 }
 
-/// The document as JSON.
-pub fn document() -> Value {
-    let mut document = serde_json::to_value(ApiDoc::openapi()).expect("the OpenAPI document serializes");
+/// The document as JSON, from what the router collected.
+fn document(mut api: utoipa::openapi::OpenApi) -> Value {
+    BearerAndCommonHeaders.modify(&mut api);
+    let mut document = serde_json::to_value(api).expect("the OpenAPI document serializes");
     if let Some(paths) = document.get_mut("paths").and_then(Value::as_object_mut) {
         for operation in
             paths.values_mut().filter_map(Value::as_object_mut).flat_map(|item| item.values_mut())
@@ -113,11 +104,18 @@ pub fn document() -> Value {
     document
 }
 
-/// Rendered once.
-static DOCUMENT: LazyLock<String> = LazyLock::new(|| document().to_string());
+/// Rendered once, by [`publish`].
+static DOCUMENT: OnceLock<String> = OnceLock::new();
 
-pub fn router() -> Router<ApiContext> {
-    Router::new().route("/openapi.json", get(openapi_json))
+/// Renders the document from the OpenAPI the assembled router collected, for `GET /openapi.json`.
+/// Every router a process builds has the same routes, so the first one's document serves them all.
+pub fn publish(api: utoipa::openapi::OpenApi) {
+    DOCUMENT.get_or_init(|| document(api).to_string());
+}
+
+/// This document's route.
+pub fn router() -> OpenApiRouter<ApiContext> {
+    OpenApiRouter::default().routes(routes!(openapi_json))
 }
 
 /// This document.
@@ -133,5 +131,6 @@ pub fn router() -> Router<ApiContext> {
     ))
 )]
 async fn openapi_json() -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "application/json")], DOCUMENT.as_str())
+    let document = DOCUMENT.get().expect("the router publishes the document when it is built");
+    ([(header::CONTENT_TYPE, "application/json")], document.as_str())
 }

@@ -12,26 +12,27 @@ use crate::ledger::Entry;
 use crate::ledger::transfer::Transfer;
 use crate::wallet::{Amount, Between, InvalidInput, Parties, Refund, WalletId};
 use axum::{
-    Json, Router,
+    Json,
     extract::{Extension, FromRequestParts, State},
     http::{Uri, request::Parts},
     response::Response,
-    routing::{get, post},
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
+use utoipa_axum::{router::OpenApiRouter, routes};
 use uuid::Uuid;
 
 // Response descriptions shared by the operations' documentation.
 const UNAVAILABLE: &str = "`lock_timeout`, `dependency_unavailable`, `request_timeout`, `outcome_unknown`: \
                            retry after `Retry-After`";
 
-pub fn router() -> Router<ApiContext> {
-    Router::new()
-        .route("/transfers", post(transfer))
-        .route("/transfers/{id}", get(get_transfer))
-        .route("/transfers/{id}/refund", post(refund_transfer))
-        .route("/wallets/{id}/refunds", post(refund_payment))
+/// The transfer and refund routes, each at the path and method of its `#[utoipa::path]`.
+pub fn router() -> OpenApiRouter<ApiContext> {
+    OpenApiRouter::default()
+        .routes(routes!(transfer))
+        .routes(routes!(get_transfer))
+        .routes(routes!(refund_transfer))
+        .routes(routes!(refund_payment))
 }
 
 /// The `{id}` segment of a transfer route: a UUID.

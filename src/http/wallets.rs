@@ -11,14 +11,14 @@ use crate::idempotency::{Receipt, Scope};
 use crate::ledger::{Entry, Wallet};
 use crate::wallet::{AlreadyExists, Amount, InvalidInput, Moved, Movement, WalletError, WalletId};
 use axum::{
-    Json, Router,
+    Json,
     extract::{Extension, State},
     http::Uri,
     response::{IntoResponse, Response},
-    routing::{get, post},
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
+use utoipa_axum::{router::OpenApiRouter, routes};
 
 // Response descriptions shared by the operations' documentation.
 const NO_WALLET: &str = "`wallet_not_found` (also a wallet of another caller: to it, it does not exist); `not_found` for an empty id";
@@ -26,13 +26,14 @@ const KEY_REUSED: &str = "`idempotency_key_reused`: the key was used for a diffe
 const UNAVAILABLE: &str =
     "`overloaded`, `dependency_unavailable`, `request_timeout`: retry after `Retry-After`";
 
-pub fn router() -> Router<ApiContext> {
-    Router::new()
-        .route("/wallets", post(open_wallet))
-        .route("/wallets/{id}", get(get_wallet))
-        .route("/wallets/{id}/deposit", post(deposit))
-        .route("/wallets/{id}/pay", post(pay))
-        .route("/wallets/{id}/transactions", get(transactions))
+/// The wallet routes, each at the path and method of its `#[utoipa::path]`.
+pub fn router() -> OpenApiRouter<ApiContext> {
+    OpenApiRouter::default()
+        .routes(routes!(open_wallet))
+        .routes(routes!(get_wallet))
+        .routes(routes!(deposit))
+        .routes(routes!(pay))
+        .routes(routes!(transactions))
 }
 
 /// A new wallet. Unknown fields are refused.
