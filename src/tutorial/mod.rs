@@ -303,7 +303,10 @@ impl Sandbox {
 const LONG_TTL: Duration = Duration::from_secs(2);
 /// A lease much shorter than the short-ttl demos' work.
 const SHORT_TTL: Duration = Duration::from_millis(5);
-const SLOW_WORK: Duration = Duration::from_millis(20);
+/// Ten times the lease, so that the next spender takes the expired lease while the last one still
+/// works even on a loaded machine, whose timers fire late (at four times, a suite's parallel tests
+/// now and then serialized every spend and the demos showed nothing).
+const SLOW_WORK: Duration = Duration::from_millis(50);
 
 /// Runs one demo and returns the lines it prints, the verdict line first.
 pub async fn run(demo: Demo, sandbox: &Sandbox) -> anyhow::Result<Vec<String>> {
