@@ -115,21 +115,13 @@ async fn metrics_after_a_burst_match_what_the_clients_saw() {
     assert_eq!(timeouts as usize, lock_timeouts, "lock timeouts counted = 503 lock_timeout seen: {seen:?}");
 }
 
-/// The samples of `walletlock_transfers_total` in `scrape` that are not zero: by kind, then outcome.
+/// The samples of `walletlock_transfers_total` in `scrape` (read by the reference parser) that are
+/// not zero: by kind, then outcome.
 fn transfers_counted(scrape: &str) -> BTreeMap<(String, String), f64> {
-    scrape
-        .lines()
-        .filter_map(|line| line.strip_prefix("walletlock_transfers_total{")?.split_once("} "))
-        .filter_map(|(labels, value)| {
-            let labels: BTreeMap<&str, &str> = labels
-                .split(',')
-                .filter_map(|pair| pair.split_once('='))
-                .map(|(name, value)| (name, value.trim_matches('"')))
-                .collect();
-            let value: f64 = value.trim().parse().ok()?;
-            let sample = ((labels.get("kind")?.to_string(), labels.get("outcome")?.to_string()), value);
-            (value != 0.0).then_some(sample)
-        })
+    parse(scrape)
+        .into_iter()
+        .filter(|(name, _, value)| name == "walletlock_transfers_total" && *value != 0.0)
+        .map(|(_, labels, value)| ((labels["kind"].clone(), labels["outcome"].clone()), value))
         .collect()
 }
 
