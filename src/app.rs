@@ -98,6 +98,7 @@ impl Application {
         });
         let wallets = Wallets::new(args.database.serving_pool()?, leases)
             .with_strategy(args.lease.lease_strategy)
+            .with_redis_outage(args.lease.outage())
             .with_keys(args.key_settings())
             .with_queue_limit(args.wallet_queue_limit as usize);
         let listener = http::server::bind(args.listen, args.listen_backlog)

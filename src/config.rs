@@ -19,6 +19,7 @@
 //! | `LEASE_WAIT` | `3s` | how long a payment waits for its wallet's lease before 503 `lock_timeout` |
 //! | `LEASE_NOTE_TTL` | `1h` | how long Redis keeps a wallet's last known state after its lease's release, so that its next payment need not read it from Postgres (checked by the commit's compare-and-set); `0s`: never kept |
 //! | `LEASE_STRATEGY` | `queue` | `queue`: per-wallet queues, wake-ups, group commit; `tutorial`: every request polls the lease every 5-15 ms (the benchmark's baseline) |
+//! | `REDIS_OUTAGE` | `postgres` | while Redis is unreachable: `postgres` moves money under Postgres alone (row locks), back to leases once Redis answers; `refuse` answers 503 |
 //! | `SHUTDOWN_GRACE` | `10s` | how long shutdown waits for open connections and payments in flight |
 //! | `REQUEST_TIMEOUT` | `8s` | bound on one request (503 past it); above `LEASE_WAIT`, below nginx's read timeout |
 //! | `MAX_IN_FLIGHT` | `256` | `/wallets` requests one replica handles at once; past it 503 `overloaded` at once, nothing read |
@@ -33,7 +34,7 @@
 use crate::lease::{
     Backoff, ClusterManager, LeaseClient, LeaseSettings, RedisPool, SentinelManager, Ttl, WakeSource,
 };
-use crate::wallet::Strategy;
+use crate::wallet::{RedisOutage, Strategy};
 use clap::Args;
 use secrecy::{ExposeSecret, SecretString};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -503,14 +504,33 @@ pub struct LeaseArgs {
     /// alone: the tutorial's lock, kept as the benchmark's baseline).
     #[arg(long, env = "LEASE_STRATEGY", value_enum, default_value = "queue")]
     pub lease_strategy: Strategy,
+    /// What payments do while Redis cannot be reached: `postgres` (move money under Postgres
+    /// alone, each wallet's row locked in its transaction, until Redis answers again) or `refuse`
+    /// (503 `dependency_unavailable`). The `tutorial` strategy always refuses.
+    #[arg(long, env = "REDIS_OUTAGE", value_enum, default_value = "postgres")]
+    pub redis_outage: RedisOutage,
 }
 
 impl LeaseArgs {
+    /// What payments do while Redis is unreachable, for this strategy.
+    pub fn outage(&self) -> RedisOutage {
+        match self.lease_strategy {
+            Strategy::Queue => self.redis_outage,
+            Strategy::Tutorial => RedisOutage::Refuse,
+        }
+    }
+
     /// The lease client for this strategy: with wake-ups on release, or the tutorial's polling.
     pub fn client(&self, redis: &RedisArgs) -> anyhow::Result<LeaseClient> {
         let settings = LeaseSettings::new(self.lease_ttl, self.lease_wait)
             .with_op_timeout(redis.redis_timeout)
             .with_note_retention(self.lease_note_ttl);
+        // Going on under Postgres alone beats waiting out the whole lease wait for a Redis that
+        // is gone.
+        let settings = match self.outage() {
+            RedisOutage::Postgres => settings.failing_fast(),
+            RedisOutage::Refuse => settings,
+        };
         let (pool, wake_source) = redis.connect()?;
         let prefix = redis.redis_key_prefix.clone();
         Ok(match self.lease_strategy {

@@ -1,6 +1,7 @@
 //! Liveness, readiness, and the metrics endpoint.
 
 use super::ApiContext;
+use crate::wallet::RedisOutage;
 use axum::{
     Json,
     extract::State,
@@ -41,14 +42,28 @@ pub struct Readiness {
     replica: String,
     redis: DependencyStatus,
     postgres: DependencyStatus,
+    /// How this replica moves money right now: under Redis leases, or under Postgres alone (a
+    /// Redis outage, with `REDIS_OUTAGE=postgres`).
+    payments: PaymentPath,
 }
 
+/// `ready`: Redis and Postgres answer. `degraded`: Postgres answers and Redis does not, and
+/// payments go on under Postgres alone (`REDIS_OUTAGE=postgres`), still a 200. `draining`: shutting
+/// down. `unavailable`: Postgres does not answer, or Redis does not and `REDIS_OUTAGE=refuse`.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ReadyStatus {
     Ready,
+    Degraded,
     Draining,
     Unavailable,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PaymentPath {
+    Lease,
+    PostgresOnly,
 }
 
 /// Whether a dependency answered the probe in time.
@@ -98,33 +113,43 @@ pub(super) async fn healthz(State(ctx): State<ApiContext>) -> Json<Liveness> {
 /// Readiness: whether this replica can take payments.
 ///
 /// Ready when Redis and Postgres both answer within a short bound and the replica is not shutting
-/// down. A 503 tells a load balancer or orchestrator to send traffic elsewhere.
+/// down; degraded (still a 200) when only Postgres answers and payments go on under Postgres alone
+/// (`REDIS_OUTAGE=postgres`). A 503 tells a load balancer or orchestrator to send traffic elsewhere.
 #[utoipa::path(
     get,
     path = "/readyz",
     tag = "operations",
     responses(
-        (status = 200, description = "Redis and Postgres answer; not draining", body = Readiness),
-        (status = 503, description = "A dependency did not answer in 800 ms, or draining", body = Readiness),
+        (status = 200, description = "Postgres answers, and Redis does or payments go on without it (degraded); not draining", body = Readiness),
+        (status = 503, description = "A dependency payments need did not answer in 800 ms, or draining", body = Readiness),
     )
 )]
 pub(super) async fn readyz(State(ctx): State<ApiContext>) -> (StatusCode, Json<Readiness>) {
     let (redis_ok, postgres_ok) = ctx.wallets.dependencies_answer(PROBE_LIMIT).await;
+    let (policy, in_outage) = ctx.wallets.redis_outage();
     let draining = ctx.draining.is_draining();
-    let ready = redis_ok && postgres_ok && !draining;
-    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let word = |ok: bool| if ok { DependencyStatus::Ok } else { DependencyStatus::Unavailable };
+    let status = if draining {
+        ReadyStatus::Draining
+    } else if !postgres_ok {
+        ReadyStatus::Unavailable
+    } else if redis_ok {
+        ReadyStatus::Ready
+    } else if policy == RedisOutage::Postgres {
+        ReadyStatus::Degraded
+    } else {
+        ReadyStatus::Unavailable
+    };
+    let code = match status {
+        ReadyStatus::Ready | ReadyStatus::Degraded => StatusCode::OK,
+        ReadyStatus::Draining | ReadyStatus::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+    };
     let body = Readiness {
-        status: if ready {
-            ReadyStatus::Ready
-        } else if draining {
-            ReadyStatus::Draining
-        } else {
-            ReadyStatus::Unavailable
-        },
+        status,
         replica: ctx.replica.to_string(),
         redis: word(redis_ok),
         postgres: word(postgres_ok),
+        payments: if in_outage { PaymentPath::PostgresOnly } else { PaymentPath::Lease },
     };
-    (status, Json(body))
+    (code, Json(body))
 }

@@ -280,6 +280,7 @@ impl LeaseClient {
     ///
     /// Redis errors are retried like a busy lease until the deadline, so a Redis restart shorter
     /// than the wait is invisible to the caller; past the deadline the last error is returned.
+    /// With [`LeaseSettings::fail_fast`], the first error is returned at once.
     pub async fn acquire_until(&self, name: &str, deadline: Instant) -> Result<Lease, LeaseError> {
         self.acquire_inner(name, deadline, false).await.inspect_err(count_timeout)
     }
@@ -359,6 +360,7 @@ impl LeaseClient {
                     });
                 }
                 Ok(_busy) => None,
+                Err(failure) if self.settings.fail_fast => return Err(LeaseError::Unavailable(failure)),
                 Err(failure) => Some(failure),
             };
             let now = Instant::now();

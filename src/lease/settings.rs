@@ -95,6 +95,10 @@ pub struct LeaseSettings {
     /// How long Redis keeps a note a holder left (see [`super::Lease::release_with_note`]) for the
     /// next holder; zero: no note is left.
     pub note_retention: Duration,
+    /// Whether an acquisition that finds Redis unreachable (an error, or no answer within
+    /// `op_timeout`) gives up at once with `Unavailable`, instead of retrying until its wait is
+    /// up: for a caller that has another way to go on without a lease.
+    pub fail_fast: bool,
 }
 
 impl LeaseSettings {
@@ -106,6 +110,7 @@ impl LeaseSettings {
             op_timeout: Duration::from_millis(500),
             poll_fallback: Duration::from_millis(20),
             note_retention: DEFAULT_NOTE_RETENTION,
+            fail_fast: false,
         }
     }
 
@@ -121,6 +126,12 @@ impl LeaseSettings {
 
     pub fn with_note_retention(mut self, retention: Duration) -> Self {
         self.note_retention = retention;
+        self
+    }
+
+    /// Acquisitions give up at the first Redis failure (see [`LeaseSettings::fail_fast`]).
+    pub fn failing_fast(mut self) -> Self {
+        self.fail_fast = true;
         self
     }
 }

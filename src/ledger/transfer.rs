@@ -64,12 +64,13 @@ pub async fn lock_wallets(
         .collect()
 }
 
-/// One wallet's write: fenced for the lease holding `fence` (which must be above the row's) and
-/// moved from `read_version` to `version` and `balance`.
+/// One wallet's write: from the row as locked (`read_fence`, `read_version`) to `fence` (a lease's,
+/// above the row's; or the row's own, under Postgres alone), `version` and `balance`.
 #[derive(Debug, Clone, Copy)]
 pub struct WalletWrite<'a> {
     pub id: &'a str,
     pub fence: i64,
+    pub read_fence: i64,
     pub read_version: i64,
     pub balance: i64,
     pub version: i64,
@@ -83,15 +84,17 @@ pub async fn write_wallets(tx: &mut PgConnection, writes: &[WalletWrite<'_>]) ->
         // language=PostgreSQL
         r#"update wallet w
            set fence = c.fence, balance = c.balance, version = c.version, updated_at = now()
-           from unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[])
-               as c(id, fence, read_version, balance, version)
-           where w.id = c.id and w.fence < c.fence and w.version = c.read_version"#,
+           from unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[])
+               as c(id, fence, read_version, balance, version, read_fence)
+           where w.id = c.id and w.fence = c.read_fence and c.fence >= c.read_fence
+             and w.version = c.read_version"#,
     )
     .bind(writes.iter().map(|w| w.id).collect::<Vec<_>>())
     .bind(writes.iter().map(|w| w.fence).collect::<Vec<_>>())
     .bind(writes.iter().map(|w| w.read_version).collect::<Vec<_>>())
     .bind(writes.iter().map(|w| w.balance).collect::<Vec<_>>())
     .bind(writes.iter().map(|w| w.version).collect::<Vec<_>>())
+    .bind(writes.iter().map(|w| w.read_fence).collect::<Vec<_>>())
     .execute(tx)
     .await?;
     Ok(written.rows_affected() as usize)

@@ -5,8 +5,9 @@
 //! [`MAX_ROUND_OPS`] movements) and runs them together in two statements at most
 //! ([`crate::ledger::group`]): one reads the wallets just leased and looks up the round's
 //! idempotency keys, one writes every wallet conditionally on its own fence and version, with the
-//! entries and stored responses of the wallets that matched. A wallet whose fence moved is simply
-//! not written: only its movements hear `lease_lost`, the others commit. While a round runs, the
+//! entries and stored responses of the wallets that matched. A wallet whose row moved is simply
+//! not written, and the others commit: its job comes back to be read again
+//! ([`JobOutcome::Stale`]), and if its fence moved, only its movements hear `lease_lost`. While a round runs, the
 //! next one's jobs gather, so a busy replica writes many wallets per WAL flush and an idle one
 //! writes each job at once: no timer, no added wait.
 //!
@@ -58,8 +59,8 @@ pub enum JobOutcome {
     /// The wallet's row has seen a fence at least as high as the lease's: nothing ran, the ops come
     /// back, to run again once the lease's fence is lifted above `seen`.
     FenceBehind { seen: i64, ops: Vec<Op> },
-    /// The wallet was held from the lease's note, and the row is not as the note says: nothing
-    /// ran, the ops come back, to run again from the row itself.
+    /// The row is not as the job held it (a stale note, or a write since this holder's last):
+    /// nothing ran, the ops come back, to run again from the row itself.
     Stale { ops: Vec<Op> },
     /// Another holder was writing the wallet's row right then: nothing ran, the ops come back, to
     /// run again shortly while the lease is still held.
@@ -304,10 +305,16 @@ async fn run_round(db: &PgPool, lane: Lane, settings: RoundSettings, round: Vec<
                         continue;
                     }
                     let matched = !plan.runs() || committed.moved.contains(id);
-                    // Only a write that matched confirms a note; one that hides the wallet from a
-                    // caller without writing never rests on the note alone.
-                    if r.held.from_note && (!matched || (!plan.runs() && plan.hides())) {
-                        metrics::counter!("walletlock_lease_note_stale_total").increment(1);
+                    // A write that did not match was decided on a state the row no longer has: the
+                    // note was stale, or the row was written since this holder last did (by a
+                    // writer under Postgres alone, or by a newer holder, whose fence the read then
+                    // finds). It is read again, never answered from that state. Only a write that
+                    // matched confirms a note; one that hides the wallet from a caller without
+                    // writing never rests on the note alone.
+                    if !matched || (r.held.from_note && !plan.runs() && plan.hides()) {
+                        if r.held.from_note {
+                            metrics::counter!("walletlock_lease_note_stale_total").increment(1);
+                        }
                         let _ = r.reply.send(JobOutcome::Stale { ops: r.job.ops });
                         continue;
                     }
@@ -410,40 +417,52 @@ async fn read(
 fn group_write<'a>(ready: &'a [Ready], plans: &'a [Plan]) -> GroupWrite<'a> {
     let mut write = GroupWrite::default();
     for (r, plan) in ready.iter().zip(plans).filter(|(_, plan)| plan.runs()) {
-        let id = r.job.id.as_str();
-        write.wallets.push(WalletWrite {
-            id,
-            fence: r.job.fence,
-            read_fence: r.held.fence,
-            read_version: r.held.version,
-            read_balance: r.held.balance,
-            read_held: r.held.held,
-            owner: r.held.owner.as_deref(),
-            balance: plan.after.balance,
-            held: plan.after.held,
-            version: plan.after.version,
-        });
-        write.entries.extend(plan.entries.iter());
-        write.placed.extend(plan.placed.iter());
-        write.settled.extend(plan.settled.iter().map(|s| Settlement {
-            hold: s.hold,
-            wallet_id: id,
-            status: s.status,
-            captured: s.captured,
-            capture_entry: s.capture_entry,
-        }));
-        for (op, response) in &plan.responses {
-            let Some(key) = &r.job.ops[*op].key else { continue };
-            write.keys.push(KeyWrite {
-                wallet_id: id,
-                at: key.at(),
-                fingerprint: &key.fingerprint,
-                response,
-                entry_id: plan.entry_of(*op).map(|entry| entry.id),
-            });
-        }
+        add_wallet(&mut write, &r.job.id, r.job.fence, &r.held, &r.job.ops, plan);
     }
     write
+}
+
+/// Adds to `write` wallet `id`'s write under `fence`, from `held` as `plan` decided `ops`.
+pub(super) fn add_wallet<'a>(
+    write: &mut GroupWrite<'a>,
+    id: &'a WalletId,
+    fence: i64,
+    held: &'a Held,
+    ops: &'a [Op],
+    plan: &'a Plan,
+) {
+    let id = id.as_str();
+    write.wallets.push(WalletWrite {
+        id,
+        fence,
+        read_fence: held.fence,
+        read_version: held.version,
+        read_balance: held.balance,
+        read_held: held.held,
+        owner: held.owner.as_deref(),
+        balance: plan.after.balance,
+        held: plan.after.held,
+        version: plan.after.version,
+    });
+    write.entries.extend(plan.entries.iter());
+    write.placed.extend(plan.placed.iter());
+    write.settled.extend(plan.settled.iter().map(|s| Settlement {
+        hold: s.hold,
+        wallet_id: id,
+        status: s.status,
+        captured: s.captured,
+        capture_entry: s.capture_entry,
+    }));
+    for (op, response) in &plan.responses {
+        let Some(key) = &ops[*op].key else { continue };
+        write.keys.push(KeyWrite {
+            wallet_id: id,
+            at: key.at(),
+            fingerprint: &key.fingerprint,
+            response,
+            entry_id: plan.entry_of(*op).map(|entry| entry.id),
+        });
+    }
 }
 
 fn fail(ready: Vec<Ready>, err: &WalletError) {
@@ -454,7 +473,7 @@ fn fail(ready: Vec<Ready>, err: &WalletError) {
 
 /// The time of a round's entries, at Postgres's precision (microseconds), so a response rendered
 /// before the write says exactly what the ledger stores.
-fn round_time() -> chrono::DateTime<chrono::Utc> {
+pub(super) fn round_time() -> chrono::DateTime<chrono::Utc> {
     use chrono::{DurationRound, TimeDelta};
     let now = chrono::Utc::now();
     now.duration_trunc(TimeDelta::microseconds(1)).unwrap_or(now)

@@ -17,13 +17,16 @@
 mod batch;
 mod group;
 mod holds;
+mod outage;
 mod payee;
 mod queue;
 mod transfer;
+mod unleased;
 
 pub use crate::domain::{
     Access, Amount, HoldLife, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId,
 };
+pub use outage::RedisOutage;
 pub use queue::{MAX_BATCH, MAX_HOLD};
 pub use transfer::{Between, Refund, RefundOutcome, TransferOutcome};
 
@@ -47,6 +50,7 @@ pub fn describe_metrics() {
         "Deposits, payments, and holds placed, captured and voided, by kind and outcome."
     );
     transfer::describe_metrics();
+    outage::describe_metrics();
     for kind in ["pay", "deposit", "hold", "capture", "void"] {
         for outcome in
             ["accepted", "insufficient_funds", "lock_timeout", "overloaded", "lease_lost", "unavailable"]
@@ -290,6 +294,8 @@ pub struct Shared {
     /// How long the responses of transfers and refunds are kept for their idempotency keys (the
     /// rounds keep their own copy for deposits and payments).
     keys: idempotency::Keys,
+    /// Whether this replica is in a Redis outage, moving money under Postgres alone.
+    outage: Arc<outage::Outage>,
     /// Every movement in progress, every wallet worker and every round runs as a task on this
     /// tracker, so it finishes (commit or roll back, then release) even if the request that
     /// started it is dropped, and so shutdown can wait for all of them.
@@ -316,6 +322,7 @@ impl Wallets {
             queue_limit: DEFAULT_QUEUE_LIMIT,
             rounds,
             keys,
+            outage: Arc::new(outage::Outage::new(RedisOutage::Refuse)),
             in_flight,
         }))
     }
@@ -324,6 +331,20 @@ impl Wallets {
     pub fn with_queue_limit(mut self, limit: usize) -> Self {
         Arc::make_mut(&mut self.0).queue_limit = limit.max(1);
         self
+    }
+
+    /// What movements do while Redis cannot be reached (the default here: refuse). The lease
+    /// client should fail fast ([`crate::lease::LeaseSettings::fail_fast`]) with
+    /// [`RedisOutage::Postgres`], or each worker waits out its lease wait before going on.
+    pub fn with_redis_outage(mut self, policy: RedisOutage) -> Self {
+        Arc::make_mut(&mut self.0).outage = Arc::new(outage::Outage::new(policy));
+        self
+    }
+
+    /// What movements do while Redis cannot be reached, and whether this replica is in an outage
+    /// now (moving money under Postgres alone).
+    pub fn redis_outage(&self) -> (RedisOutage, bool) {
+        (self.outage.policy(), self.outage.is_active())
     }
 
     pub fn with_strategy(mut self, strategy: Strategy) -> Self {
@@ -350,13 +371,17 @@ impl Wallets {
         self.db.close().await;
     }
 
-    /// Whether Redis and Postgres each answer within `limit`: (redis, postgres).
+    /// Whether Redis and Postgres each answer within `limit`: (redis, postgres). In a Redis
+    /// outage Redis is not asked: the outage's own probe ends it once Redis serves leases again.
     pub async fn dependencies_answer(&self, limit: Duration) -> (bool, bool) {
+        let in_outage = self.outage.is_active();
         let (redis, postgres) = tokio::join!(
-            tokio::time::timeout(limit, self.leases.ping()),
+            async {
+                !in_outage && matches!(tokio::time::timeout(limit, self.leases.ping()).await, Ok(Ok(())))
+            },
             tokio::time::timeout(limit, ledger::ping(&self.db)),
         );
-        (matches!(redis, Ok(Ok(()))), matches!(postgres, Ok(Ok(()))))
+        (redis, matches!(postgres, Ok(Ok(()))))
     }
 
     /// Sets the gauges of both connection pools to what they hold now.

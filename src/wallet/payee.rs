@@ -14,7 +14,7 @@
 
 use super::queue::{Lane, MAX_BATCH, MAX_HOLD, Queues, Waiting};
 use super::transfer::{
-    Attempt, Failure, ROW_LOCK_TIMEOUT, Side, TransferOutcome, Work, count_outcome, plan_transfer,
+    Attempt, Failure, Fences, ROW_LOCK_TIMEOUT, Side, TransferOutcome, Work, count_outcome, plan_transfer,
 };
 use super::{Access, Between, WalletError, WalletId, Wallets, lease_name};
 use crate::idempotency::{Keyed, Prior};
@@ -83,6 +83,10 @@ impl Lane for Transfers {
         None
     }
 
+    async fn hold_unleased(wallets: &Wallets, payee: &WalletId) {
+        wallets.hold_payee_unleased(payee).await;
+    }
+
     fn give_up(item: Queued, err: WalletError) {
         item.answer(Err(err));
     }
@@ -103,7 +107,7 @@ impl Attempt for Batch<'_> {
     fn attempt(
         &self,
         wallets: &Wallets,
-        fences: &HashMap<String, i64>,
+        fences: &Fences,
     ) -> impl Future<Output = Result<BatchResults, Failure>> + Send {
         wallets.commit_batch(self.payee, self.transfers, fences)
     }
@@ -157,6 +161,43 @@ impl Wallets {
         }
     }
 
+    /// Serves the payee's queue under Postgres alone (a Redis outage), batch after batch, each one
+    /// transaction with its wallets' rows locked, for at most [`MAX_HOLD`] or until the outage ends.
+    async fn hold_payee_unleased(&self, payee: &WalletId) {
+        let since = Instant::now();
+        loop {
+            let mut batch = self.payees.take(payee, MAX_BATCH);
+            if batch.is_empty() {
+                return;
+            }
+            metrics::histogram!(crate::telemetry::metrics::PAYEE_BATCH).record(batch.len() as f64);
+            // A key sent twice at once is stored once: the second goes in the next batch, and
+            // finds the first's outcome.
+            let mut keys = HashSet::new();
+            let (ready, later): (Vec<Queued>, Vec<Queued>) = batch.drain(..).partition(|queued| {
+                queued.key.as_ref().is_none_or(|key| keys.insert((key.scope.clone(), key.key.clone())))
+            });
+            for transfers in [ready, later].into_iter().filter(|batch| !batch.is_empty()) {
+                match self.commit_unleased(&Batch { payee, transfers: &transfers }).await {
+                    Ok(results) => {
+                        super::outage::count_path(super::outage::Path::PostgresOnly, &results);
+                        for (queued, result) in transfers.into_iter().zip(results) {
+                            queued.answer(result);
+                        }
+                    }
+                    Err(err) => {
+                        for queued in transfers {
+                            queued.answer(Err(err.clone()));
+                        }
+                    }
+                }
+            }
+            if since.elapsed() >= MAX_HOLD || !self.outage.is_active() {
+                return;
+            }
+        }
+    }
+
     /// One batch under the payee's `lease`: the payers' leases asked for once each, those
     /// transfers committed together, the rest sent on alone.
     async fn run_batch(&self, payee: &WalletId, lease: &mut Lease, batch: Vec<Queued>) {
@@ -194,6 +235,7 @@ impl Wallets {
             let outcome = self.commit_retrying(&mut leases, &Batch { payee, transfers: &ready }).await;
             match outcome {
                 Ok(results) => {
+                    super::outage::count_path(super::outage::Path::Lease, &results);
                     for (queued, result) in ready.into_iter().zip(results) {
                         queued.answer(result);
                     }
@@ -228,26 +270,26 @@ impl Wallets {
         &self,
         payee: &WalletId,
         batch: &[Queued],
-        fences: &HashMap<String, i64>,
+        fences: &Fences,
     ) -> Result<BatchResults, Failure> {
-        // Every wallet of the batch, and its lease's fence.
-        let wallets: HashMap<&str, (&WalletId, i64)> = batch
+        // Every wallet of the batch, by id.
+        let wallets: HashMap<&str, &WalletId> = batch
             .iter()
             .map(|q| &q.between.parties.from)
             .chain([payee])
-            .map(|id| (id.as_str(), (id, fences.get(&lease_name(id)).copied().unwrap_or_default())))
+            .map(|id| (id.as_str(), id))
             .collect();
-        let fence_of = |id: &str| wallets.get(id).map_or(0, |(_, fence)| *fence);
         let mut ids: Vec<&str> = wallets.keys().copied().collect();
         ids.sort_unstable();
         let mut tx = self.db.begin().await?;
         let locked = store::lock_wallets(&mut tx, &ids, ROW_LOCK_TIMEOUT).await?;
+        // The fence each locked wallet's write carries, by wallet id.
+        let mut fence_by_id: HashMap<&str, i64> = HashMap::new();
         for (id, row) in &locked {
-            if row.fence >= fence_of(id) {
-                let wallet = wallets[id.as_str()].0.clone();
-                return Err(Failure::FenceBehind { wallet, seen: row.fence });
-            }
+            let wallet = wallets[id.as_str()];
+            fence_by_id.insert(wallet.as_str(), fences.for_row(wallet, row.fence)?);
         }
+        let fence_of = |id: &str| fence_by_id.get(id).copied().unwrap_or_default();
         // Each wallet as the transfers decided so far leave it.
         let mut rows: HashMap<String, LockedWallet> = locked.clone();
         let now = crate::ledger::entry_time();
@@ -307,6 +349,7 @@ impl Wallets {
                 .map(|(id, row)| WalletWrite {
                     id,
                     fence: fence_of(id),
+                    read_fence: locked[id.as_str()].fence,
                     read_version: locked[id.as_str()].version,
                     balance: row.balance,
                     version: row.version,

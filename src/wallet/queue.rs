@@ -12,6 +12,9 @@
 //! request that waited longer than the lease wait without the worker getting the lease is answered
 //! `lock_timeout`. A request whose client left is still applied in its turn: the client (or its
 //! retry, with the same idempotency key) may still want to learn its outcome.
+//!
+//! While Redis cannot be reached, the worker serves the queue the same way without a lease, under
+//! Postgres alone ([`super::outage`]), and takes leases again once Redis answers.
 
 use super::batch::{Held, Op};
 use super::group::{Job, JobOutcome};
@@ -43,6 +46,13 @@ pub(super) struct Pending {
     reply: oneshot::Sender<Reply>,
 }
 
+impl Pending {
+    /// When it was queued and where its reply goes; and its op.
+    pub(super) fn into_parts(self) -> ((Instant, oneshot::Sender<Reply>), Op) {
+        ((self.enqueued, self.reply), self.op)
+    }
+}
+
 /// A queued request: served by its deadline, or answered `lock_timeout`.
 pub(super) trait Waiting {
     fn deadline(&self) -> Instant;
@@ -62,6 +72,10 @@ pub(super) trait Lane {
         lease: &mut Lease,
     ) -> impl Future<Output = Option<String>> + Send;
 
+    /// Serves the wallet's queue without a lease, under Postgres alone (a Redis outage, see
+    /// [`super::outage`]), for at most [`MAX_HOLD`] or until the outage ends.
+    fn hold_unleased(wallets: &Wallets, id: &WalletId) -> impl Future<Output = ()> + Send;
+
     /// Answers a request that waited its whole wait without the lease being had.
     fn give_up(item: Self::Item, err: WalletError);
 }
@@ -79,6 +93,10 @@ impl Lane for Movements {
     async fn hold(wallets: &Wallets, id: &WalletId, lease: &mut Lease) -> Option<String> {
         let note = lease.take_note().and_then(|note| Held::from_note(&note, lease.fence()));
         wallets.hold(id, lease, note).await.map(|known| known.to_note())
+    }
+
+    async fn hold_unleased(wallets: &Wallets, id: &WalletId) {
+        wallets.hold_unleased(id).await;
     }
 
     fn give_up(item: Pending, err: WalletError) {
@@ -205,6 +223,10 @@ impl Wallets {
         let name = lease_name(id);
         let mut yield_first = false;
         while let Some(deadline) = L::queues(self).earliest_deadline(id) {
+            if self.outage.is_active() {
+                Box::pin(L::hold_unleased(self, id)).await;
+                continue;
+            }
             // Each step's future is boxed: unboxed, the worker's task held the largest of them
             // (13 KB), copied whole at its spawn.
             let acquired = if yield_first {
@@ -214,6 +236,10 @@ impl Wallets {
             };
             let mut lease = match acquired {
                 Ok(lease) => lease,
+                // Redis is unreachable, not busy: go on under Postgres alone, if so configured.
+                Err(LeaseError::Unavailable(failure)) if self.outage.enter(&failure, &self.leases) => {
+                    continue;
+                }
                 Err(err) => {
                     // Those who waited their whole wait give up; the others keep their place.
                     let failure = WalletError::from(err);
@@ -287,10 +313,16 @@ impl Wallets {
                     continue;
                 }
                 JobOutcome::Stale { ops } => {
-                    // The note was wrong (the row was written without a note being left since):
-                    // read the row and run the batch again.
+                    // The row was written since (without a note being left, or under Postgres
+                    // alone by a replica that cannot reach Redis): read it and run the batch
+                    // again, while the wait lasts.
+                    let batch = rejoin(waiters, ops);
+                    let waited = held_since.elapsed();
+                    if waited >= self.leases.settings().wait {
+                        return fail(batch, &WalletError::LockTimeout { waited });
+                    }
                     held = None;
-                    again = Some(rejoin(waiters, ops));
+                    again = Some(batch);
                     continue;
                 }
                 JobOutcome::Busy { ops } => {
@@ -308,6 +340,7 @@ impl Wallets {
                 }
                 JobOutcome::Done { held: after, results } => {
                     let db = started.elapsed();
+                    super::outage::count_path(super::outage::Path::Lease, &results);
                     for ((enqueued, _, reply), result) in waiters.into_iter().zip(results) {
                         let waited = enqueued.elapsed().saturating_sub(db);
                         let _ = reply.send(Reply { result, waited, db });

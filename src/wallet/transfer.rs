@@ -24,6 +24,7 @@
 //! transfer waits for it, as another replica would (bounded by the lease wait); the worker hands
 //! the lease over after its current batch, because the transfer marks it contended.
 
+use super::outage::{Path, count_one};
 use super::{Access, Amount, Refusal, WalletError, WalletId, Wallets, lease_name};
 use crate::domain::{self, Funds, Parties};
 use crate::idempotency::{Keyed, Prior};
@@ -113,15 +114,41 @@ impl<E: Into<WalletError>> From<E> for Failure {
     }
 }
 
-/// One transaction under a set of leases, given each lease's fence by name: what
-/// [`Wallets::commit_retrying`] runs until it commits.
+/// The fences a transaction writes its wallets with.
+pub(super) enum Fences {
+    /// Under leases: each lease's fence, by lease name. A row must not have seen it.
+    Leased(HashMap<String, i64>),
+    /// Under Postgres alone, during a Redis outage ([`super::outage`]): each row keeps its own
+    /// fence, and its lock (held to the commit) stands in for the lease.
+    RowsOwn,
+}
+
+impl Fences {
+    /// The fence wallet `id`'s write carries, its row locked with fence `row_fence`; a row that
+    /// has seen its lease's fence is [`Failure::FenceBehind`].
+    pub(super) fn for_row(&self, id: &WalletId, row_fence: i64) -> Result<i64, Failure> {
+        match self {
+            Fences::Leased(by_lease) => {
+                let fence = by_lease.get(&lease_name(id)).copied().unwrap_or_default();
+                if row_fence >= fence {
+                    return Err(Failure::FenceBehind { wallet: id.clone(), seen: row_fence });
+                }
+                Ok(fence)
+            }
+            Fences::RowsOwn => Ok(row_fence),
+        }
+    }
+}
+
+/// One transaction under a set of leases (or under Postgres alone): what
+/// [`Wallets::commit_retrying`] and [`Wallets::commit_unleased`] run until it commits.
 pub(super) trait Attempt: Sync {
     type Output: Send;
 
     fn attempt(
         &self,
         wallets: &Wallets,
-        fences: &HashMap<String, i64>,
+        fences: &Fences,
     ) -> impl Future<Output = Result<Self::Output, Failure>> + Send;
 }
 
@@ -131,7 +158,7 @@ impl Attempt for Work {
     fn attempt(
         &self,
         wallets: &Wallets,
-        fences: &HashMap<String, i64>,
+        fences: &Fences,
     ) -> impl Future<Output = Result<Done, Failure>> + Send {
         wallets.attempt(self, fences)
     }
@@ -290,17 +317,27 @@ impl Wallets {
         result
     }
 
-    /// Takes the leases of `work`'s wallets, commits it, releases them.
+    /// Takes the leases of `work`'s wallets, commits it, releases them; or, in a Redis outage,
+    /// commits it under Postgres alone.
     pub(super) async fn under_leases(&self, work: Work) -> Result<Done, WalletError> {
+        if self.outage.is_active() {
+            return self.commit_unleased(&work).await.inspect(|_| count_one(Path::PostgresOnly));
+        }
         let names: Vec<String> = work.wallets().into_iter().map(lease_name).collect();
-        let mut leases =
-            self.leases.acquire_all(&names.iter().map(String::as_str).collect::<Vec<_>>()).await?;
+        let acquired = self.leases.acquire_all(&names.iter().map(String::as_str).collect::<Vec<_>>()).await;
+        let mut leases = match acquired {
+            Ok(leases) => leases,
+            Err(lease::LeaseError::Unavailable(failure)) if self.outage.enter(&failure, &self.leases) => {
+                return self.commit_unleased(&work).await.inspect(|_| count_one(Path::PostgresOnly));
+            }
+            Err(err) => return Err(err.into()),
+        };
         let waited = leases.iter().map(Lease::waited).sum::<Duration>();
         tracing::Span::current().record("lease_wait_ms", waited.as_secs_f64() * 1e3);
         crate::failpoint::hit("transfer_leases_held");
         let started = std::time::Instant::now();
         let mut held: Vec<&mut Lease> = leases.iter_mut().collect();
-        let result = self.commit_retrying(&mut held, &work).await;
+        let result = self.commit_retrying(&mut held, &work).await.inspect(|_| count_one(Path::Lease));
         tracing::Span::current().record("db_ms", started.elapsed().as_secs_f64() * 1e3);
         lease::release_all(leases).await;
         result
@@ -319,8 +356,8 @@ impl Wallets {
             if leases.iter().any(|lease| lease.is_lost()) {
                 return Err(WalletError::LeaseLost);
             }
-            let fences: HashMap<String, i64> =
-                leases.iter().map(|lease| (lease.name().to_owned(), lease.fence())).collect();
+            let fences =
+                Fences::Leased(leases.iter().map(|lease| (lease.name().to_owned(), lease.fence())).collect());
             match attempt.attempt(self, &fences).await {
                 Ok(done) => return Ok(done),
                 Err(Failure::Wallet(err)) => return Err(err),
@@ -344,26 +381,44 @@ impl Wallets {
         }
     }
 
+    /// Runs `attempt` under Postgres alone (a Redis outage): the rows' locks, held to the commit,
+    /// stand in for the leases. Tries again once after a key found stored.
+    pub(super) async fn commit_unleased<A: Attempt>(&self, attempt: &A) -> Result<A::Output, WalletError> {
+        let mut looked_again = false;
+        loop {
+            match attempt.attempt(self, &Fences::RowsOwn).await {
+                Ok(done) => return Ok(done),
+                Err(Failure::Wallet(err)) => return Err(err),
+                Err(Failure::FenceBehind { .. }) => {
+                    return Err(WalletError::internal("a fence behind without a lease"));
+                }
+                Err(Failure::KeyConflict) if !looked_again => looked_again = true,
+                Err(Failure::KeyConflict) => {
+                    return Err(WalletError::internal("an idempotency key conflicted twice"));
+                }
+            }
+        }
+    }
+
     /// One transaction: lock the wallets in id order, check each fence, look the key up, decide,
     /// write, store the response, commit.
-    async fn attempt(&self, work: &Work, fences: &HashMap<String, i64>) -> Result<Done, Failure> {
+    async fn attempt(&self, work: &Work, fences: &Fences) -> Result<Done, Failure> {
         let wallets = work.wallets();
         let ids: Vec<&str> = wallets.iter().map(|id| id.as_str()).collect();
         let mut tx = self.db.begin().await?;
         let mut locked = store::lock_wallets(&mut tx, &ids, ROW_LOCK_TIMEOUT).await?;
+        // The fence each wallet's write carries, by wallet id.
+        let mut fence_by_id: HashMap<&str, i64> = HashMap::new();
         for wallet in &wallets {
             let row = locked.get(wallet.as_str()).filter(|row| work.may_touch(wallet, row.owner.as_deref()));
             let Some(row) = row else { return Err(work.missing(wallet).into()) };
-            let fence = fences.get(&lease_name(wallet)).copied().unwrap_or_default();
-            if row.fence >= fence {
-                return Err(Failure::FenceBehind { wallet: (*wallet).clone(), seen: row.fence });
-            }
+            fence_by_id.insert(wallet.as_str(), fences.for_row(wallet, row.fence)?);
         }
         if let Some(prior) = work.prior(&mut tx).await? {
             return Err(WalletError::AlreadyRan(prior).into());
         }
         let now = crate::ledger::entry_time();
-        let fence_of = |id: &WalletId| fences.get(&lease_name(id)).copied().unwrap_or_default();
+        let fence_of = |id: &WalletId| fence_by_id.get(id.as_str()).copied().unwrap_or_default();
         let outcome: Result<Done, Refusal> = match work {
             Work::Transfer { parties, amount, reference, refunds, key, .. } => {
                 let amount = match refunds {
@@ -420,6 +475,7 @@ impl Wallets {
                     let write = WalletWrite {
                         id: &entry.wallet_id,
                         fence,
+                        read_fence: wallet.fence,
                         read_version: wallet.version,
                         balance: entry.balance,
                         version: entry.version,
@@ -525,6 +581,7 @@ async fn write_transfer(
         .map(|((wallet, row, fence), entry)| WalletWrite {
             id: wallet.as_str(),
             fence: *fence,
+            read_fence: row.fence,
             read_version: row.version,
             balance: entry.balance,
             version: entry.version,

@@ -291,18 +291,37 @@ async fn every_response_carries_a_request_id_and_the_replica_name() {
 }
 
 #[tokio::test]
-async fn readiness_follows_redis_and_liveness_does_not() {
+async fn without_redis_readiness_is_degraded_when_payments_go_on_under_postgres_and_a_503_when_they_are_refused()
+ {
     let mut env = TestEnv::with_own_redis();
-    let app = spawn_app(&env).await;
-    assert_eq!(app.get("/readyz").await.status(), 200);
+    let goes_on = spawn_app(&env).await;
+    let refuses = spawn_app_with(&env, &["--redis-outage", "refuse"]).await;
+    for app in [&goes_on, &refuses] {
+        let ready = app.get("/readyz").await;
+        assert_eq!(ready.status(), 200);
+        let body: Value = ready.json().await.unwrap();
+        assert_eq!((body["status"].as_str(), body["payments"].as_str()), (Some("ready"), Some("lease")));
+    }
 
     let redis = env.redis.take().expect("own redis");
     drop(redis); // killed by pid
-    let not_ready = app.get("/readyz").await;
+    let degraded = goes_on.get("/readyz").await;
+    assert_eq!(degraded.status(), 200, "payments go on under Postgres alone");
+    let body: Value = degraded.json().await.unwrap();
+    assert_eq!(
+        (body["status"].as_str(), body["redis"].as_str(), body["postgres"].as_str()),
+        (Some("degraded"), Some("unavailable"), Some("ok"))
+    );
+    let not_ready = refuses.get("/readyz").await;
     assert_eq!(not_ready.status(), 503);
     let body: Value = not_ready.json().await.unwrap();
-    assert_eq!((body["redis"].as_str(), body["postgres"].as_str()), (Some("unavailable"), Some("ok")));
-    assert_eq!(app.get("/healthz").await.status(), 200, "alive, just not ready");
+    assert_eq!(
+        (body["status"].as_str(), body["redis"].as_str(), body["postgres"].as_str()),
+        (Some("unavailable"), Some("unavailable"), Some("ok"))
+    );
+    for app in [&goes_on, &refuses] {
+        assert_eq!(app.get("/healthz").await.status(), 200, "alive, whatever Redis does");
+    }
 }
 
 #[tokio::test]
@@ -349,9 +368,9 @@ async fn a_lease_lost_before_the_commit_is_a_409_and_applies_nothing() {
 }
 
 #[tokio::test]
-async fn an_unreachable_dependency_is_a_503_dependency_unavailable() {
+async fn with_redis_outage_refuse_an_unreachable_redis_is_a_503_dependency_unavailable() {
     let mut env = TestEnv::with_own_redis();
-    let app = spawn_app_with(&env, &["--lease-wait", "500ms"]).await;
+    let app = spawn_app_with(&env, &["--lease-wait", "500ms", "--redis-outage", "refuse"]).await;
     app.open_wallet("gina", 100).await;
 
     drop(env.redis.take());

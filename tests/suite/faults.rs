@@ -204,10 +204,12 @@ async fn payments_continue_through_a_flushall() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_paused_redis_is_a_prompt_lock_timeout_never_a_hung_request() {
+async fn with_redis_outage_refuse_a_paused_redis_is_a_prompt_lock_timeout_never_a_hung_request() {
     let env = TestEnv::with_own_redis();
     let wait = Duration::from_secs(1);
-    let fleet = Fleet::start(&env, 3, &[FAULT_SETTINGS[0], FAULT_SETTINGS[1], ("LEASE_WAIT", "1s")]).await;
+    // Refusing is the behaviour before payments could go on under Postgres alone (tests/suite/outage.rs).
+    let settings = [FAULT_SETTINGS[0], FAULT_SETTINGS[1], ("LEASE_WAIT", "1s"), ("REDIS_OUTAGE", "refuse")];
+    let fleet = Fleet::start(&env, 3, &settings).await;
     open_wallets(&fleet, &WALLETS, OPENING).await;
     let load = Load::start(&fleet, &WALLETS, 8);
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -22,6 +22,7 @@ mod lease;
 mod metrics;
 mod notes;
 mod openapi;
+mod outage;
 mod overload;
 mod redis_loss;
 mod tls;

@@ -2,37 +2,13 @@
 //! Prometheus text (promtool, and the reference parser) and its figures match what the clients saw;
 //! transfers and refunds are counted by kind and outcome.
 
-use crate::support::TestEnv;
 use crate::support::fleet::Fleet;
 use crate::support::load::open_wallets;
+use crate::support::{TestEnv, parse_metrics as parse};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::process::{Command, Stdio};
-
-/// The reference parser's reading of a scrape: (name, labels, value) samples.
-fn parse(scrape: &str) -> Vec<(String, BTreeMap<String, String>, f64)> {
-    let python = std::env::var("WALLETLOCK_PYTHON").unwrap_or_else(|_| "python3".into());
-    let script = crate::support::fleet::repo().join("tests/tools/parse_metrics.py");
-    let mut child =
-        Command::new(python).arg(script).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
-    child.stdin.take().unwrap().write_all(scrape.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "prometheus_client could not parse the scrape (deploy/test installs it)");
-    let samples: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
-    samples
-        .into_iter()
-        .map(|s| {
-            let labels = s["labels"]
-                .as_object()
-                .unwrap()
-                .iter()
-                .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
-                .collect();
-            (s["name"].as_str().unwrap().to_owned(), labels, s["value"].as_f64().unwrap())
-        })
-        .collect()
-}
 
 /// promtool's verdict on a scrape: format and naming lint.
 fn promtool_check(scrape: &str) {

@@ -17,6 +17,9 @@ pub mod transfers;
 
 use servers::{PostgresServer, RedisServer};
 use sqlx::PgPool;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 use walletlock::lease::{LeaseClient, LeaseSettings, Ttl};
 use walletlock::ledger::schema::ScratchSchema;
@@ -283,4 +286,28 @@ pub fn render(
         content_type: "text/plain".into(),
         body: body.into(),
     }
+}
+
+/// The reference parser's reading of a scrape: (name, labels, value) samples.
+pub fn parse_metrics(scrape: &str) -> Vec<(String, BTreeMap<String, String>, f64)> {
+    let python = std::env::var("WALLETLOCK_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = fleet::repo().join("tests/tools/parse_metrics.py");
+    let mut child =
+        Command::new(python).arg(script).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(scrape.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "prometheus_client could not parse the scrape (deploy/test installs it)");
+    let samples: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    samples
+        .into_iter()
+        .map(|s| {
+            let labels = s["labels"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
+                .collect();
+            (s["name"].as_str().unwrap().to_owned(), labels, s["value"].as_f64().unwrap())
+        })
+        .collect()
 }

@@ -139,10 +139,28 @@ impl RedisServer {
     /// Kills the server and starts an empty one on the same port: every key is gone, the
     /// script cache too.
     pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Kills the server (SIGKILL); [`RedisServer::start_again`] starts an empty one on its port.
+    pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             child.stop(Signal::SIGKILL, Duration::from_secs(5));
         }
+    }
+
+    /// Starts an empty server on the port of the one killed.
+    pub fn start_again(&mut self) {
+        assert!(self.child.is_none(), "kill it first");
         self.spawn();
+    }
+
+    /// Sends the running server `signal`: SIGSTOP hangs it (connections stay open, nothing is
+    /// answered), SIGCONT lets it go on.
+    pub fn signal(&self, sig: Signal) {
+        let child = self.child.as_ref().expect("a running redis-server");
+        signal(child.pid(), sig);
     }
 }
 

@@ -1,0 +1,222 @@
+//! Redis outages, under concurrent payments with keys through nginx to three replicas (or to each
+//! replica directly): payments go on under Postgres alone while Redis is gone, hung, or cut off
+//! from one replica, and go back on leases by themselves once it answers. Each ends with the bank
+//! check: every acknowledged payment in the ledger once, nothing applied that was not.
+
+use crate::support::fleet::Fleet;
+use crate::support::load::{Load, check_books, open_wallets, settle, tally};
+use crate::support::proxy::TcpProxy;
+use crate::support::{TestEnv, eventually, parse_metrics};
+use nix::sys::signal::Signal;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// Few wallets for eight clients: the clients contend for each of them all the time. nginx sends
+/// each wallet's requests to one replica (`hash ... consistent`), so these spread over replicas.
+const WALLETS: [&str; 12] = ["o1", "o2", "o3", "o4", "o5", "o6", "o7", "o8", "o9", "o10", "o11", "o12"];
+const OPENING: i64 = 1_000_000;
+const SETTINGS: [(&str, &str); 2] = [("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s")];
+
+fn opening() -> Vec<(&'static str, i64)> {
+    WALLETS.iter().map(|w| (*w, OPENING)).collect()
+}
+
+/// What each replica's `/readyz` says: (HTTP status, status, payments). Each takes up to its
+/// probe's bound while Redis hangs: they are asked at once.
+async fn readiness(fleet: &Fleet) -> Vec<(u16, String, String)> {
+    futures::future::join_all(fleet.replicas.iter().map(|replica| async {
+        let response = fleet.client.get(replica.url("/readyz")).send().await.unwrap();
+        let code = response.status().as_u16();
+        let body: Value = response.json().await.unwrap();
+        let word = |field: &str| body[field].as_str().unwrap_or_default().to_owned();
+        (code, word("status"), word("payments"))
+    }))
+    .await
+}
+
+/// One replica's samples named `name`: (labels, value).
+async fn samples(fleet: &Fleet, replica: usize, name: &str) -> Vec<(BTreeMap<String, String>, f64)> {
+    let scrape = fleet.client.get(fleet.replicas[replica].url("/metrics")).send().await.unwrap();
+    parse_metrics(&scrape.text().await.unwrap())
+        .into_iter()
+        .filter(|(sample, _, _)| sample == name)
+        .map(|(_, labels, value)| (labels, value))
+        .collect()
+}
+
+/// Whether each of `replicas` moves money by `path` (`lease` or `postgres_only`), as its
+/// `/readyz` says.
+async fn all_on(fleet: &Fleet, replicas: &[usize], path: &str) -> bool {
+    let answers = readiness(fleet).await;
+    replicas.iter().all(|&n| answers[n].2 == path)
+}
+
+/// Each replica's `walletlock_redis_outage` gauge.
+async fn outage_gauges(fleet: &Fleet) -> Vec<f64> {
+    let mut gauges = Vec::new();
+    for replica in 0..fleet.replicas.len() {
+        let gauge = samples(fleet, replica, "walletlock_redis_outage").await;
+        gauges.push(gauge.iter().map(|(_, value)| value).sum());
+    }
+    gauges
+}
+
+/// The movements one replica applied, by path: (lease, postgres_only).
+async fn moved_by_path(fleet: &Fleet, replica: usize) -> (f64, f64) {
+    let by_path = samples(fleet, replica, "walletlock_movements_by_path_total").await;
+    let count = |path: &str| {
+        by_path
+            .iter()
+            .filter(|(labels, _)| labels.get("path").map(String::as_str) == Some(path))
+            .map(|(_, value)| value)
+            .sum::<f64>()
+    };
+    (count("lease"), count("postgres_only"))
+}
+
+/// The movements the whole fleet applied, by path.
+async fn fleet_by_path(fleet: &Fleet) -> (f64, f64) {
+    let mut total = (0.0, 0.0);
+    for replica in 0..fleet.replicas.len() {
+        let (lease, postgres_only) = moved_by_path(fleet, replica).await;
+        total = (total.0 + lease, total.1 + postgres_only);
+    }
+    total
+}
+
+enum Fault {
+    /// SIGKILL, then an empty Redis on the same port: every lease, fence counter and note gone.
+    Kill,
+    /// SIGSTOP, then SIGCONT: Redis hangs, every connection stays open and nothing is answered.
+    Stop,
+}
+
+async fn payments_go_on_through(fault: Fault) {
+    let mut env = TestEnv::with_own_redis();
+    let fleet = Fleet::start(&env, 3, &SETTINGS).await;
+    open_wallets(&fleet, &WALLETS, OPENING).await;
+    let load = Load::start(&fleet, &WALLETS, 8);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let (on_leases, alone) = fleet_by_path(&fleet).await;
+    assert!(on_leases > 0.0 && alone == 0.0, "on leases before the outage: {on_leases} and {alone}");
+    // The replicas that nginx sends payments to (a replica that serves none never learns of the
+    // outage, and its readiness says only that Redis does not answer).
+    let mut paying = Vec::new();
+    for replica in 0..fleet.replicas.len() {
+        if moved_by_path(&fleet, replica).await.0 > 0.0 {
+            paying.push(replica);
+        }
+    }
+    assert!(paying.len() >= 2, "payments spread over the replicas: {paying:?}");
+
+    let struck = Instant::now();
+    match fault {
+        Fault::Kill => env.own_redis().kill(),
+        Fault::Stop => env.own_redis().signal(Signal::SIGSTOP),
+    }
+    eventually("every replica moves money under Postgres alone", Duration::from_secs(5), || {
+        all_on(&fleet, &paying, "postgres_only")
+    })
+    .await;
+    let entered = struck.elapsed();
+    let (answers, gauges) = (readiness(&fleet).await, outage_gauges(&fleet).await);
+    for &n in &paying {
+        assert_eq!(
+            answers[n],
+            (200, "degraded".into(), "postgres_only".into()),
+            "ready, degraded, without Redis"
+        );
+        assert_eq!(gauges[n], 1.0);
+    }
+    let (acknowledged, (_, alone_before)) = (load.acknowledged(), fleet_by_path(&fleet).await);
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let during = load.acknowledged() - acknowledged;
+    let (_, alone) = fleet_by_path(&fleet).await;
+    assert!(during >= 50, "payments went on while Redis was gone: {during} in 1.5 s");
+    assert!(alone - alone_before >= during as f64 * 0.9, "under Postgres alone: {alone_before} then {alone}");
+
+    let back = Instant::now();
+    match fault {
+        Fault::Kill => env.own_redis().start_again(),
+        Fault::Stop => env.own_redis().signal(Signal::SIGCONT),
+    }
+    eventually("every replica moves money under leases again", Duration::from_secs(5), || {
+        all_on(&fleet, &paying, "lease")
+    })
+    .await;
+    let returned = back.elapsed();
+    for answer in readiness(&fleet).await {
+        assert_eq!(answer, (200, "ready".into(), "lease".into()), "ready, on leases again");
+    }
+    assert_eq!(outage_gauges(&fleet).await, [0.0; 3]);
+    let (on_leases, _) = fleet_by_path(&fleet).await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let (on_leases_after, _) = fleet_by_path(&fleet).await;
+    assert!(on_leases_after > on_leases, "payments under leases again: {on_leases} then {on_leases_after}");
+
+    let mut attempts = load.finish().await;
+    settle(&fleet, &mut attempts).await;
+    eprintln!(
+        "entered the outage {entered:?} after the fault, back on leases {returned:?} after Redis answered; {:?}",
+        tally(&attempts)
+    );
+    assert!(returned <= Duration::from_secs(2), "every replica was back on leases after {returned:?}");
+    check_books(&fleet, &opening(), &attempts).await;
+    for replica in paying.iter().map(|&n| &fleet.replicas[n]) {
+        let log = replica.log();
+        let (entered, left) =
+            (log.matches("Redis is unreachable").count(), log.matches("Redis answers again").count());
+        assert_eq!((entered, left), (1, 1), "{}: logged once on entering and once on leaving", replica.name);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payments_go_on_under_postgres_alone_while_redis_is_killed_and_back_on_leases_once_it_restarts() {
+    payments_go_on_through(Fault::Kill).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payments_go_on_under_postgres_alone_while_redis_hangs_and_back_on_leases_once_it_answers() {
+    payments_go_on_through(Fault::Stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_cut_off_from_redis_pays_under_postgres_alone_beside_replicas_on_leases_and_loses_nothing()
+{
+    let mut env = TestEnv::with_own_redis();
+    let mut fleet = Fleet::start(&env, 3, &SETTINGS).await;
+    // replica-3 reaches Redis through a proxy that will drop every byte: a partition, where
+    // replica-3's connections stay open and nothing comes back.
+    let redis = format!("127.0.0.1:{}", env.own_redis().port).parse().unwrap();
+    let proxy = TcpProxy::start(redis).await;
+    let proxied = format!("redis://127.0.0.1:{}", proxy.port);
+    fleet.replicas[2].set_env("REDIS_URL", Some(&proxied));
+    fleet.replicas[2].start();
+    open_wallets(&fleet, &WALLETS, OPENING).await;
+    // Nine clients, three on each replica, all paying from the same wallets.
+    let urls: Vec<String> = fleet.replicas.iter().map(|replica| replica.url("")).collect();
+    let load = Load::start_at(&fleet, &urls, &WALLETS, 9);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    proxy.black_hole();
+    eventually("replica-3 moves money under Postgres alone", Duration::from_secs(5), || async {
+        readiness(&fleet).await[2].2 == "postgres_only"
+    })
+    .await;
+    let before: Vec<(f64, f64)> =
+        futures::future::join_all((0..3).map(|replica| moved_by_path(&fleet, replica))).await;
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let after: Vec<(f64, f64)> =
+        futures::future::join_all((0..3).map(|replica| moved_by_path(&fleet, replica))).await;
+    let paths = readiness(&fleet).await;
+    assert_eq!(paths[0].2, "lease");
+    assert_eq!(paths[1].2, "lease");
+
+    let mut attempts = load.finish().await;
+    settle(&fleet, &mut attempts).await;
+    eprintln!("by path, before and after 2 s of the partition: {before:?} {after:?}; {:?}", tally(&attempts));
+    assert!(after[2].1 > before[2].1, "replica-3 paid under Postgres alone during the partition");
+    assert!(after[0].0 + after[1].0 > before[0].0 + before[1].0, "the others paid under leases meanwhile");
+    check_books(&fleet, &opening(), &attempts).await;
+}
