@@ -3,8 +3,8 @@
 
 Left: throughput (payments per second, log scale; for the read and health ceilings, requests per
 second) of each run, with its ratio to its raw-Postgres anchor. Right: p50 and p99 latency (ms, log
-scale). Grey: pgbench; blue: walletlock's payments; green: its read and health ceilings; red: the
-tutorial's lock.
+scale). Grey: pgbench; blue: walletlock's payments; green: its read and health ceilings; orange:
+its payments in a Redis outage (under Postgres alone); red: the tutorial's lock.
 """
 
 import json
@@ -26,6 +26,8 @@ def main():
             return "#7f7f7f"
         if "tutorial" in r["label"]:
             return "#d62728"
+        if "Redis gone" in r["label"]:
+            return "#ff7f0e"
         return "#1f77b4" if r.get("moves", True) else "#2ca02c"
 
     colors = [color(r) for r in rows]

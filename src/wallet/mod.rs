@@ -13,6 +13,9 @@
 //! wallet on this replica behind a single worker that applies them in batches under one lease
 //! (`queue`); the tutorial's way has every request take the lease on its own (`direct`), kept as
 //! the benchmark's baseline.
+//!
+//! While Redis cannot be reached ([`RedisOutage::Postgres`]), the same queues are served under
+//! Postgres alone, each batch's row locked in its transaction (`outage`, `unleased`).
 
 mod batch;
 mod group;
@@ -296,6 +299,8 @@ pub struct Shared {
     keys: idempotency::Keys,
     /// Whether this replica is in a Redis outage, moving money under Postgres alone.
     outage: Arc<outage::Outage>,
+    /// Where movements are written during an outage, in rounds across wallets.
+    unleased: unleased::UnleasedRounds,
     /// Every movement in progress, every wallet worker and every round runs as a task on this
     /// tracker, so it finishes (commit or roll back, then release) even if the request that
     /// started it is dropped, and so shutdown can wait for all of them.
@@ -313,6 +318,8 @@ impl Wallets {
             round_settings(&leases, keys.settings().retention),
             in_flight.clone(),
         );
+        let unleased =
+            unleased::UnleasedRounds::start(db.clone(), keys.settings().retention, in_flight.clone());
         Self(Arc::new(Shared {
             db,
             leases,
@@ -323,6 +330,7 @@ impl Wallets {
             rounds,
             keys,
             outage: Arc::new(outage::Outage::new(RedisOutage::Refuse)),
+            unleased,
             in_flight,
         }))
     }
@@ -357,6 +365,8 @@ impl Wallets {
         let settings = round_settings(&self.leases, keys.retention);
         let service = Arc::make_mut(&mut self.0);
         service.rounds = group::Rounds::start(service.db.clone(), settings, service.in_flight.clone());
+        service.unleased =
+            unleased::UnleasedRounds::start(service.db.clone(), keys.retention, service.in_flight.clone());
         service.keys = idempotency::Keys::new(service.db.clone(), keys);
         self
     }

@@ -1,28 +1,259 @@
-//! A wallet's queue served without a lease, under Postgres alone, during a Redis outage (see
+//! Wallets' queues served without a lease, under Postgres alone, during a Redis outage (see
 //! [`super::outage`]).
 //!
-//! Each batch is one transaction: lock the wallet's row (`FOR UPDATE`, waiting at most
-//! [`ROW_LOCK_TIMEOUT`] for a statement or transaction that holds it), read the batch's keys and
-//! holds (after the lock, so they are as the row's last writer left them), decide exactly as under
-//! a lease ([`batch::decide`]), write with the rounds' compare-and-set on the row as locked, and
-//! commit. The row's lock is what makes writers on several replicas take turns: batches across
-//! replicas queue in Postgres, as they would in Redis. The row's fence is left as it was, so it
-//! keeps ordering the leases that come after the outage.
+//! Every batch is written in a transaction that holds its wallet's row locked from its read to its
+//! commit: the lock is what makes writers on several replicas take turns, as the lease does
+//! otherwise. The transaction reads the batch's keys and holds after the lock, so they are as the
+//! row's last writer left them, decides exactly as under a lease ([`batch::decide`]), writes with
+//! the rounds' compare-and-set on the row as locked, and commits. The row's fence is left as it
+//! was, so it keeps ordering the leases taken after the outage.
+//!
+//! Two ways, as the leased path has rounds and waits:
+//! - **Rounds across wallets** ([`UnleasedRounds`]): the batches of every wallet waiting on this
+//!   replica go in one transaction, which locks their rows in id order without waiting for any
+//!   (`SKIP LOCKED`): one lock, one read, one write, one WAL flush for the round, as on leases.
+//! - **A wallet alone**: a batch whose row another transaction held (another replica writing the
+//!   wallet right then: a hot wallet) waits for it in a transaction of its own, `FOR UPDATE`
+//!   bounded by [`ROW_LOCK_TIMEOUT`] (then `503 lock_timeout`), so contended wallets queue in
+//!   Postgres's lock queue, first come first served, rather than polling.
 
-use super::batch::{self, Held, Known, Op};
-use super::group::{self, round_time};
+use super::batch::{self, Held, Known, Op, Plan};
+use super::group::{self, MAX_ROUND_OPS, round_time};
 use super::outage::{Path, count_path};
 use super::queue::{MAX_BATCH, MAX_HOLD, Reply};
 use super::transfer::ROW_LOCK_TIMEOUT;
 use super::{Moved, WalletError, WalletId, Wallets};
 use crate::ledger::group::{self as store, GroupWrite, HoldsToRead};
 use crate::ledger::idempotency::KeyRef;
-use crate::ledger::transfer::lock_wallets;
+use crate::ledger::transfer::{LockedWallet, lock_free_wallets, lock_wallets};
+use sqlx::{PgConnection, PgPool};
+use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
-/// Why one transaction of a batch did not end with each op's result.
+/// How one wallet's batch fared in a round under Postgres alone.
+pub(super) enum RoundOutcome {
+    /// Each op's result.
+    Done(Vec<Result<Moved, WalletError>>),
+    /// Nothing ran (the row was held by another transaction, or another writer stored one of the
+    /// round's keys first): the ops come back, to be written by the wallet alone.
+    NotRun(Vec<Op>),
+}
+
+type Submission = (WalletId, Vec<Op>, oneshot::Sender<RoundOutcome>);
+
+/// The replica's rounds under Postgres alone. Cheap to clone.
+#[derive(Debug, Clone)]
+pub(super) struct UnleasedRounds {
+    batches: mpsc::UnboundedSender<Submission>,
+}
+
+impl UnleasedRounds {
+    /// Starts gathering batches into rounds, one round at a time (what queues meanwhile joins the
+    /// next); stops when the last clone is dropped, or once `tracker` is closed and empty.
+    pub(super) fn start(db: PgPool, retention: Duration, tracker: TaskTracker) -> Self {
+        let (batches, queued) = mpsc::unbounded_channel();
+        tokio::spawn(gather(db, retention, tracker, queued));
+        Self { batches }
+    }
+
+    /// Writes wallet `id`'s `ops` in the next round.
+    async fn run(&self, id: &WalletId, ops: Vec<Op>) -> RoundOutcome {
+        let (reply, outcome) = oneshot::channel();
+        let count = ops.len();
+        if self.batches.send((id.clone(), ops, reply)).is_err() {
+            return failed(
+                count,
+                &WalletError::internal("the replica's rounds under Postgres alone stopped"),
+            );
+        }
+        outcome
+            .await
+            .unwrap_or_else(|_| failed(count, &WalletError::internal("a round ended without answering")))
+    }
+}
+
+fn failed(ops: usize, err: &WalletError) -> RoundOutcome {
+    RoundOutcome::Done((0..ops).map(|_| Err(err.clone())).collect())
+}
+
+async fn gather(
+    db: PgPool,
+    retention: Duration,
+    tracker: TaskTracker,
+    mut queued: mpsc::UnboundedReceiver<Submission>,
+) {
+    loop {
+        let first = tokio::select! {
+            next = queued.recv() => match next {
+                Some(first) => first,
+                None => return,
+            },
+            () = tracker.wait() => return,
+        };
+        let mut ops = first.1.len();
+        let mut round = vec![first];
+        while ops < MAX_ROUND_OPS {
+            let Ok(next) = queued.try_recv() else { break };
+            ops += next.1.len();
+            round.push(next);
+        }
+        Box::pin(run_round(&db, retention, round)).await;
+    }
+}
+
+/// A batch whose row the round locked.
+struct Locked {
+    id: WalletId,
+    ops: Vec<Op>,
+    held: Held,
+    reply: oneshot::Sender<RoundOutcome>,
+}
+
+/// One round: lock the rows no one else holds, read, decide, write, commit; the batches whose rows
+/// were held come back ([`RoundOutcome::NotRun`]).
+async fn run_round(db: &PgPool, retention: Duration, round: Vec<Submission>) {
+    let answer_all = |round: Vec<(oneshot::Sender<RoundOutcome>, usize)>, err: &WalletError| {
+        for (reply, ops) in round {
+            let _ = reply.send(failed(ops, err));
+        }
+    };
+    let mut tx = match db.begin().await {
+        Ok(tx) => tx,
+        Err(err) => {
+            return answer_all(round.into_iter().map(|(_, ops, r)| (r, ops.len())).collect(), &err.into());
+        }
+    };
+    let ids: Vec<&str> = round.iter().map(|(id, _, _)| id.as_str()).collect();
+    let rows = match lock_free_wallets(&mut tx, &ids).await {
+        Ok(rows) => rows,
+        Err(err) => {
+            return answer_all(round.into_iter().map(|(_, ops, r)| (r, ops.len())).collect(), &err.into());
+        }
+    };
+    let mut locked: Vec<Locked> = Vec::with_capacity(round.len());
+    for (id, ops, reply) in round {
+        match rows.get(id.as_str()) {
+            Some(row) => locked.push(Locked { held: held(row), id, ops, reply }),
+            None => {
+                let _ = reply.send(RoundOutcome::NotRun(ops));
+            }
+        }
+    }
+    if locked.is_empty() {
+        return;
+    }
+    let batches: Vec<ToDecide<'_>> = locked.iter().map(|l| (&l.id, &l.held, l.ops.as_slice())).collect();
+    let decided = decide_all(&mut tx, &batches).await;
+    drop(batches);
+    let plans = match decided {
+        Ok(plans) => plans,
+        Err(err) => {
+            return answer_all(locked.into_iter().map(|l| (l.reply, l.ops.len())).collect(), &err);
+        }
+    };
+    let (now, plans) = plans;
+    let mut write = GroupWrite::default();
+    for (l, plan) in locked.iter().zip(&plans).filter(|(_, plan)| plan.runs()) {
+        group::add_wallet(&mut write, &l.id, l.held.fence, &l.held, &l.ops, plan);
+    }
+    if !write.wallets.is_empty() {
+        match store::commit(&mut tx, &write, now, retention).await {
+            Ok(committed) if committed.moved.len() == write.wallets.len() => {}
+            Ok(_) => {
+                // Every row written is locked by this transaction: nobody else can have moved it.
+                let err = WalletError::internal("a row locked for a write did not match it");
+                return answer_all(locked.into_iter().map(|l| (l.reply, l.ops.len())).collect(), &err);
+            }
+            Err(err) if err.is_key_conflict() => {
+                // Nothing is written; each batch goes alone, and reads the key first.
+                drop(write);
+                for l in locked {
+                    let _ = l.reply.send(RoundOutcome::NotRun(l.ops));
+                }
+                return;
+            }
+            Err(err) => {
+                return answer_all(locked.into_iter().map(|l| (l.reply, l.ops.len())).collect(), &err.into());
+            }
+        }
+    }
+    crate::failpoint::hit("before_commit");
+    let committed = super::commit(tx).await;
+    crate::failpoint::hit("after_commit");
+    for (l, plan) in locked.into_iter().zip(plans) {
+        let results = match &committed {
+            Ok(()) => plan.results(Ok(true)),
+            Err(err) => plan.results(Err(err)),
+        };
+        let _ = l.reply.send(RoundOutcome::Done(results));
+    }
+}
+
+/// The wallet as its locked row has it.
+fn held(row: &LockedWallet) -> Held {
+    Held {
+        balance: row.balance,
+        held: row.held,
+        version: row.version,
+        fence: row.fence,
+        owner: row.owner.as_deref().map(Arc::from),
+        from_note: false,
+    }
+}
+
+/// One wallet's batch to decide: its id, its row as locked, its ops.
+type ToDecide<'a> = (&'a WalletId, &'a Held, &'a [Op]);
+
+/// Reads the keys and holds of `batches` (their rows locked, so they are as the rows' last writers
+/// left them) and decides each batch from its row's own fence; the time of the round and each
+/// batch's plan.
+async fn decide_all(
+    conn: &mut PgConnection,
+    batches: &[ToDecide<'_>],
+) -> Result<(chrono::DateTime<chrono::Utc>, Vec<Plan>), WalletError> {
+    let keys: Vec<KeyRef<'_>> = batches
+        .iter()
+        .flat_map(|(_, _, ops)| ops.iter().filter_map(|op| op.key.as_ref().map(|key| key.at())))
+        .collect();
+    let hold_ids: Vec<Uuid> =
+        batches.iter().flat_map(|(_, _, ops)| ops.iter().filter_map(Op::settles)).collect();
+    let mut expired_of: HashSet<&str> = HashSet::new();
+    loop {
+        let now = round_time();
+        let expired: Vec<&str> = expired_of.iter().copied().collect();
+        let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired, now };
+        let found = if keys.is_empty() && holds.is_empty() {
+            store::Found::default()
+        } else {
+            Box::pin(store::read(conn, &[], &keys, holds)).await?
+        };
+        let plans: Vec<Plan> = batches
+            .iter()
+            .map(|(id, held, ops)| {
+                let expired_read = expired_of.contains(id.as_str());
+                let known = Known { keys: &found.keys, holds: &found.holds, expired_read, now };
+                batch::decide(id, held.fence, held, ops, known)
+            })
+            .collect();
+        let short: Vec<&str> = batches
+            .iter()
+            .zip(&plans)
+            .filter(|(_, plan)| plan.needs_expired)
+            .map(|((id, _, _), _)| id.as_str())
+            .collect();
+        if short.is_empty() {
+            return Ok((now, plans));
+        }
+        // Nothing is written yet: read those wallets' expired holds, and decide again.
+        expired_of.extend(short);
+    }
+}
+
+/// Why a transaction of a wallet alone did not end with each op's result.
 enum Failed {
     /// Another writer stored one of the batch's keys first: nothing was written; read again.
     KeyConflict,
@@ -49,7 +280,10 @@ impl Wallets {
             let (waiters, ops): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|pending| pending.into_parts()).unzip();
             metrics::histogram!(crate::telemetry::metrics::BATCH_SIZE).record(ops.len() as f64);
-            let results = self.write_unleased(id, &ops).await;
+            let results = match self.unleased.run(id, ops).await {
+                RoundOutcome::Done(results) => results,
+                RoundOutcome::NotRun(ops) => Box::pin(self.write_alone_unleased(id, &ops)).await,
+            };
             count_path(Path::PostgresOnly, &results);
             let db = started.elapsed();
             for ((enqueued, reply), result) in waiters.into_iter().zip(results) {
@@ -62,11 +296,12 @@ impl Wallets {
         }
     }
 
-    /// Applies `ops` to wallet `id` in one transaction under its row's lock; each op's result.
-    async fn write_unleased(&self, id: &WalletId, ops: &[Op]) -> Vec<Result<Moved, WalletError>> {
+    /// Applies `ops` to wallet `id` in a transaction of its own, waiting for its row's lock;
+    /// each op's result.
+    async fn write_alone_unleased(&self, id: &WalletId, ops: &[Op]) -> Vec<Result<Moved, WalletError>> {
         let mut first_attempt = true;
         loop {
-            match self.attempt_unleased(id, ops).await {
+            match self.attempt_alone_unleased(id, ops).await {
                 Ok(results) => return results,
                 Err(Failed::KeyConflict) if first_attempt => first_attempt = false,
                 Err(Failed::KeyConflict) => {
@@ -78,62 +313,39 @@ impl Wallets {
         }
     }
 
-    async fn attempt_unleased(
+    async fn attempt_alone_unleased(
         &self,
         id: &WalletId,
         ops: &[Op],
     ) -> Result<Vec<Result<Moved, WalletError>>, Failed> {
-        let mut tx = Box::pin(self.db.begin()).await?;
-        let locked = Box::pin(lock_wallets(&mut tx, &[id.as_str()], ROW_LOCK_TIMEOUT)).await?;
-        let Some(row) = locked.get(id.as_str()) else {
+        let mut tx = self.db.begin().await?;
+        let rows = lock_wallets(&mut tx, &[id.as_str()], ROW_LOCK_TIMEOUT).await?;
+        let Some(row) = rows.get(id.as_str()) else {
             return Ok(ops.iter().map(|_| Err(WalletError::NotFound)).collect());
         };
-        let held = Held {
-            balance: row.balance,
-            held: row.held,
-            version: row.version,
-            fence: row.fence,
-            owner: row.owner.as_deref().map(Arc::from),
-            from_note: false,
-        };
-        let keys: Vec<KeyRef<'_>> = ops.iter().filter_map(|op| op.key.as_ref().map(|key| key.at())).collect();
-        let hold_ids: Vec<Uuid> = ops.iter().filter_map(Op::settles).collect();
-        let mut expired_read = false;
-        let (plan, now) = loop {
-            let now = round_time();
-            let expired_of = if expired_read { vec![id.as_str()] } else { Vec::new() };
-            let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired_of, now };
-            let found = if keys.is_empty() && holds.is_empty() {
-                store::Found::default()
-            } else {
-                Box::pin(store::read(&mut tx, &[], &keys, holds)).await?
-            };
-            let known = Known { keys: &found.keys, holds: &found.holds, expired_read, now };
-            // The row's own fence: a write under Postgres alone leaves it as it is.
-            let plan = batch::decide(id, held.fence, &held, ops, known);
-            if plan.needs_expired && !expired_read {
-                expired_read = true;
-                continue;
-            }
-            break (plan, now);
-        };
+        let held = held(row);
+        let (now, mut plans) = decide_all(&mut tx, &[(id, &held, ops)]).await?;
+        let plan = plans.pop().ok_or_else(|| WalletError::internal("a batch decided into nothing"))?;
         if plan.runs() {
             let mut write = GroupWrite::default();
             group::add_wallet(&mut write, id, held.fence, &held, ops, &plan);
             let retention = self.keys.settings().retention;
-            let committed = match Box::pin(store::commit(&mut tx, &write, now, retention)).await {
-                Ok(committed) => committed,
+            match Box::pin(store::commit(&mut tx, &write, now, retention)).await {
+                Ok(committed) if committed.moved.contains(id.as_str()) => {}
+                // The row is locked by this transaction: nobody else can have moved it.
+                Ok(_) => {
+                    return Err(WalletError::internal("a row locked for a write did not match it").into());
+                }
                 Err(err) if err.is_key_conflict() => return Err(Failed::KeyConflict),
                 Err(err) => return Err(err.into()),
-            };
-            if !committed.moved.contains(id.as_str()) {
-                // The row is locked by this transaction: nobody else can have written it.
-                return Err(WalletError::internal("a row locked for a write did not match it").into());
             }
         }
-        if let Err(err) = super::commit(tx).await {
-            return Ok(plan.results(Err(&err)));
-        }
-        Ok(plan.results(Ok(true)))
+        crate::failpoint::hit("before_commit");
+        let committed = super::commit(tx).await;
+        crate::failpoint::hit("after_commit");
+        Ok(match committed {
+            Ok(()) => plan.results(Ok(true)),
+            Err(err) => plan.results(Err(&err)),
+        })
     }
 }

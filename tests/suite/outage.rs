@@ -6,11 +6,17 @@
 use crate::support::fleet::Fleet;
 use crate::support::load::{Load, check_books, open_wallets, settle, tally};
 use crate::support::proxy::TcpProxy;
-use crate::support::{TestEnv, eventually, parse_metrics};
+use crate::support::{CALLER, TestEnv, books, eventually, parse_metrics, render, tester};
 use nix::sys::signal::Signal;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
+use walletlock::lease::{LeaseSettings, Ttl};
+use walletlock::ledger::schema::ScratchSchema;
+use walletlock::wallet::{
+    Amount, HoldLife, Moved, Movement, MovementOutcome, RedisOutage, Refusal, WalletError, WalletId, Wallets,
+};
 
 /// Few wallets for eight clients: the clients contend for each of them all the time. nginx sends
 /// each wallet's requests to one replica (`hash ... consistent`), so these spread over replicas.
@@ -219,4 +225,151 @@ async fn a_replica_cut_off_from_redis_pays_under_postgres_alone_beside_replicas_
     assert!(after[2].1 > before[2].1, "replica-3 paid under Postgres alone during the partition");
     assert!(after[0].0 + after[1].0 > before[0].0 + before[1].0, "the others paid under leases meanwhile");
     check_books(&fleet, &opening(), &attempts).await;
+}
+
+/// A replica whose Redis is gone, with `REDIS_OUTAGE=postgres`: its lease client fails fast, as the
+/// service's does with that setting. The test's Redis is killed once the wallets are open.
+async fn replica_without_redis(env: &mut TestEnv, schema: &ScratchSchema, ids: &[&WalletId]) -> Wallets {
+    let settings = LeaseSettings::new(Ttl::new(Duration::from_secs(1)).unwrap(), Duration::from_secs(2));
+    let db = sqlx::postgres::PgPoolOptions::new().max_connections(8).connect(&schema.url).await.unwrap();
+    let wallets =
+        Wallets::new(db, env.leases_with(settings.failing_fast())).with_redis_outage(RedisOutage::Postgres);
+    for id in ids {
+        wallets.open(CALLER, id, 100, None).await.unwrap();
+    }
+    env.own_redis().kill();
+    wallets
+}
+
+fn pay(amount: i64) -> Movement {
+    Movement::Pay { amount: Amount::new(amount).unwrap(), reference: None }
+}
+
+fn keyed(id: &WalletId, key: &str) -> Keyed<MovementOutcome> {
+    Keyed {
+        scope: Scope::wallet("tester", id),
+        key: IdempotencyKey::parse(key.as_bytes()).unwrap(),
+        fingerprint: idempotency::fingerprint("POST", "/pay", b"10"),
+        render,
+    }
+}
+
+/// Sends every movement at once (each its own request) and waits for all of them.
+async fn all_at_once(
+    wallets: &Wallets,
+    movements: Vec<(&WalletId, Movement, Option<Keyed<MovementOutcome>>)>,
+) -> Vec<Result<Moved, WalletError>> {
+    let requests: Vec<_> = movements
+        .into_iter()
+        .map(|(id, movement, key)| {
+            let (wallets, id) = (wallets.clone(), id.clone());
+            tokio::spawn(async move { wallets.apply(&tester(), &id, movement, key).await })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for request in requests {
+        results.push(request.await.unwrap());
+    }
+    results
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_postgres_alone_every_movement_is_decided_as_under_a_lease_and_a_key_sent_twice_charges_once() {
+    let mut env = TestEnv::with_own_redis();
+    let (schema, db) = env.database(2).await;
+    let (a, b, c) = (WalletId::generate(), WalletId::generate(), WalletId::generate());
+    let wallets = replica_without_redis(&mut env, &schema, &[&a, &b, &c]).await;
+
+    let results = all_at_once(
+        &wallets,
+        vec![
+            (&a, pay(10), Some(keyed(&a, "twice"))),
+            (&a, pay(10), Some(keyed(&a, "twice"))),
+            (&b, pay(60), None),
+            (&b, pay(50), None),
+            (
+                &c,
+                Movement::Hold { amount: Amount::new(30).unwrap(), life: HoldLife::DEFAULT, reference: None },
+                None,
+            ),
+        ],
+    )
+    .await;
+    assert_eq!(wallets.redis_outage(), (RedisOutage::Postgres, true), "in an outage");
+    let charged: Vec<_> = results[..2].iter().filter(|r| r.is_ok()).collect();
+    let replayed =
+        results[..2].iter().filter(|r| matches!(r, Err(WalletError::AlreadyRan(Prior::Replay(_))))).count();
+    assert_eq!((charged.len(), replayed), (1, 1), "one charge, one replay of it: {:?}", &results[..2]);
+    let refused = results[2..4]
+        .iter()
+        .filter(|r| matches!(r, Err(WalletError::Refused(Refusal::InsufficientFunds { .. }))))
+        .count();
+    assert_eq!(refused, 1, "60 and 50 from 100: one goes through, {:?}", &results[2..4]);
+    let Ok(Moved::Hold { hold, .. }) = &results[4] else { panic!("the hold: {:?}", results[4]) };
+
+    let captured = wallets
+        .apply(
+            &tester(),
+            &c,
+            Movement::Capture { hold: hold.id, amount: Some(Amount::new(20).unwrap()) },
+            None,
+        )
+        .await;
+    assert!(matches!(captured, Ok(Moved::Hold { entry: Some(_), .. })), "{captured:?}");
+    for (id, balance, pays) in [(&a, 90, 1), (&c, 80, 1)] {
+        let books = books(&db, id.as_str()).await;
+        assert_eq!((books.balance, books.ledger_sum, books.pays), (balance, balance, pays), "{id}");
+    }
+    let b_books = books(&db, b.as_str()).await;
+    assert!([40, 50].contains(&b_books.balance) && b_books.balance == b_books.ledger_sum);
+    let held: i64 = sqlx::query_scalar("select held from wallet where id = $1")
+        .bind(c.as_str())
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(held, 0, "the capture released the rest of the hold");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_postgres_alone_a_payment_waits_for_a_row_another_transaction_holds_at_most_one_second() {
+    let mut env = TestEnv::with_own_redis();
+    let (schema, db) = env.database(2).await;
+    let id = WalletId::generate();
+    let wallets = replica_without_redis(&mut env, &schema, &[&id]).await;
+
+    // Held for 300 ms: the payment waits for the row, then applies.
+    let mut blocker = db.begin().await.unwrap();
+    sqlx::query("select 1 from wallet where id = $1 for update")
+        .bind(id.as_str())
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let paying = tokio::spawn({
+        let (wallets, id) = (wallets.clone(), id.clone());
+        async move { wallets.apply(&tester(), &id, pay(10), None).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    blocker.rollback().await.unwrap();
+    assert!(paying.await.unwrap().is_ok());
+    assert!(started.elapsed() >= Duration::from_millis(300), "it waited for the row");
+
+    // Held past the lock timeout: 503 lock_timeout, nothing applied.
+    let mut blocker = db.begin().await.unwrap();
+    sqlx::query("select 1 from wallet where id = $1 for update")
+        .bind(id.as_str())
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let result = wallets.apply(&tester(), &id, pay(10), None).await;
+    assert!(matches!(result, Err(WalletError::LockTimeout { .. })), "{result:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "bounded by the lock timeout: {:?}",
+        started.elapsed()
+    );
+    blocker.rollback().await.unwrap();
+    let books = books(&db, id.as_str()).await;
+    assert_eq!((books.balance, books.ledger_sum, books.pays), (90, 90, 1));
 }
