@@ -52,11 +52,6 @@ impl Path {
 /// How often a replica in an outage asks Redis for a lease, to learn that it is back.
 pub const PROBE_EVERY: Duration = Duration::from_millis(250);
 
-/// The name of the lease a replica in an outage takes (and releases at once) to learn that Redis
-/// serves leases again: a whole acquisition, so a Redis that answers `PING` but not the lease
-/// scripts (reloading them after a restart, say) does not end the outage.
-const PROBE_LEASE: &str = "redis-probe";
-
 /// Whether this replica is in a Redis outage; shared by every worker of the replica.
 #[derive(Debug)]
 pub struct Outage {
@@ -79,10 +74,13 @@ impl Outage {
         self.since.lock().expect("outage lock").is_some()
     }
 
-    /// Whether an acquisition that failed with `failure` starts an outage: with the `postgres`
-    /// policy, always; the caller then serves its queue without a lease. Entering logs once and
-    /// starts the probe that ends the outage.
-    pub fn enter(self: &Arc<Self>, failure: &RedisFailure, leases: &LeaseClient) -> bool {
+    /// Whether an acquisition of lease `name` that failed with `failure` starts an outage: with the
+    /// `postgres` policy, always; the caller then serves its queue without a lease. Entering logs
+    /// once and starts the probe that ends the outage: it asks for that same lease (and releases it
+    /// at once) until Redis answers, a whole acquisition, so that a Redis that answers `PING` but
+    /// not the lease scripts (reloading them after a restart), or a Cluster whose other nodes
+    /// answer while this name's does not, does not end it.
+    pub fn enter(self: &Arc<Self>, failure: &RedisFailure, leases: &LeaseClient, name: &str) -> bool {
         if self.policy == RedisOutage::Refuse {
             return false;
         }
@@ -98,11 +96,11 @@ impl Outage {
             "Redis is unreachable: moving money under Postgres alone (row locks) until it answers again"
         );
         metrics::gauge!("walletlock_redis_outage").set(1.0);
-        let (this, leases) = (self.clone(), leases.clone());
+        let (this, leases, name) = (self.clone(), leases.clone(), name.to_owned());
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(PROBE_EVERY).await;
-                match leases.try_acquire(PROBE_LEASE).await {
+                match leases.try_acquire(&name).await {
                     Ok(Some(lease)) => {
                         let _ = lease.release().await;
                     }

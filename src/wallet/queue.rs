@@ -237,7 +237,7 @@ impl Wallets {
             let mut lease = match acquired {
                 Ok(lease) => lease,
                 // Redis is unreachable, not busy: go on under Postgres alone, if so configured.
-                Err(LeaseError::Unavailable(failure)) if self.outage.enter(&failure, &self.leases) => {
+                Err(LeaseError::Unavailable(failure)) if self.outage.enter(&failure, &self.leases, &name) => {
                     continue;
                 }
                 Err(err) => {

@@ -327,7 +327,9 @@ impl Wallets {
         let acquired = self.leases.acquire_all(&names.iter().map(String::as_str).collect::<Vec<_>>()).await;
         let mut leases = match acquired {
             Ok(leases) => leases,
-            Err(lease::LeaseError::Unavailable(failure)) if self.outage.enter(&failure, &self.leases) => {
+            Err(lease::LeaseError::Unavailable(failure))
+                if self.outage.enter(&failure, &self.leases, &names[0]) =>
+            {
                 return self.commit_unleased(&work).await.inspect(|_| count_one(Path::PostgresOnly));
             }
             Err(err) => return Err(err.into()),

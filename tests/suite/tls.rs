@@ -152,6 +152,9 @@ async fn a_server_certificate_for_another_host_is_refused_with_a_503_and_nothing
         replica.set_env("REDIS_URL", Some(&good_redis));
         replica.set_env("DATABASE_URL", Some(&good_database));
         replica.set_env(setting, Some(&wrong_host));
+        // Refuse rather than go on under Postgres alone when Redis cannot be reached, so that
+        // both dependencies' refusals show as 503s (tests/suite/outage.rs has the other way).
+        replica.set_env("REDIS_OUTAGE", Some("refuse"));
         replica.start_unready();
 
         // Every payment is refused and changes nothing. The reason reaches the log as soon as one

@@ -59,18 +59,30 @@ pub async fn sentinel_failover_mid_load(mut sentinels: SentinelSet, env: TestEnv
     let old = sentinels.kill_primary();
     let killed_at = Instant::now();
     let mut attempts = Vec::new();
+    // Payments go on under Postgres alone until the Sentinels promote a replica (README, "When
+    // Redis is gone"), then on leases from the new primary.
     let resumed = time_to_recover(&fleet, "t0", Duration::from_secs(20), &mut attempts).await;
-    let promoted = sentinels.current_primary();
-    assert_ne!(promoted, old, "the Sentinels promoted a replica");
+    eventually("the Sentinels promote a replica", Duration::from_secs(20), || async {
+        sentinels.current_primary() != old
+    })
+    .await;
+    let promoted_after = killed_at.elapsed();
+    eventually("every replica is on leases from the new primary", Duration::from_secs(10), || async {
+        fleet.readiness().await.iter().all(|(_, _, payments)| payments == "lease")
+    })
+    .await;
+    let on_leases_after = killed_at.elapsed();
+    let probe = Instant::now();
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     attempts.extend(load.finish().await);
 
     assert!(resumed <= Duration::from_secs(10), "payments resumed {resumed:?} after the primary died");
-    let after: usize = attempts
-        .iter()
-        .filter(|a| a.sent > killed_at + resumed && matches!(a.outcome, Outcome::Applied(_)))
-        .count();
+    let after: usize =
+        attempts.iter().filter(|a| a.sent > probe && matches!(a.outcome, Outcome::Applied(_))).count();
     assert!(after > 0, "the replicas follow the new primary without a restart");
+    eprintln!(
+        "promoted {promoted_after:?} after the kill; every replica on leases {on_leases_after:?} after it"
+    );
     settle(&fleet, &mut attempts).await;
     check_books(&fleet, &ids.iter().map(|w| (*w, 1_000_000)).collect::<Vec<_>>(), &attempts).await;
     let (resyncs, refusals) = fence_figures(&fleet).await;

@@ -257,6 +257,19 @@ impl Fleet {
         }
     }
 
+    /// What each replica's `/readyz` says: (HTTP status, `status`, `payments`), asked of all at
+    /// once (each may take its probe's bound while Redis hangs).
+    pub async fn readiness(&self) -> Vec<(u16, String, String)> {
+        futures::future::join_all(self.replicas.iter().map(|replica| async {
+            let response = self.client.get(replica.url("/readyz")).send().await.expect("an answer");
+            let code = response.status().as_u16();
+            let body: serde_json::Value = response.json().await.unwrap_or_default();
+            let word = |field: &str| body[field].as_str().unwrap_or_default().to_owned();
+            (code, word("status"), word("payments"))
+        }))
+        .await
+    }
+
     /// nginx's error lines.
     pub fn nginx_errors(&self) -> String {
         let log = std::fs::read_to_string(self._dir.path().join("nginx.log")).unwrap_or_default();
