@@ -2,25 +2,10 @@
 //! decided on its own, none applied if the batch's fenced commit is refused.
 
 use crate::support::{CALLER, EntryOf, TestEnv, books, eventually, render, tester};
+use crate::support::{payment as pay, payment_key as keyed};
 use std::time::{Duration, Instant};
-use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
-use walletlock::wallet::{
-    Amount, Movement, MovementOutcome, Refusal, WalletError, WalletId, Wallets, lease_name,
-};
-
-fn pay(amount: i64) -> Movement {
-    Movement::Pay { amount: Amount::new(amount).unwrap(), reference: None }
-}
-
-/// A payment's key `key` on wallet `id`, for the same request each time.
-fn keyed(id: &WalletId, key: &str) -> Keyed<MovementOutcome> {
-    Keyed {
-        scope: Scope::wallet("tester", id),
-        key: IdempotencyKey::parse(key.as_bytes()).unwrap(),
-        fingerprint: idempotency::fingerprint("POST", "/pay", b"10"),
-        render,
-    }
-}
+use walletlock::idempotency::{Keyed, Prior};
+use walletlock::wallet::{Movement, MovementOutcome, Refusal, WalletError, WalletId, Wallets, lease_name};
 
 /// Queues `movements` (in this order) while another holder keeps the wallet's lease, then lets
 /// the wallet's worker have it: they all go in one batch.

@@ -1,16 +1,13 @@
 //! The race: many replicas spend from one wallet at the same instant.
 
+use crate::support::payment as pay;
 use crate::support::{CALLER, EntryOf, TestEnv, books, eventually, tester};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Barrier;
 use walletlock::ledger;
 use walletlock::tutorial::{hammer, unguarded_spend};
-use walletlock::wallet::{Amount, Movement, Refusal, WalletError, WalletId, Wallets};
-
-fn pay(amount: i64) -> Movement {
-    Movement::Pay { amount: Amount::new(amount).unwrap(), reference: None }
-}
+use walletlock::wallet::{Refusal, WalletError, WalletId, Wallets};
 
 async fn open(wallets: &Wallets, balance: i64) -> WalletId {
     let id = WalletId::generate();

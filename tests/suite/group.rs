@@ -2,12 +2,13 @@
 //! own fence and version; a wallet whose lease was lost is left out alone, a key sent twice runs
 //! once, and rounds that share wallets wait for each other instead of deadlocking.
 
+use crate::support::payment as pay;
 use crate::support::{CALLER, EntryOf, TestEnv, books, eventually, render, tester};
 use std::time::{Duration, Instant};
 use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
 use walletlock::ledger::group::{self, GroupWrite, HoldsToRead, ReadOutcome, ToRead, WalletWrite};
 use walletlock::ledger::{self, Entry, EntryKind};
-use walletlock::wallet::{Amount, Moved, Movement, WalletError, WalletId, lease_name};
+use walletlock::wallet::{Moved, WalletError, WalletId, lease_name};
 
 async fn wallet_with(db: &sqlx::PgPool, balance: i64) -> WalletId {
     let id = WalletId::generate();
@@ -150,10 +151,6 @@ async fn a_round_leaves_out_a_wallet_whose_row_another_statement_holds_and_write
     blocker.rollback().await.unwrap();
     assert_eq!(books(&db, ids[0].as_str()).await.balance, 100);
     assert_eq!(books(&db, ids[1].as_str()).await.balance, 90);
-}
-
-fn pay(amount: i64) -> Movement {
-    Movement::Pay { amount: Amount::new(amount).unwrap(), reference: None }
 }
 
 #[tokio::test]

@@ -1,13 +1,10 @@
 //! The lease's note: a wallet's next holder starts from what the last one wrote, without reading
 //! the row, and a note that is stale or forged moves no money.
 
+use crate::support::payment as pay;
 use crate::support::{CALLER, EntryOf, TestEnv, books, eventually, tester};
 use std::time::Duration;
-use walletlock::wallet::{Access, Amount, Movement, Refusal, WalletError, WalletId, Wallets, lease_name};
-
-fn pay(amount: i64) -> Movement {
-    Movement::Pay { amount: Amount::new(amount).unwrap(), reference: None }
-}
+use walletlock::wallet::{Access, Refusal, WalletError, WalletId, Wallets, lease_name};
 
 /// A replica and a wallet of `balance` it opened for `tester`, with the note opening it left.
 async fn opened(env: &TestEnv, balance: i64) -> (Wallets, WalletId, sqlx::PgPool, impl Sized) {

@@ -6,11 +6,12 @@
 use crate::support::fleet::Fleet;
 use crate::support::load::{Load, check_books, open_wallets, settle, tally};
 use crate::support::proxy::TcpProxy;
-use crate::support::{CALLER, TestEnv, books, eventually, parse_metrics, render, tester};
+use crate::support::{CALLER, TestEnv, books, eventually, parse_metrics, tester};
+use crate::support::{payment as pay, payment_key as keyed};
 use nix::sys::signal::Signal;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
-use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
+use walletlock::idempotency::{Keyed, Prior};
 use walletlock::lease::{LeaseSettings, Ttl};
 use walletlock::ledger::schema::ScratchSchema;
 use walletlock::wallet::{
@@ -227,19 +228,6 @@ async fn replica_without_redis(env: &mut TestEnv, schema: &ScratchSchema, ids: &
     }
     env.own_redis().kill();
     wallets
-}
-
-fn pay(amount: i64) -> Movement {
-    Movement::Pay { amount: Amount::new(amount).unwrap(), reference: None }
-}
-
-fn keyed(id: &WalletId, key: &str) -> Keyed<MovementOutcome> {
-    Keyed {
-        scope: Scope::wallet("tester", id),
-        key: IdempotencyKey::parse(key.as_bytes()).unwrap(),
-        fingerprint: idempotency::fingerprint("POST", "/pay", b"10"),
-        render,
-    }
 }
 
 /// Sends every movement at once (each its own request) and waits for all of them.

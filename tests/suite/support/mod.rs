@@ -311,3 +311,26 @@ pub fn parse_metrics(scrape: &str) -> Vec<(String, BTreeMap<String, String>, f64
         })
         .collect()
 }
+
+/// A payment of `amount` (no reference), as a request makes it.
+pub fn payment(amount: i64) -> walletlock::wallet::Movement {
+    walletlock::wallet::Movement::Pay {
+        amount: walletlock::wallet::Amount::new(amount).unwrap(),
+        reference: None,
+    }
+}
+
+/// The tester's idempotency key `key` for a payment from wallet `id`, for the same request each
+/// time (one fingerprint).
+pub fn payment_key(
+    id: &walletlock::wallet::WalletId,
+    key: &str,
+) -> walletlock::idempotency::Keyed<walletlock::wallet::MovementOutcome> {
+    use walletlock::idempotency::{self, IdempotencyKey, Keyed, Scope};
+    Keyed {
+        scope: Scope::wallet("tester", id),
+        key: IdempotencyKey::parse(key.as_bytes()).unwrap(),
+        fingerprint: idempotency::fingerprint("POST", "/pay", b"10"),
+        render,
+    }
+}
