@@ -19,6 +19,8 @@
 //! | `walletlock_lease_releases_total`, `walletlock_lease_release_not_held_total` | counter | releases, and the ones that found the lease already gone |
 //! | `walletlock_fence_refusals_total` | counter | writes or claims the fence refused (`lease_lost`) |
 //! | `walletlock_fence_resyncs_total` | counter | fence counters lifted after Redis lost them |
+//! | `walletlock_redis_outage` | gauge | 1 while the replica cannot reach Redis and moves money under Postgres alone (`REDIS_OUTAGE=postgres`), else 0 |
+//! | `walletlock_movements_by_path_total{path}` | counter | movements of money applied, by path: `lease` or `postgres_only` |
 //! | `walletlock_idempotent_replays_total` | counter | stored responses replayed |
 //! | `walletlock_idempotency_conflicts_total{reason}` | counter | `in_flight` and `reused` refusals |
 //! | `walletlock_pg_pool_connections{state}`, `walletlock_pg_pool_max_connections` | gauge | Postgres pool: `idle`, `in_use`, and its size |
