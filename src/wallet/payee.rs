@@ -12,6 +12,7 @@
 //! committed in one transaction (see [`Wallets::commit_batch`]); the others take the path of a
 //! transfer alone (both leases in order, one transaction), once the batch's leases are released.
 
+use super::outage::{Path, count_path};
 use super::queue::{Lane, MAX_BATCH, MAX_HOLD, Queues, Waiting};
 use super::transfer::{
     Attempt, Failure, Fences, ROW_LOCK_TIMEOUT, Side, TransferOutcome, Work, count_outcome, plan_transfer,
@@ -94,6 +95,24 @@ impl Lane for Transfers {
 
 /// What one transaction made of each transfer of a batch, in the batch's order.
 type BatchResults = Vec<Result<Transfer, WalletError>>;
+
+/// Answers each transfer of a batch committed by `path` with its own result, or every one with
+/// the failure of the batch's transaction.
+fn answer_batch(transfers: Vec<Queued>, outcome: Result<BatchResults, WalletError>, path: Path) {
+    match outcome {
+        Ok(results) => {
+            count_path(path, &results);
+            for (queued, result) in transfers.into_iter().zip(results) {
+                queued.answer(result);
+            }
+        }
+        Err(err) => {
+            for queued in transfers {
+                queued.answer(Err(err.clone()));
+            }
+        }
+    }
+}
 
 /// Transfers into `payee`, committed together by [`Wallets::commit_batch`].
 struct Batch<'a> {
@@ -178,19 +197,8 @@ impl Wallets {
                 queued.key.as_ref().is_none_or(|key| keys.insert((key.scope.clone(), key.key.clone())))
             });
             for transfers in [ready, later].into_iter().filter(|batch| !batch.is_empty()) {
-                match self.commit_unleased(&Batch { payee, transfers: &transfers }).await {
-                    Ok(results) => {
-                        super::outage::count_path(super::outage::Path::PostgresOnly, &results);
-                        for (queued, result) in transfers.into_iter().zip(results) {
-                            queued.answer(result);
-                        }
-                    }
-                    Err(err) => {
-                        for queued in transfers {
-                            queued.answer(Err(err.clone()));
-                        }
-                    }
-                }
+                let outcome = self.commit_unleased(&Batch { payee, transfers: &transfers }).await;
+                answer_batch(transfers, outcome, Path::PostgresOnly);
             }
             if since.elapsed() >= MAX_HOLD || !self.outage.is_active() {
                 return;
@@ -233,19 +241,7 @@ impl Wallets {
             let mut leases: Vec<&mut Lease> = payer_leases.iter_mut().collect();
             leases.push(lease);
             let outcome = self.commit_retrying(&mut leases, &Batch { payee, transfers: &ready }).await;
-            match outcome {
-                Ok(results) => {
-                    super::outage::count_path(super::outage::Path::Lease, &results);
-                    for (queued, result) in ready.into_iter().zip(results) {
-                        queued.answer(result);
-                    }
-                }
-                Err(err) => {
-                    for queued in ready {
-                        queued.answer(Err(err.clone()));
-                    }
-                }
-            }
+            answer_batch(ready, outcome, Path::Lease);
         }
         lease::release_all(payer_leases).await;
         metrics::counter!("walletlock_payee_batch_alone_total").increment(alone.len() as u64);

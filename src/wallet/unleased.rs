@@ -105,6 +105,19 @@ async fn gather(
     }
 }
 
+/// Why a transaction under Postgres alone did not end with each op's result.
+enum Failed {
+    /// Another writer stored one of the batch's keys first: nothing was written; read again.
+    KeyConflict,
+    Wallet(WalletError),
+}
+
+impl<E: Into<WalletError>> From<E> for Failed {
+    fn from(err: E) -> Self {
+        Failed::Wallet(err.into())
+    }
+}
+
 /// A batch whose row the round locked.
 struct Locked {
     id: WalletId,
@@ -147,50 +160,58 @@ async fn run_round(db: &PgPool, retention: Duration, round: Vec<Submission>) {
         return;
     }
     let batches: Vec<ToDecide<'_>> = locked.iter().map(|l| (&l.id, &l.held, l.ops.as_slice())).collect();
-    let decided = decide_all(&mut tx, &batches).await;
+    let written = decide_write_commit(tx, &batches, retention).await;
     drop(batches);
-    let plans = match decided {
-        Ok(plans) => plans,
-        Err(err) => {
-            return answer_all(locked.into_iter().map(|l| (l.reply, l.ops.len())).collect(), &err);
+    match written {
+        Ok(results) => {
+            for (l, results) in locked.into_iter().zip(results) {
+                let _ = l.reply.send(RoundOutcome::Done(results));
+            }
         }
-    };
-    let (now, plans) = plans;
+        // Nothing is written; each batch goes alone, and reads the key first.
+        Err(Failed::KeyConflict) => {
+            for l in locked {
+                let _ = l.reply.send(RoundOutcome::NotRun(l.ops));
+            }
+        }
+        Err(Failed::Wallet(err)) => {
+            answer_all(locked.into_iter().map(|l| (l.reply, l.ops.len())).collect(), &err);
+        }
+    }
+}
+
+/// Decides `batches`, whose rows `tx` holds locked, writes them in one statement and commits:
+/// each batch's results, in order. A key another writer stored first fails it whole, nothing
+/// written ([`Failed::KeyConflict`]).
+async fn decide_write_commit(
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    batches: &[ToDecide<'_>],
+    retention: Duration,
+) -> Result<Vec<Vec<Result<Moved, WalletError>>>, Failed> {
+    let (now, plans) = decide_all(&mut tx, batches).await?;
     let mut write = GroupWrite::default();
-    for (l, plan) in locked.iter().zip(&plans).filter(|(_, plan)| plan.runs()) {
-        group::add_wallet(&mut write, &l.id, l.held.fence, &l.held, &l.ops, plan);
+    for ((id, held, ops), plan) in batches.iter().zip(&plans).filter(|(_, plan)| plan.runs()) {
+        group::add_wallet(&mut write, id, held.fence, held, ops, plan);
     }
     if !write.wallets.is_empty() {
-        match store::commit(&mut tx, &write, now, retention).await {
+        match Box::pin(store::commit(&mut tx, &write, now, retention)).await {
             Ok(committed) if committed.moved.len() == write.wallets.len() => {}
-            Ok(_) => {
-                // Every row written is locked by this transaction: nobody else can have moved it.
-                let err = WalletError::internal("a row locked for a write did not match it");
-                return answer_all(locked.into_iter().map(|l| (l.reply, l.ops.len())).collect(), &err);
-            }
-            Err(err) if err.is_key_conflict() => {
-                // Nothing is written; each batch goes alone, and reads the key first.
-                drop(write);
-                for l in locked {
-                    let _ = l.reply.send(RoundOutcome::NotRun(l.ops));
-                }
-                return;
-            }
-            Err(err) => {
-                return answer_all(locked.into_iter().map(|l| (l.reply, l.ops.len())).collect(), &err.into());
-            }
+            // Every row written is locked by this transaction: nobody else can have moved it.
+            Ok(_) => return Err(WalletError::internal("a row locked for a write did not match it").into()),
+            Err(err) if err.is_key_conflict() => return Err(Failed::KeyConflict),
+            Err(err) => return Err(err.into()),
         }
     }
     crate::failpoint::hit("before_commit");
     let committed = super::commit(tx).await;
     crate::failpoint::hit("after_commit");
-    for (l, plan) in locked.into_iter().zip(plans) {
-        let results = match &committed {
+    Ok(plans
+        .iter()
+        .map(|plan| match &committed {
             Ok(()) => plan.results(Ok(true)),
             Err(err) => plan.results(Err(err)),
-        };
-        let _ = l.reply.send(RoundOutcome::Done(results));
-    }
+        })
+        .collect())
 }
 
 /// The wallet as its locked row has it.
@@ -253,19 +274,6 @@ async fn decide_all(
     }
 }
 
-/// Why a transaction of a wallet alone did not end with each op's result.
-enum Failed {
-    /// Another writer stored one of the batch's keys first: nothing was written; read again.
-    KeyConflict,
-    Wallet(WalletError),
-}
-
-impl<E: Into<WalletError>> From<E> for Failed {
-    fn from(err: E) -> Self {
-        Failed::Wallet(err.into())
-    }
-}
-
 impl Wallets {
     /// Serves the wallet's queue under Postgres alone, batch after batch, for at most
     /// [`MAX_HOLD`], or until the outage ends.
@@ -324,28 +332,8 @@ impl Wallets {
             return Ok(ops.iter().map(|_| Err(WalletError::NotFound)).collect());
         };
         let held = held(row);
-        let (now, mut plans) = decide_all(&mut tx, &[(id, &held, ops)]).await?;
-        let plan = plans.pop().ok_or_else(|| WalletError::internal("a batch decided into nothing"))?;
-        if plan.runs() {
-            let mut write = GroupWrite::default();
-            group::add_wallet(&mut write, id, held.fence, &held, ops, &plan);
-            let retention = self.keys.settings().retention;
-            match Box::pin(store::commit(&mut tx, &write, now, retention)).await {
-                Ok(committed) if committed.moved.contains(id.as_str()) => {}
-                // The row is locked by this transaction: nobody else can have moved it.
-                Ok(_) => {
-                    return Err(WalletError::internal("a row locked for a write did not match it").into());
-                }
-                Err(err) if err.is_key_conflict() => return Err(Failed::KeyConflict),
-                Err(err) => return Err(err.into()),
-            }
-        }
-        crate::failpoint::hit("before_commit");
-        let committed = super::commit(tx).await;
-        crate::failpoint::hit("after_commit");
-        Ok(match committed {
-            Ok(()) => plan.results(Ok(true)),
-            Err(err) => plan.results(Err(&err)),
-        })
+        let retention = self.keys.settings().retention;
+        let mut results = Box::pin(decide_write_commit(tx, &[(id, &held, ops)], retention)).await?;
+        results.pop().ok_or_else(|| WalletError::internal("a batch decided into nothing").into())
     }
 }

@@ -4,6 +4,7 @@
 
 use crate::support::app::{TestApp, spawn_app, spawn_app_with};
 use crate::support::fleet::Fleet;
+use crate::support::hold_row;
 use crate::support::{TestEnv, books, eventually};
 use nix::sys::signal::Signal;
 use reqwest::StatusCode;
@@ -349,8 +350,7 @@ async fn a_lease_lost_before_the_commit_is_a_409_and_applies_nothing() {
 
     // Hold the wallet's row so the payment is stuck at its claim, then make Redis lose its lease
     // (as a failover would): the watchdog notices and the payment gives up.
-    let mut blocker = app.db.begin().await.unwrap();
-    sqlx::query("select 1 from wallet where id = 'frank' for update").execute(&mut *blocker).await.unwrap();
+    let blocker = hold_row(&app.db, "frank").await;
     let pay = tokio::spawn({
         let (client, url) = (app.client.clone(), app.url("/wallets/frank/pay"));
         async move { client.post(url).json(&json!({ "amount": 10 })).send().await.unwrap() }

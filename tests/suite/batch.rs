@@ -1,6 +1,7 @@
 //! Group commit: movements queued for one wallet are applied in batches under one lease, each still
 //! decided on its own, none applied if the batch's fenced commit is refused.
 
+use crate::support::hold_row;
 use crate::support::{CALLER, EntryOf, TestEnv, books, eventually, render, tester};
 use crate::support::{payment as pay, payment_key as keyed};
 use std::time::{Duration, Instant};
@@ -94,12 +95,7 @@ async fn a_lease_lost_while_the_wallet_is_busy_applies_none_of_the_batch_and_eve
 
     // Another statement holds the wallet's row, so the batch's round finds it busy and tries
     // again; meanwhile Redis loses the lease (as in a failover).
-    let mut blocker = db.begin().await.unwrap();
-    sqlx::query("select 1 from wallet where id = $1 for update")
-        .bind(id.as_str())
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
+    let blocker = hold_row(&db, id.as_str()).await;
     let holder =
         env.leases(Duration::from_secs(10), Duration::from_secs(1)).acquire(&lease_name(&id)).await.unwrap();
     let mut queued = Vec::new();
@@ -139,12 +135,7 @@ async fn a_batch_that_outlives_the_ttl_keeps_its_lease_through_the_watchdog() {
     wallets.open(CALLER, &id, 100, None).await.unwrap();
 
     // The batch is stuck behind a row lock for three TTLs.
-    let mut row = db.begin().await.unwrap();
-    sqlx::query("select 1 from wallet where id = $1 for update")
-        .bind(id.as_str())
-        .execute(&mut *row)
-        .await
-        .unwrap();
+    let row = hold_row(&db, id.as_str()).await;
     let payment = tokio::spawn({
         let (wallets, id) = (wallets.clone(), id.clone());
         async move { wallets.apply(&tester(), &id, pay(10), None).await.entry() }

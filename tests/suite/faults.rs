@@ -3,6 +3,7 @@
 
 use crate::support::TestEnv;
 use crate::support::fleet::Fleet;
+use crate::support::hold_row;
 use crate::support::load::{
     Attempt, Load, Outcome, check_books, open_wallets, pay, pay_one, settle, tally, time_to_recover,
 };
@@ -19,18 +20,6 @@ fn opening(extra: &[&'static str]) -> Vec<(&'static str, i64)> {
 
 /// Settings for fault fleets: a one-second lease, and keys of dead replicas freed after two.
 const FAULT_SETTINGS: [(&str, &str); 2] = [("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s")];
-
-/// Holds a wallet's row in a transaction of the test's own: a lease holder's claim of that wallet
-/// waits behind it, in the middle of its critical section.
-async fn hold_row(fleet: &Fleet, wallet: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
-    let mut row = fleet.db.begin().await.unwrap();
-    sqlx::query("select 1 from wallet where id = $1 for update")
-        .bind(wallet)
-        .execute(&mut *row)
-        .await
-        .unwrap();
-    row
-}
 
 /// Sends one keyed payment straight to a replica (bypassing nginx), in the background.
 fn pay_on(
@@ -99,7 +88,7 @@ async fn a_lease_holder_killed_mid_critical_section_holds_others_up_at_most_one_
     let load = Load::start(&fleet, &WALLETS, 6);
 
     // replica-1 takes the lease of `held` and is stuck in its critical section, behind the row.
-    let row = hold_row(&fleet, "held").await;
+    let row = hold_row(&fleet.db, "held").await;
     let doomed = pay_on(&fleet, 0, "held", "doomed");
     wait_for_lease(&env, "held").await;
     wait_for_blocked_claim(&fleet).await;
@@ -133,7 +122,7 @@ async fn a_paused_lease_holder_is_refused_when_it_wakes() {
     let load = Load::start_at(&fleet, &others, &WALLETS, 6);
 
     // replica-1 holds the lease of `paused` and is frozen (a GC pause, a stalled VM) past the TTL.
-    let row = hold_row(&fleet, "paused").await;
+    let row = hold_row(&fleet.db, "paused").await;
     let stale = pay_on(&fleet, 0, "paused", "stale");
     wait_for_lease(&env, "paused").await;
     wait_for_blocked_claim(&fleet).await;

@@ -2,6 +2,7 @@
 //! own fence and version; a wallet whose lease was lost is left out alone, a key sent twice runs
 //! once, and rounds that share wallets wait for each other instead of deadlocking.
 
+use crate::support::hold_row;
 use crate::support::payment as pay;
 use crate::support::{CALLER, EntryOf, TestEnv, books, eventually, render, tester};
 use std::time::{Duration, Instant};
@@ -113,12 +114,7 @@ async fn a_round_leaves_out_a_wallet_whose_row_another_statement_holds_and_write
     let env = TestEnv::new();
     let (_schema, db) = env.database(2).await;
     let ids = [wallet_with(&db, 100).await, wallet_with(&db, 100).await];
-    let mut blocker = db.begin().await.unwrap();
-    sqlx::query("select 1 from wallet where id = $1 for update")
-        .bind(ids[0].as_str())
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
+    let blocker = hold_row(&db, ids[0].as_str()).await;
 
     let mut conn = db.acquire().await.unwrap();
     let entries: Vec<Entry> = ids.iter().map(|id| payment(id, 5, 2, 10, 90)).collect();

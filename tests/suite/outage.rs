@@ -4,8 +4,10 @@
 //! check: every acknowledged payment in the ledger once, nothing applied that was not.
 
 use crate::support::fleet::Fleet;
+use crate::support::hold_row;
 use crate::support::load::{Load, check_books, open_wallets, settle, tally};
 use crate::support::proxy::TcpProxy;
+use crate::support::servers::RedisServer;
 use crate::support::{CALLER, TestEnv, books, eventually, parse_metrics, tester};
 use crate::support::{payment as pay, payment_key as keyed};
 use nix::sys::signal::Signal;
@@ -85,6 +87,22 @@ enum Fault {
     Stop,
 }
 
+impl Fault {
+    fn strike(&self, redis: &mut RedisServer) {
+        match self {
+            Fault::Kill => redis.kill(),
+            Fault::Stop => redis.signal(Signal::SIGSTOP),
+        }
+    }
+
+    fn heal(&self, redis: &mut RedisServer) {
+        match self {
+            Fault::Kill => redis.start_again(),
+            Fault::Stop => redis.signal(Signal::SIGCONT),
+        }
+    }
+}
+
 async fn payments_go_on_through(fault: Fault) {
     let mut env = TestEnv::with_own_redis();
     let fleet = Fleet::start(&env, 3, &SETTINGS).await;
@@ -104,10 +122,7 @@ async fn payments_go_on_through(fault: Fault) {
     assert!(paying.len() >= 2, "payments spread over the replicas: {paying:?}");
 
     let struck = Instant::now();
-    match fault {
-        Fault::Kill => env.own_redis().kill(),
-        Fault::Stop => env.own_redis().signal(Signal::SIGSTOP),
-    }
+    fault.strike(env.own_redis());
     eventually("every replica moves money under Postgres alone", Duration::from_secs(5), || {
         all_on(&fleet, &paying, "postgres_only")
     })
@@ -132,10 +147,7 @@ async fn payments_go_on_through(fault: Fault) {
     );
 
     let back = Instant::now();
-    match fault {
-        Fault::Kill => env.own_redis().start_again(),
-        Fault::Stop => env.own_redis().signal(Signal::SIGCONT),
-    }
+    fault.heal(env.own_redis());
     eventually("every replica moves money under leases again", Duration::from_secs(5), || {
         all_on(&fleet, &paying, "lease")
     })
@@ -314,12 +326,7 @@ async fn under_postgres_alone_a_payment_waits_for_a_row_another_transaction_hold
     let wallets = replica_without_redis(&mut env, &schema, &[&id]).await;
 
     // Held for 300 ms: the payment waits for the row, then applies.
-    let mut blocker = db.begin().await.unwrap();
-    sqlx::query("select 1 from wallet where id = $1 for update")
-        .bind(id.as_str())
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
+    let blocker = hold_row(&db, id.as_str()).await;
     let started = Instant::now();
     let paying = tokio::spawn({
         let (wallets, id) = (wallets.clone(), id.clone());
@@ -331,12 +338,7 @@ async fn under_postgres_alone_a_payment_waits_for_a_row_another_transaction_hold
     assert!(started.elapsed() >= Duration::from_millis(300), "it waited for the row");
 
     // Held past the lock timeout: 503 lock_timeout, nothing applied.
-    let mut blocker = db.begin().await.unwrap();
-    sqlx::query("select 1 from wallet where id = $1 for update")
-        .bind(id.as_str())
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
+    let blocker = hold_row(&db, id.as_str()).await;
     let started = Instant::now();
     let result = wallets.apply(&tester(), &id, pay(10), None).await;
     assert!(matches!(result, Err(WalletError::LockTimeout { .. })), "{result:?}");

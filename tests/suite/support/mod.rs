@@ -334,3 +334,15 @@ pub fn payment_key(
         render,
     }
 }
+
+/// Holds wallet `wallet`'s row locked in a transaction of the test's own (another holder's
+/// statement, an operator's session) until it is rolled back or dropped.
+pub async fn hold_row(db: &PgPool, wallet: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut row = db.begin().await.unwrap();
+    sqlx::query("select 1 from wallet where id = $1 for update")
+        .bind(wallet)
+        .execute(&mut *row)
+        .await
+        .unwrap();
+    row
+}
