@@ -246,8 +246,9 @@ pub enum Movement {
 }
 
 /// Where a hold stands. `Held` past its expiry is expired, though no movement has released it yet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema, sqlx::Type)]
 #[serde(rename_all = "snake_case")]
+#[sqlx(type_name = "text", rename_all = "snake_case")]
 pub enum HoldStatus {
     Held,
     Captured,
@@ -277,12 +278,6 @@ impl HoldStatus {
             HoldStatus::Voided => "voided",
             HoldStatus::Expired => "expired",
         }
-    }
-
-    pub fn parse(status: &str) -> Option<Self> {
-        [HoldStatus::Held, HoldStatus::Captured, HoldStatus::Voided, HoldStatus::Expired]
-            .into_iter()
-            .find(|s| s.as_str() == status)
     }
 
     /// Why a hold in this status can be neither captured nor voided; `None` while it is held.

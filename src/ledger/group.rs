@@ -174,13 +174,12 @@ pub async fn read(
             let (held, fence) = (row.try_get("held")?, row.try_get("fence")?);
             rows_read.insert(id, ReadOutcome::Ready { wallet, held, fence, owner });
         } else if let Some(id) = row.try_get::<Option<Uuid>, _>("hold_id")? {
-            let status: &str = row.try_get("hold_status")?;
             let hold = Hold {
                 id,
                 wallet_id: row.try_get("hold_wallet")?,
                 amount: row.try_get("hold_amount")?,
                 captured: 0,
-                status: super::hold::decode_status(status)?,
+                status: row.try_get("hold_status")?,
                 expires_at: row.try_get("hold_expires_at")?,
                 reference: row.try_get("hold_reference")?,
                 created_at: row.try_get("hold_created_at")?,

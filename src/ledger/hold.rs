@@ -51,13 +51,12 @@ impl Hold {
 
 impl sqlx::FromRow<'_, sqlx::postgres::PgRow> for Hold {
     fn from_row(row: &sqlx::postgres::PgRow) -> Result<Self, sqlx::Error> {
-        let status: &str = row.try_get("status")?;
         Ok(Hold {
             id: row.try_get("id")?,
             wallet_id: row.try_get("wallet_id")?,
             amount: row.try_get("amount")?,
             captured: row.try_get("captured")?,
-            status: decode_status(status)?,
+            status: row.try_get("status")?,
             expires_at: row.try_get("expires_at")?,
             reference: row.try_get("reference")?,
             created_at: row.try_get("created_at")?,
@@ -66,12 +65,6 @@ impl sqlx::FromRow<'_, sqlx::postgres::PgRow> for Hold {
             fence: row.try_get("fence")?,
         })
     }
-}
-
-/// A hold's `status` column, as stored.
-pub(super) fn decode_status(status: &str) -> Result<HoldStatus, sqlx::Error> {
-    HoldStatus::parse(status)
-        .ok_or_else(|| sqlx::Error::Decode(format!("unknown hold status {status:?}").into()))
 }
 
 /// The hold, with the owner of its wallet (who may see and settle it).

@@ -129,8 +129,12 @@ pub struct Wallet {
 }
 
 /// What an entry did to its wallet's balance.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+///
+/// Stored as `text` (the column's check lists the kinds), not as a Postgres enum type: adding a
+/// kind is then a change of that check, not an `ALTER TYPE`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema, sqlx::Type)]
 #[serde(rename_all = "snake_case")]
+#[sqlx(type_name = "text", rename_all = "snake_case")]
 pub enum EntryKind {
     Open,
     Deposit,
@@ -158,18 +162,6 @@ impl EntryKind {
     /// Whether the entry takes money out of its wallet (else it puts money in).
     pub fn is_debit(self) -> bool {
         matches!(self, EntryKind::Pay | EntryKind::TransferOut)
-    }
-
-    fn parse(kind: &str) -> Result<Self, sqlx::Error> {
-        match kind {
-            "open" => Ok(EntryKind::Open),
-            "deposit" => Ok(EntryKind::Deposit),
-            "pay" => Ok(EntryKind::Pay),
-            "transfer_out" => Ok(EntryKind::TransferOut),
-            "transfer_in" => Ok(EntryKind::TransferIn),
-            "refund" => Ok(EntryKind::Refund),
-            other => Err(sqlx::Error::Decode(format!("unknown ledger entry kind {other:?}").into())),
-        }
     }
 }
 
@@ -225,7 +217,7 @@ impl sqlx::FromRow<'_, sqlx::postgres::PgRow> for Entry {
         Ok(Entry {
             id: row.try_get("id")?,
             wallet_id: row.try_get("wallet_id")?,
-            kind: EntryKind::parse(row.try_get("kind")?)?,
+            kind: row.try_get("kind")?,
             amount: row.try_get("amount")?,
             balance: row.try_get("balance_after")?,
             version: row.try_get("seq")?,
@@ -244,7 +236,7 @@ struct EntryRow {
     id: Uuid,
     wallet_id: String,
     seq: i64,
-    kind: String,
+    kind: EntryKind,
     amount: i64,
     balance_after: i64,
     fence: i64,
@@ -259,7 +251,7 @@ impl TryFrom<EntryRow> for Entry {
         Ok(Entry {
             id: row.id,
             wallet_id: row.wallet_id,
-            kind: EntryKind::parse(&row.kind)?,
+            kind: row.kind,
             amount: row.amount,
             balance: row.balance_after,
             version: row.seq,
@@ -347,7 +339,8 @@ pub async fn create_wallet(
         // language=PostgreSQL
         r#"insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence)
            values ($1, $2, 1, 'open', $3, $3, 0)
-           returning id, wallet_id, seq, kind, amount, balance_after, fence, reference, created_at"#,
+           returning id, wallet_id, seq, kind as "kind: EntryKind", amount, balance_after, fence, reference,
+                     created_at"#,
         new_entry_id(),
         id,
         balance,
@@ -443,7 +436,8 @@ pub async fn commit(
            from moved,
                 unnest($6::uuid[], $7::int8[], $8::text[], $9::int8[], $10::int8[], $11::text[])
                     as e(id, seq, kind, amount, balance_after, reference)
-           returning id, wallet_id, seq, kind, amount, balance_after, fence, reference, created_at"#,
+           returning id, wallet_id, seq, kind as "kind: EntryKind", amount, balance_after, fence, reference,
+                     created_at"#,
         id,
         fence,
         read_version,
