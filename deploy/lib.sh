@@ -305,9 +305,13 @@ wl_start_postgres() {
   local settings=(-c listen_addresses=127.0.0.1 -c "port=$port" -c "unix_socket_directories=$dir")
   local kv; for kv in "$@"; do settings+=(-c "$kv"); done
   # A simple command (not a function) in the background, so $! is the server's own pid: setpriv
-  # execs postgres in place.
+  # and env exec postgres in place.
+  # As root, the server gets the postgres user's HOME too: libpq inside it (Citus's connections
+  # to the other nodes) looks for client certificates under $HOME/.postgresql, and root's is not
+  # readable by postgres.
   if [ "$(id -u)" -eq 0 ]; then
     setpriv --reuid=postgres --regid=postgres --init-groups -- \
+      env HOME="$(getent passwd postgres | cut -d: -f6)" \
       "$bin/postgres" -D "$dir/data" "${settings[@]}" >>"$dir/postgres.log" 2>&1 &
   else
     "$bin/postgres" -D "$dir/data" "${settings[@]}" >>"$dir/postgres.log" 2>&1 &

@@ -34,9 +34,11 @@
 use crate::lease::{
     Backoff, ClusterManager, LeaseClient, LeaseSettings, RedisPool, SentinelManager, Ttl, WakeSource,
 };
+use crate::ledger::storage::Storage;
 use crate::wallet::{RedisOutage, Strategy};
 use clap::Args;
 use secrecy::{ExposeSecret, SecretString};
+use sqlx::Executor;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use std::{net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
 
@@ -120,6 +122,22 @@ impl DatabaseArgs {
         Ok(PgPoolOptions::new()
             .max_connections(self.pg_pool_size)
             .acquire_timeout(self.pg_acquire_timeout)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    // Citus routes a statement to the node of its wallet by the values of its
+                    // parameters, which a generic plan does not have: it refuses to plan most of
+                    // them ("could not create distributed plan"). There, plan each execution.
+                    // And a `SET LOCAL` (a lock timeout) reaches the workers the transaction
+                    // runs on.
+                    if Storage::of(conn).await? == Storage::Citus {
+                        conn.execute(
+                            "set plan_cache_mode = force_custom_plan; set citus.propagate_set_commands = 'local'",
+                        )
+                        .await?;
+                    }
+                    Ok(())
+                })
+            })
             .connect_lazy_with(options))
     }
 }

@@ -75,27 +75,30 @@ impl IdempotencyKey {
 pub struct Scope {
     caller: String,
     within: String,
+    /// The wallet the key is stored with: the scope's wallet, or empty for a scope of no one
+    /// wallet (migration 0010: those keys share one placement).
+    wallet: String,
 }
 
 impl Scope {
     /// One caller's movements on one wallet.
     pub fn wallet(caller: &str, id: &WalletId) -> Self {
-        Self { caller: caller.to_owned(), within: id.scope() }
+        Self { caller: caller.to_owned(), within: id.scope(), wallet: id.as_str().to_owned() }
     }
 
     /// One caller's transfers, and refunds of transfers: a transfer runs under two wallets' leases,
     /// so its key is unique across the caller's transfers rather than within one wallet.
     pub fn transfers(caller: &str) -> Self {
-        Self { caller: caller.to_owned(), within: "transfers".to_owned() }
+        Self { caller: caller.to_owned(), within: "transfers".to_owned(), wallet: String::new() }
     }
 
     /// One caller's wallet creations.
     pub fn wallet_creation(caller: &str) -> Self {
-        Self { caller: caller.to_owned(), within: "wallets".to_owned() }
+        Self { caller: caller.to_owned(), within: "wallets".to_owned(), wallet: String::new() }
     }
 
     pub fn at<'a>(&'a self, key: &'a IdempotencyKey) -> KeyRef<'a> {
-        KeyRef { caller: &self.caller, scope: &self.within, key: key.as_str() }
+        KeyRef { wallet: &self.wallet, caller: &self.caller, scope: &self.within, key: key.as_str() }
     }
 }
 
@@ -331,18 +334,6 @@ pub async fn complete_all<'a, T: 'a>(
         return Ok(0);
     }
     Ok(store::complete_all(tx, &completions).await?.len())
-}
-
-/// Of `claims`, those still holding their key, locked in `tx` until it ends.
-pub async fn lock_claims(
-    tx: &mut sqlx::PgConnection,
-    claims: &[&Claim],
-) -> Result<std::collections::HashSet<Uuid>, StoreError> {
-    let callers: Vec<String> = claims.iter().map(|c| c.scope.caller.clone()).collect();
-    let scopes: Vec<String> = claims.iter().map(|c| c.scope.within.clone()).collect();
-    let keys: Vec<String> = claims.iter().map(|c| c.key.as_str().to_owned()).collect();
-    let tokens: Vec<Uuid> = claims.iter().map(|c| c.token).collect();
-    Ok(store::lock_claims(tx, &callers, &scopes, &keys, &tokens).await?.into_iter().collect())
 }
 
 #[cfg(test)]

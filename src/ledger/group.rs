@@ -34,9 +34,10 @@
 
 use super::hold::Hold;
 use super::idempotency::{KeyRef, StoredResponse};
+use super::storage::Storage;
 use super::{Entry, StoreError, WalletRead};
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, Row};
+use sqlx::{PgConnection, QueryBuilder, Row};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -106,14 +107,19 @@ impl HoldsToRead<'_> {
 }
 
 /// Reads `wallets`, looks up `keys` (deleting those past their retention: they behave as new) and
-/// reads `holds`, in one statement.
+/// reads `holds`, in one statement. Wallets, keys and holds are looked up among those of the
+/// round's wallets (`round`) only, so under Citus a round of one wallet is one statement on that
+/// wallet's node (Citus routes a statement by the wallets it names, in every table it reads; an
+/// empty list would name none): a capture naming another wallet's hold finds no hold.
 pub async fn read(
     conn: &mut PgConnection,
     wallets: &[ToRead<'_>],
+    round: &[&str],
     keys: &[KeyRef<'_>],
     holds: HoldsToRead<'_>,
 ) -> Result<Found, StoreError> {
     let ids: Vec<&str> = wallets.iter().map(|w| w.id).collect();
+    let key_wallets: Vec<&str> = keys.iter().map(|k| k.wallet).collect();
     let callers: Vec<&str> = keys.iter().map(|k| k.caller).collect();
     let scopes: Vec<&str> = keys.iter().map(|k| k.scope).collect();
     let names: Vec<&str> = keys.iter().map(|k| k.key).collect();
@@ -121,9 +127,11 @@ pub async fn read(
         // language=PostgreSQL
         r#"with expired as (
                delete from idempotency_key k
-               using unnest($2::text[], $3::text[], $4::text[]) as q(caller, scope, key)
-               where k.caller = q.caller and k.scope = q.scope and k.key = q.key
-                 and k.expires_at < now()
+               using unnest($8::text[], $2::text[], $3::text[], $4::text[])
+                   as q(wallet_id, caller, scope, key)
+               where k.wallet_id = q.wallet_id and k.caller = q.caller and k.scope = q.scope
+                 and k.key = q.key
+                 and k.expires_at < now() and k.wallet_id = any($9::text[])
            )
            select w.id as wallet_id, w.balance, w.held, w.version, w.fence, w.owner,
                   null::text as caller, null::text as scope, null::text as key,
@@ -133,26 +141,28 @@ pub async fn read(
                   null::timestamptz as hold_expires_at, null::text as hold_reference,
                   null::timestamptz as hold_created_at, null::int8 as hold_fence
            from wallet w
-           where w.id = any($1::text[])
+           where w.id = any($1::text[]) and w.id = any($9::text[])
            union all
            select null, null, null, null, null, null, k.caller, k.scope, k.key, k.fingerprint,
                   k.status, k.content_type, k.body, null, null, null, null, null, null, null, null
            from idempotency_key k
-           join unnest($2::text[], $3::text[], $4::text[]) as q(caller, scope, key)
-             on k.caller = q.caller and k.scope = q.scope and k.key = q.key
-           where k.expires_at >= now()
+           join unnest($8::text[], $2::text[], $3::text[], $4::text[]) as q(wallet_id, caller, scope, key)
+             on k.wallet_id = q.wallet_id and k.caller = q.caller and k.scope = q.scope
+                and k.key = q.key
+           where k.expires_at >= now() and k.wallet_id = any($9::text[])
            union all
            select null, null, null, null, null, null, null, null, null, null, null, null, null,
                   h.id, h.wallet_id, h.amount, h.status, h.expires_at, h.reference, h.created_at,
                   h.fence
            from hold h
-           where h.id = any($5::uuid[])
+           where h.id = any($5::uuid[]) and h.wallet_id = any($9::text[])
            union all
            select null, null, null, null, null, null, null, null, null, null, null, null, null,
                   h.id, h.wallet_id, h.amount, h.status, h.expires_at, h.reference, h.created_at,
                   h.fence
            from hold h
-           where h.wallet_id = any($6::text[]) and h.status = 'held' and h.expires_at <= $7"#,
+           where h.wallet_id = any($6::text[]) and h.status = 'held' and h.expires_at <= $7
+             and h.wallet_id = any($9::text[])"#,
     )
     .bind(&ids)
     .bind(&callers)
@@ -161,6 +171,8 @@ pub async fn read(
     .bind(holds.ids)
     .bind(holds.expired_of)
     .bind(holds.now)
+    .bind(&key_wallets)
+    .bind(round)
     .fetch_all(conn)
     .await?;
 
@@ -294,10 +306,14 @@ pub struct Committed {
 /// that happen): read again and replay it.
 pub async fn commit(
     conn: &mut PgConnection,
+    storage: Storage,
     write: &GroupWrite<'_>,
     created_at: DateTime<Utc>,
     retention: Duration,
 ) -> Result<Committed, StoreError> {
+    if storage == Storage::Citus {
+        return Box::pin(commit_routed(conn, write, created_at, retention)).await;
+    }
     let w = &write.wallets;
     let e = &write.entries;
     let k = &write.keys;
@@ -348,14 +364,14 @@ pub async fn commit(
                where e.wallet_id in (select id from moved)
            ),
            keys as (
-               insert into idempotency_key (caller, scope, key, fingerprint, status, content_type,
-                                            body, entry_id, expires_at)
-               select k.caller, k.scope, k.key, k.fingerprint, k.status, k.content_type, k.body,
-                      k.entry_id, now() + make_interval(secs => $24)
+               insert into idempotency_key (wallet_id, caller, scope, key, fingerprint, status,
+                                            content_type, body, entry_id, expires_at)
+               select k.placed_with, k.caller, k.scope, k.key, k.fingerprint, k.status,
+                      k.content_type, k.body, k.entry_id, now() + make_interval(secs => $24)
                from unnest($15::text[], $16::text[], $17::text[], $18::text[], $19::bytea[],
-                           $20::int2[], $21::text[], $22::bytea[], $23::uuid[])
+                           $20::int2[], $21::text[], $22::bytea[], $23::uuid[], $42::text[])
                    as k(wallet_id, caller, scope, key, fingerprint, status, content_type, body,
-                        entry_id)
+                        entry_id, placed_with)
                where k.wallet_id in (select id from moved)
            )
            select id, true as moved from moved
@@ -403,6 +419,7 @@ pub async fn commit(
     .bind(write.settled.iter().map(|s| s.status.as_str()).collect::<Vec<_>>())
     .bind(write.settled.iter().map(|s| s.captured).collect::<Vec<_>>())
     .bind(write.settled.iter().map(|s| s.capture_entry).collect::<Vec<_>>())
+    .bind(k.iter().map(|k| k.at.wallet).collect::<Vec<_>>())
     .fetch_all(conn)
     .await?;
     let mut committed = Committed::default();
@@ -421,6 +438,125 @@ impl StoreError {
     /// Another holder stored one of the round's idempotency keys first (see [`commit`]).
     pub fn is_key_conflict(&self) -> bool {
         matches!(self, StoreError::Database(sqlx::Error::Database(db))
-            if db.constraint() == Some("idempotency_key_pkey"))
+            if super::violates(db.as_ref(), "idempotency_key_pkey"))
     }
+}
+
+/// [`commit`] under Citus: the same writes, as a transaction of statements each of which Citus
+/// routes to the node holding the wallet (a round there is one wallet, see `crate::wallet::group`),
+/// so it commits on that node alone, without two-phase commit. The one-statement commit would not
+/// do: Citus plans its writable CTEs apart and ships their results to every node. Each wallet's
+/// row is locked (`SKIP LOCKED`: a busy row is left out, as in [`commit`]) and written with the
+/// same compare-and-set; the entries, holds and keys of the wallets that matched follow, and a
+/// key stored meanwhile fails the transaction whole, as it fails [`commit`]'s statement.
+async fn commit_routed(
+    conn: &mut PgConnection,
+    write: &GroupWrite<'_>,
+    created_at: DateTime<Utc>,
+    retention: Duration,
+) -> Result<Committed, StoreError> {
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let mut committed = Committed::default();
+    for w in &write.wallets {
+        let row = sqlx::query(
+            // language=PostgreSQL
+            r#"with locked as (
+                   select id from wallet where id = $1 for update skip locked
+               ),
+               moved as (
+                   update wallet w set balance = $4, version = $5, fence = $2, held = $10,
+                                       updated_at = now()
+                   from locked
+                   where w.id = locked.id and w.id = $1 and w.fence = $6 and w.version = $3
+                     and w.balance = $7 and w.held = $9 and w.owner is not distinct from $8
+                   returning w.id
+               )
+               select exists (select from locked) as locked, exists (select from moved) as moved"#,
+        )
+        .bind(w.id)
+        .bind(w.fence)
+        .bind(w.read_version)
+        .bind(w.balance)
+        .bind(w.version)
+        .bind(w.read_fence)
+        .bind(w.read_balance)
+        .bind(w.owner)
+        .bind(w.read_held)
+        .bind(w.held)
+        .fetch_one(&mut *tx)
+        .await?;
+        if row.try_get("moved")? {
+            committed.moved.insert(w.id.to_owned());
+        } else if !row.try_get::<bool, _>("locked")? {
+            committed.busy.insert(w.id.to_owned());
+        }
+    }
+    let moved = |wallet: &str| committed.moved.contains(wallet);
+    // Rows go in as a multi-row VALUES: Citus routes that to the wallet's node, where an
+    // INSERT ... SELECT would go through the coordinator as a COPY, which Citus always commits in
+    // two phases.
+    let entries: Vec<&Entry> = write.entries.iter().copied().filter(|e| moved(&e.wallet_id)).collect();
+    if !entries.is_empty() {
+        let mut insert = QueryBuilder::new(
+            "insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence, reference, \
+             hold_id, created_at) ",
+        );
+        insert.push_values(&entries, |mut row, e| {
+            row.push_bind(e.id).push_bind(&e.wallet_id).push_bind(e.version).push_bind(e.kind);
+            row.push_bind(e.amount).push_bind(e.balance).push_bind(e.fence).push_bind(&e.reference);
+            row.push_bind(e.hold_id).push_bind(created_at);
+        });
+        insert.build().execute(&mut *tx).await?;
+    }
+    let placed: Vec<&Hold> = write.placed.iter().copied().filter(|h| moved(&h.wallet_id)).collect();
+    if !placed.is_empty() {
+        let mut insert = QueryBuilder::new(
+            "insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at) ",
+        );
+        insert.push_values(&placed, |mut row, h| {
+            row.push_bind(h.id).push_bind(&h.wallet_id).push_bind(h.amount).push_bind(h.expires_at);
+            row.push_bind(&h.reference).push_bind(h.fence).push_bind(created_at);
+        });
+        insert.build().execute(&mut *tx).await?;
+    }
+    let settled: Vec<&Settlement> = write.settled.iter().filter(|s| moved(s.wallet_id)).collect();
+    if !settled.is_empty() {
+        let wallets: Vec<&str> = committed.moved.iter().map(String::as_str).collect();
+        sqlx::query(
+            // language=PostgreSQL
+            r#"update hold h set status = s.status, captured = s.captured,
+                                 capture_entry = s.capture_entry, settled_at = $6
+               from unnest($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::uuid[])
+                   as s(id, wallet_id, status, captured, capture_entry)
+               where h.wallet_id = any($7::text[]) and h.id = s.id and h.wallet_id = s.wallet_id"#,
+        )
+        .bind(settled.iter().map(|s| s.hold).collect::<Vec<_>>())
+        .bind(settled.iter().map(|s| s.wallet_id).collect::<Vec<_>>())
+        .bind(settled.iter().map(|s| s.status.as_str()).collect::<Vec<_>>())
+        .bind(settled.iter().map(|s| s.captured).collect::<Vec<_>>())
+        .bind(settled.iter().map(|s| s.capture_entry).collect::<Vec<_>>())
+        .bind(created_at)
+        .bind(&wallets)
+        .execute(&mut *tx)
+        .await?;
+    }
+    let keys: Vec<&KeyWrite> = write.keys.iter().filter(|k| moved(k.wallet_id)).collect();
+    if !keys.is_empty() {
+        let mut insert = QueryBuilder::new(
+            "insert into idempotency_key (wallet_id, caller, scope, key, fingerprint, status, content_type, \
+             body, entry_id, expires_at) ",
+        );
+        insert.push_values(&keys, |mut row, k| {
+            row.push_bind(k.at.wallet).push_bind(k.at.caller).push_bind(k.at.scope).push_bind(k.at.key);
+            row.push_bind(k.fingerprint).push_bind(k.response.status as i16);
+            row.push_bind(k.response.content_type.as_str()).push_bind(k.response.body.as_slice());
+            row.push_bind(k.entry_id)
+                .push("now() + make_interval(secs => ")
+                .push_bind_unseparated(retention.as_secs_f64())
+                .push_unseparated(")");
+        });
+        insert.build().execute(&mut *tx).await?;
+    }
+    tx.commit().await?;
+    Ok(committed)
 }

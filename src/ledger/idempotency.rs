@@ -25,6 +25,9 @@ impl Default for KeySettings {
 /// creation), and the key itself.
 #[derive(Debug, Clone, Copy)]
 pub struct KeyRef<'a> {
+    /// The wallet the key is stored with (`wallet_id`): the wallet of a `wallet:<id>` scope, or
+    /// empty for a key whose request is not scoped to one wallet (migration 0010).
+    pub wallet: &'a str,
     pub caller: &'a str,
     pub scope: &'a str,
     pub key: &'a str,
@@ -61,9 +64,9 @@ pub async fn insert_claim(
 ) -> Result<bool, StoreError> {
     let inserted = sqlx::query_scalar!(
         // language=PostgreSQL
-        r#"insert into idempotency_key (caller, scope, key, fingerprint, claim, expires_at)
-           values ($6, $1, $2, $3, $4, now() + make_interval(secs => $5))
-           on conflict (caller, scope, key) do nothing
+        r#"insert into idempotency_key (wallet_id, caller, scope, key, fingerprint, claim, expires_at)
+           values ($7, $6, $1, $2, $3, $4, now() + make_interval(secs => $5))
+           on conflict (wallet_id, caller, scope, key) do nothing
            returning true as "inserted!""#,
         at.scope,
         at.key,
@@ -71,6 +74,7 @@ pub async fn insert_claim(
         claim,
         retention.as_secs_f64(),
         at.caller,
+        at.wallet,
     )
     .fetch_optional(conn)
     .await?;
@@ -87,11 +91,12 @@ pub async fn find(
         r#"select fingerprint, claim, status, content_type, body,
                   expires_at < now() as "expired!",
                   claimed_at < now() - make_interval(secs => $3) as "stale!"
-           from idempotency_key where scope = $1 and key = $2 and caller = $4"#,
+           from idempotency_key where wallet_id = $5 and scope = $1 and key = $2 and caller = $4"#,
         at.scope,
         at.key,
         stale_after.as_secs_f64(),
         at.caller,
+        at.wallet,
     )
     .fetch_optional(conn)
     .await?;
@@ -126,7 +131,7 @@ pub async fn take_over(
            set fingerprint = $3, claim = $4, claimed_at = now(), status = null, content_type = null,
                body = null, entry_id = null, created_at = now(),
                expires_at = now() + make_interval(secs => $6)
-           where scope = $1 and key = $2 and caller = $8
+           where wallet_id = $9 and scope = $1 and key = $2 and caller = $8
              and (expires_at < now()
                   or (claim = $5 and claimed_at < now() - make_interval(secs => $7)))
            returning true as "taken!""#,
@@ -138,6 +143,7 @@ pub async fn take_over(
         settings.retention.as_secs_f64(),
         settings.stale_after.as_secs_f64(),
         at.caller,
+        at.wallet,
     )
     .fetch_optional(conn)
     .await?;
@@ -161,6 +167,7 @@ pub async fn complete_all(
     tx: &mut PgConnection,
     completions: &[Completion<'_>],
 ) -> Result<Vec<Uuid>, StoreError> {
+    let wallets: Vec<&str> = completions.iter().map(|c| c.at.wallet).collect();
     let callers: Vec<&str> = completions.iter().map(|c| c.at.caller).collect();
     let scopes: Vec<&str> = completions.iter().map(|c| c.at.scope).collect();
     let keys: Vec<&str> = completions.iter().map(|c| c.at.key).collect();
@@ -175,9 +182,10 @@ pub async fn complete_all(
            set claim = null, status = c.status, content_type = c.content_type, body = c.body,
                entry_id = c.entry_id
            from unnest($1::text[], $2::text[], $3::text[], $4::uuid[], $5::int2[], $6::text[],
-                       $7::bytea[], $8::uuid[])
-                as c(caller, scope, key, claim, status, content_type, body, entry_id)
-           where k.caller = c.caller and k.scope = c.scope and k.key = c.key and k.claim = c.claim
+                       $7::bytea[], $8::uuid[], $9::text[])
+                as c(caller, scope, key, claim, status, content_type, body, entry_id, wallet_id)
+           where k.wallet_id = c.wallet_id and k.caller = c.caller and k.scope = c.scope
+             and k.key = c.key and k.claim = c.claim
            returning c.claim as "claim!""#,
         &callers as &[&str],
         &scopes as &[&str],
@@ -187,60 +195,41 @@ pub async fn complete_all(
         &content_types as &[&str],
         &bodies as &[&[u8]],
         &entry_ids as &[Option<Uuid>],
+        &wallets as &[&str],
     )
     .fetch_all(tx)
     .await?;
     Ok(done)
 }
 
-/// Of the claims given as parallel lists (caller, scope, key, claim token), the tokens still
-/// holding their key, locked in `tx` until it ends so no retry can take them over meanwhile.
-pub async fn lock_claims(
-    tx: &mut PgConnection,
-    callers: &[String],
-    scopes: &[String],
-    keys: &[String],
-    claims: &[Uuid],
-) -> Result<Vec<Uuid>, StoreError> {
-    let owned = sqlx::query_scalar!(
-        // language=PostgreSQL
-        r#"select k.claim as "claim!" from idempotency_key k
-           join unnest($4::text[], $1::text[], $2::text[], $3::uuid[]) as c(caller, scope, key, claim)
-             on k.caller = c.caller and k.scope = c.scope and k.key = c.key and k.claim = c.claim
-           order by k.caller, k.scope, k.key
-           for update of k"#,
-        scopes,
-        keys,
-        claims,
-        callers,
-    )
-    .fetch_all(tx)
-    .await?;
-    Ok(owned)
-}
-
 /// Gives up a claim whose request failed in a way worth retrying, so the retry runs.
 pub async fn abandon(conn: &mut PgConnection, at: KeyRef<'_>, claim: Uuid) -> Result<(), StoreError> {
     sqlx::query!(
         // language=PostgreSQL
-        "delete from idempotency_key where caller = $1 and scope = $2 and key = $3 and claim = $4",
+        r#"delete from idempotency_key
+           where wallet_id = $5 and caller = $1 and scope = $2 and key = $3 and claim = $4"#,
         at.caller,
         at.scope,
         at.key,
         claim,
+        at.wallet,
     )
     .execute(conn)
     .await?;
     Ok(())
 }
 
-/// Deletes up to `batch` keys past their retention; returns how many.
+/// Deletes up to `batch` keys past their retention; returns how many. By key, not by `ctid`, and
+/// without row locks, so a distributed table (Citus) runs it too: the keys found are deleted on
+/// their shards.
 pub async fn purge_expired(conn: &mut PgConnection, batch: i64) -> Result<u64, StoreError> {
     let purged = sqlx::query!(
         // language=PostgreSQL
-        r#"delete from idempotency_key where ctid in (
-               select ctid from idempotency_key where expires_at < now()
-               limit $1 for update skip locked)"#,
+        r#"delete from idempotency_key k
+           using (select wallet_id, caller, scope, key from idempotency_key
+                  where expires_at < now() limit $1) as old
+           where k.wallet_id = old.wallet_id and k.caller = old.caller and k.scope = old.scope
+             and k.key = old.key and k.expires_at < now()"#,
         batch,
     )
     .execute(conn)

@@ -29,6 +29,7 @@ pub mod group;
 pub mod hold;
 pub mod idempotency;
 pub mod schema;
+pub mod storage;
 pub mod transfer;
 
 use chrono::{DateTime, Utc};
@@ -53,6 +54,22 @@ pub enum StoreError {
     Database(#[from] sqlx::Error),
 }
 
+/// Whether `err` is a unique violation of the constraint `name`. Under Citus the constraint is a
+/// shard's, named after the table's with the shard id appended (`wallet_pkey_102008`), and the
+/// coordinator passes the worker's error on without the constraint field: the message names it.
+pub(crate) fn violates(err: &dyn sqlx::error::DatabaseError, name: &str) -> bool {
+    let named = |constraint: &str| {
+        constraint.strip_prefix(name).is_some_and(|rest| {
+            rest.is_empty() || rest.trim_start_matches('_').bytes().all(|b| b.is_ascii_digit())
+        })
+    };
+    err.code().as_deref() == Some("23505")
+        && match err.constraint() {
+            Some(constraint) => named(constraint),
+            None => err.message().split('"').nth(1).is_some_and(named),
+        }
+}
+
 /// Whether Postgres answers a trivial query.
 pub async fn ping(db: &PgPool) -> Result<(), StoreError> {
     sqlx::query("select 1").execute(db).await?;
@@ -74,8 +91,12 @@ impl StoreError {
             | sqlx::Error::Protocol(_)
             | sqlx::Error::WorkerCrashed => true,
             // Class 08: connection exception; 57P0x: the server is shutting down or starting.
+            // Citus's coordinator, when its postmaster dies while a statement waits on a worker,
+            // says so with the generic internal-error code: the session is going away all the same.
             sqlx::Error::Database(db) => {
                 db.code().is_some_and(|code| code.starts_with("08") || code.starts_with("57P0"))
+                    || (db.code().as_deref() == Some("XX000")
+                        && db.message() == "postmaster was shut down, exiting")
             }
             _ => false,
         }
@@ -320,18 +341,20 @@ pub async fn create_wallet(
     owner: &str,
     balance: i64,
 ) -> Result<(Wallet, Entry), StoreError> {
-    let wallet = sqlx::query_as::<_, Wallet>(concat!(
+    // A new wallet has no holds: all of its balance is available. (Said here rather than by
+    // `wallet_columns!`'s subquery on `hold`, which Citus cannot plan in an INSERT's RETURNING.)
+    let wallet = sqlx::query_as::<_, Wallet>(
         // language=PostgreSQL
-        "insert into wallet (id, balance, version, owner) values ($1, $2, 1, $3) returning ",
-        wallet_columns!()
-    ))
+        "insert into wallet (id, balance, version, owner) values ($1, $2, 1, $3) \
+         returning id, balance, held, version, fence, owner, created_at, updated_at, balance as available",
+    )
     .bind(id)
     .bind(balance)
     .bind(owner)
     .fetch_one(&mut *conn)
     .await
     .map_err(|err| match &err {
-        sqlx::Error::Database(db) if db.constraint() == Some("wallet_pkey") => StoreError::WalletExists,
+        sqlx::Error::Database(db) if violates(db.as_ref(), "wallet_pkey") => StoreError::WalletExists,
         _ => StoreError::Database(err),
     })?;
     let open = sqlx::query_as!(

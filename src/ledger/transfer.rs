@@ -33,23 +33,32 @@ pub struct LockedWallet {
 /// Locks the rows of `ids` in id order until the transaction ends, waiting at most `lock_timeout`
 /// for a row another statement holds (then Postgres answers `55P03`, see
 /// [`StoreError::is_lock_timeout`]). Wallets that do not exist are missing from the answer.
+///
+/// One statement per wallet: under Citus a `FOR UPDATE` must name rows of one shard, and the
+/// wallets of a transfer may be on two workers. `SET LOCAL` rather than `set_config`: Citus passes
+/// the former on to the workers whose rows the transaction locks (`citus.propagate_set_commands`,
+/// see `crate::config`), where the waiting happens.
 pub async fn lock_wallets(
     tx: &mut PgConnection,
     ids: &[&str],
     lock_timeout: Duration,
 ) -> Result<HashMap<String, LockedWallet>, StoreError> {
-    // language=PostgreSQL
-    sqlx::query("select set_config('lock_timeout', $1, true)")
-        .bind(format!("{}ms", lock_timeout.as_millis().max(1)))
-        .execute(&mut *tx)
+    let set = format!("set local lock_timeout = '{}ms'", lock_timeout.as_millis().max(1));
+    sqlx::raw_sql(sqlx::AssertSqlSafe(set)).execute(&mut *tx).await?;
+    let mut ordered = ids.to_vec();
+    ordered.sort_unstable();
+    ordered.dedup();
+    let mut rows = Vec::with_capacity(ordered.len());
+    for id in ordered {
+        let row = sqlx::query(
+            // language=PostgreSQL
+            "select id, balance, held, version, fence, owner from wallet where id = $1 for update",
+        )
+        .bind(id)
+        .fetch_optional(&mut *tx)
         .await?;
-    let rows = sqlx::query(
-        // language=PostgreSQL
-        "select id, balance, held, version, fence, owner from wallet where id = any($1) order by id for update",
-    )
-    .bind(ids)
-    .fetch_all(&mut *tx)
-    .await?;
+        rows.extend(row);
+    }
     locked_rows(&rows)
 }
 
@@ -298,14 +307,15 @@ pub async fn find_key(tx: &mut PgConnection, at: KeyRef<'_>) -> Result<Option<Fo
         // language=PostgreSQL
         r#"with expired as (
                delete from idempotency_key
-               where caller = $1 and scope = $2 and key = $3 and expires_at < now()
+               where wallet_id = $4 and caller = $1 and scope = $2 and key = $3 and expires_at < now()
            )
            select fingerprint, status, content_type, body from idempotency_key
-           where caller = $1 and scope = $2 and key = $3 and expires_at >= now()"#,
+           where wallet_id = $4 and caller = $1 and scope = $2 and key = $3 and expires_at >= now()"#,
     )
     .bind(at.caller)
     .bind(at.scope)
     .bind(at.key)
+    .bind(at.wallet)
     .fetch_optional(tx)
     .await?;
     let Some(row) = row else { return Ok(None) };
@@ -334,9 +344,9 @@ pub async fn store_key(
 ) -> Result<(), StoreError> {
     sqlx::query(
         // language=PostgreSQL
-        r#"insert into idempotency_key (caller, scope, key, fingerprint, status, content_type, body,
-                                        entry_id, expires_at)
-           values ($1, $2, $3, $4, $5, $6, $7, $8, now() + make_interval(secs => $9))"#,
+        r#"insert into idempotency_key (wallet_id, caller, scope, key, fingerprint, status, content_type,
+                                        body, entry_id, expires_at)
+           values ($10, $1, $2, $3, $4, $5, $6, $7, $8, now() + make_interval(secs => $9))"#,
     )
     .bind(at.caller)
     .bind(at.scope)
@@ -347,6 +357,7 @@ pub async fn store_key(
     .bind(&response.body)
     .bind(entry_id)
     .bind(retention.as_secs_f64())
+    .bind(at.wallet)
     .execute(tx)
     .await?;
     Ok(())

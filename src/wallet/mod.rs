@@ -36,6 +36,7 @@ pub use transfer::{Between, Refund, RefundOutcome, TransferOutcome};
 use crate::idempotency::{self, KeySettings, Keyed, Prior, Receipt};
 use crate::lease::{Lease, LeaseClient, LeaseError};
 use crate::ledger::hold::Hold;
+use crate::ledger::storage::KnownStorage;
 use crate::ledger::{self, Entry, StoreError, Wallet};
 use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
@@ -301,6 +302,8 @@ pub struct Shared {
     outage: Arc<outage::Outage>,
     /// Where movements are written during an outage, in rounds across wallets.
     unleased: unleased::UnleasedRounds,
+    /// Where the tables live (one Postgres, or Citus), learnt from the database.
+    storage: KnownStorage,
     /// Every movement in progress, every wallet worker and every round runs as a task on this
     /// tracker, so it finishes (commit or roll back, then release) even if the request that
     /// started it is dropped, and so shutdown can wait for all of them.
@@ -312,14 +315,20 @@ impl Wallets {
     /// [`Wallets::with_keys`]). Call within a Tokio runtime: it starts the replica's rounds.
     pub fn new(db: PgPool, leases: LeaseClient) -> Self {
         let in_flight = TaskTracker::new();
+        let storage = KnownStorage::default();
         let keys = idempotency::Keys::new(db.clone(), KeySettings::default());
         let rounds = group::Rounds::start(
             db.clone(),
             round_settings(&leases, keys.settings().retention),
+            storage.clone(),
             in_flight.clone(),
         );
-        let unleased =
-            unleased::UnleasedRounds::start(db.clone(), keys.settings().retention, in_flight.clone());
+        let unleased = unleased::UnleasedRounds::start(
+            db.clone(),
+            keys.settings().retention,
+            storage.clone(),
+            in_flight.clone(),
+        );
         Self(Arc::new(Shared {
             db,
             leases,
@@ -331,6 +340,7 @@ impl Wallets {
             keys,
             outage: Arc::new(outage::Outage::new(RedisOutage::Refuse)),
             unleased,
+            storage,
             in_flight,
         }))
     }
@@ -364,9 +374,18 @@ impl Wallets {
     pub fn with_keys(mut self, keys: KeySettings) -> Self {
         let settings = round_settings(&self.leases, keys.retention);
         let service = Arc::make_mut(&mut self.0);
-        service.rounds = group::Rounds::start(service.db.clone(), settings, service.in_flight.clone());
-        service.unleased =
-            unleased::UnleasedRounds::start(service.db.clone(), keys.retention, service.in_flight.clone());
+        service.rounds = group::Rounds::start(
+            service.db.clone(),
+            settings,
+            service.storage.clone(),
+            service.in_flight.clone(),
+        );
+        service.unleased = unleased::UnleasedRounds::start(
+            service.db.clone(),
+            keys.retention,
+            service.storage.clone(),
+            service.in_flight.clone(),
+        );
         service.keys = idempotency::Keys::new(service.db.clone(), keys);
         self
     }

@@ -25,6 +25,7 @@ use super::transfer::ROW_LOCK_TIMEOUT;
 use super::{Moved, WalletError, WalletId, Wallets};
 use crate::ledger::group::{self as store, GroupWrite, HoldsToRead};
 use crate::ledger::idempotency::KeyRef;
+use crate::ledger::storage::{KnownStorage, Storage};
 use crate::ledger::transfer::{LockedWallet, lock_free_wallets, lock_wallets};
 use sqlx::{PgConnection, PgPool};
 use std::collections::HashSet;
@@ -54,9 +55,14 @@ pub(super) struct UnleasedRounds {
 impl UnleasedRounds {
     /// Starts gathering batches into rounds, one round at a time (what queues meanwhile joins the
     /// next); stops when the last clone is dropped, or once `tracker` is closed and empty.
-    pub(super) fn start(db: PgPool, retention: Duration, tracker: TaskTracker) -> Self {
+    pub(super) fn start(
+        db: PgPool,
+        retention: Duration,
+        storage: KnownStorage,
+        tracker: TaskTracker,
+    ) -> Self {
         let (batches, queued) = mpsc::unbounded_channel();
-        tokio::spawn(gather(db, retention, tracker, queued));
+        tokio::spawn(gather(db, retention, storage, tracker, queued));
         Self { batches }
     }
 
@@ -83,6 +89,7 @@ fn failed(ops: usize, err: &WalletError) -> RoundOutcome {
 async fn gather(
     db: PgPool,
     retention: Duration,
+    storage: KnownStorage,
     tracker: TaskTracker,
     mut queued: mpsc::UnboundedReceiver<Submission>,
 ) {
@@ -94,14 +101,23 @@ async fn gather(
             },
             () = tracker.wait() => return,
         };
+        let storage = match Box::pin(storage.of(&db)).await {
+            Ok(storage) => storage,
+            Err(err) => {
+                let (_, ops, reply) = first;
+                let _ = reply.send(failed(ops.len(), &err.into()));
+                continue;
+            }
+        };
+        // Under Citus a round is one wallet, a transaction on the node holding it.
         let mut ops = first.1.len();
         let mut round = vec![first];
-        while ops < MAX_ROUND_OPS {
+        while ops < MAX_ROUND_OPS && storage == Storage::OnePostgres {
             let Ok(next) = queued.try_recv() else { break };
             ops += next.1.len();
             round.push(next);
         }
-        Box::pin(run_round(&db, retention, round)).await;
+        Box::pin(run_round(&db, retention, storage, round)).await;
     }
 }
 
@@ -128,7 +144,7 @@ struct Locked {
 
 /// One round: lock the rows no one else holds, read, decide, write, commit; the batches whose rows
 /// were held come back ([`RoundOutcome::NotRun`]).
-async fn run_round(db: &PgPool, retention: Duration, round: Vec<Submission>) {
+async fn run_round(db: &PgPool, retention: Duration, storage: Storage, round: Vec<Submission>) {
     let answer_all = |round: Vec<(oneshot::Sender<RoundOutcome>, usize)>, err: &WalletError| {
         for (reply, ops) in round {
             let _ = reply.send(failed(ops, err));
@@ -160,7 +176,7 @@ async fn run_round(db: &PgPool, retention: Duration, round: Vec<Submission>) {
         return;
     }
     let batches: Vec<ToDecide<'_>> = locked.iter().map(|l| (&l.id, &l.held, l.ops.as_slice())).collect();
-    let written = decide_write_commit(tx, &batches, retention).await;
+    let written = decide_write_commit(tx, storage, &batches, retention).await;
     drop(batches);
     match written {
         Ok(results) => {
@@ -185,6 +201,7 @@ async fn run_round(db: &PgPool, retention: Duration, round: Vec<Submission>) {
 /// written ([`Failed::KeyConflict`]).
 async fn decide_write_commit(
     mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    storage: Storage,
     batches: &[ToDecide<'_>],
     retention: Duration,
 ) -> Result<Vec<Vec<Result<Moved, WalletError>>>, Failed> {
@@ -194,7 +211,7 @@ async fn decide_write_commit(
         group::add_wallet(&mut write, id, held.fence, held, ops, plan);
     }
     if !write.wallets.is_empty() {
-        match Box::pin(store::commit(&mut tx, &write, now, retention)).await {
+        match Box::pin(store::commit(&mut tx, storage, &write, now, retention)).await {
             Ok(committed) if committed.moved.len() == write.wallets.len() => {}
             // Every row written is locked by this transaction: nobody else can have moved it.
             Ok(_) => return Err(WalletError::internal("a row locked for a write did not match it").into()),
@@ -250,7 +267,8 @@ async fn decide_all(
         let found = if keys.is_empty() && holds.is_empty() {
             store::Found::default()
         } else {
-            Box::pin(store::read(conn, &[], &keys, holds)).await?
+            let round: Vec<&str> = batches.iter().map(|(id, _, _)| id.as_str()).collect();
+            Box::pin(store::read(conn, &[], &round, &keys, holds)).await?
         };
         let plans: Vec<Plan> = batches
             .iter()
@@ -333,7 +351,8 @@ impl Wallets {
         };
         let held = held(row);
         let retention = self.keys.settings().retention;
-        let mut results = Box::pin(decide_write_commit(tx, &[(id, &held, ops)], retention)).await?;
+        let storage = self.storage.of(&self.db).await?;
+        let mut results = Box::pin(decide_write_commit(tx, storage, &[(id, &held, ops)], retention)).await?;
         results.pop().ok_or_else(|| WalletError::internal("a batch decided into nothing").into())
     }
 }

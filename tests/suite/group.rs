@@ -8,6 +8,7 @@ use crate::support::{CALLER, EntryOf, TestEnv, books, eventually, render, tester
 use std::time::{Duration, Instant};
 use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
 use walletlock::ledger::group::{self, GroupWrite, HoldsToRead, ReadOutcome, ToRead, WalletWrite};
+use walletlock::ledger::storage::Storage;
 use walletlock::ledger::{self, Entry, EntryKind};
 use walletlock::wallet::{Moved, WalletError, WalletId, lease_name};
 
@@ -53,6 +54,11 @@ fn first_writes(ids: &[WalletId], fence: i64) -> Vec<WalletWrite<'_>> {
         .collect()
 }
 
+/// The wallets a round of `reads` is about (the round's reads look keys and holds up among them).
+fn round_of<'a>(reads: &[ToRead<'a>]) -> Vec<&'a str> {
+    reads.iter().map(|read| read.id).collect()
+}
+
 #[tokio::test]
 async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_read() {
     let env = TestEnv::new();
@@ -60,7 +66,7 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
     let ids = [wallet_with(&db, 100).await, wallet_with(&db, 100).await, wallet_with(&db, 100).await];
     let mut conn = db.acquire().await.unwrap();
     let reads: Vec<ToRead> = ids.iter().map(|id| ToRead { id: id.as_str(), fence: 5 }).collect();
-    let found = group::read(&mut conn, &reads, &[], HoldsToRead::none()).await.unwrap();
+    let found = group::read(&mut conn, &reads, &round_of(&reads), &[], HoldsToRead::none()).await.unwrap();
     for id in &ids {
         assert!(
             matches!(found.wallets[id.as_str()], ReadOutcome::Ready { fence: 0, .. }),
@@ -71,7 +77,8 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
     // The second wallet's lease passes to a newer holder, which reads and writes it first.
     let newer = [ToRead { id: ids[1].as_str(), fence: 6 }];
     assert!(matches!(
-        group::read(&mut conn, &newer, &[], HoldsToRead::none()).await.unwrap().wallets[ids[1].as_str()],
+        group::read(&mut conn, &newer, &round_of(&newer), &[], HoldsToRead::none()).await.unwrap().wallets
+            [ids[1].as_str()],
         ReadOutcome::Ready { .. }
     ));
     let newer_entry = payment(&ids[1], 6, 2, 10, 90);
@@ -82,7 +89,9 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
         ..Default::default()
     };
     let committed =
-        group::commit(&mut conn, &write, chrono::Utc::now(), Duration::from_secs(60)).await.unwrap();
+        group::commit(&mut conn, Storage::OnePostgres, &write, chrono::Utc::now(), Duration::from_secs(60))
+            .await
+            .unwrap();
     assert!(committed.moved.contains(ids[1].as_str()), "{committed:?}");
 
     let entries: Vec<Entry> = ids.iter().map(|id| payment(id, 5, 2, 10, 90)).collect();
@@ -93,7 +102,9 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
         ..Default::default()
     };
     let committed =
-        group::commit(&mut conn, &write, chrono::Utc::now(), Duration::from_secs(60)).await.unwrap();
+        group::commit(&mut conn, Storage::OnePostgres, &write, chrono::Utc::now(), Duration::from_secs(60))
+            .await
+            .unwrap();
 
     let moved = &committed.moved;
     assert!(moved.contains(ids[0].as_str()) && moved.contains(ids[2].as_str()), "{committed:?}");
@@ -105,7 +116,7 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
     }
     // The stale holder can read no more: the row has seen a higher fence than its lease's.
     let stale = [ToRead { id: ids[1].as_str(), fence: 5 }];
-    let found = group::read(&mut conn, &stale, &[], HoldsToRead::none()).await.unwrap();
+    let found = group::read(&mut conn, &stale, &round_of(&stale), &[], HoldsToRead::none()).await.unwrap();
     assert_eq!(found.wallets[ids[1].as_str()], ReadOutcome::FenceBehind { seen: 6 });
 }
 
@@ -137,7 +148,9 @@ async fn a_round_leaves_out_a_wallet_whose_row_another_statement_holds_and_write
         GroupWrite { wallets, entries: entries.iter().collect(), keys: Vec::new(), ..Default::default() };
     let started = Instant::now();
     let committed =
-        group::commit(&mut conn, &write, chrono::Utc::now(), Duration::from_secs(60)).await.unwrap();
+        group::commit(&mut conn, Storage::OnePostgres, &write, chrono::Utc::now(), Duration::from_secs(60))
+            .await
+            .unwrap();
     assert!(started.elapsed() < Duration::from_secs(1), "the round did not wait for the row");
     assert!(
         committed.busy.contains(ids[0].as_str()) && !committed.moved.contains(ids[0].as_str()),
@@ -247,7 +260,7 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                 while Instant::now() < stop_at {
                     fence += 4;
                     let reads: Vec<ToRead> = ids.iter().map(|id| ToRead { id: id.as_str(), fence }).collect();
-                    let found = group::read(&mut conn, &reads, &[], HoldsToRead::none())
+                    let found = group::read(&mut conn, &reads, &round_of(&reads), &[], HoldsToRead::none())
                         .await
                         .expect("no deadlock at the read");
                     let mut entries = Vec::new();
@@ -277,9 +290,15 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                         keys: Vec::new(),
                         ..Default::default()
                     };
-                    group::commit(&mut conn, &write, chrono::Utc::now(), Duration::from_secs(60))
-                        .await
-                        .expect("no deadlock at the write");
+                    group::commit(
+                        &mut conn,
+                        Storage::OnePostgres,
+                        &write,
+                        chrono::Utc::now(),
+                        Duration::from_secs(60),
+                    )
+                    .await
+                    .expect("no deadlock at the write");
                     rounds += 1;
                 }
                 rounds

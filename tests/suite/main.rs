@@ -8,6 +8,7 @@ mod access;
 mod api;
 mod batch;
 mod burst;
+mod citus;
 mod compose;
 mod demos;
 mod durability;

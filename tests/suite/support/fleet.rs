@@ -23,7 +23,8 @@ pub fn audit(database_url: &str) -> (bool, String) {
         .env("DATABASE_URL", database_url)
         .output()
         .expect("walletlock audit");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned())
+    let report = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), report)
 }
 
 /// Runs a function of deploy/lib.sh, so tests and deploy/local share one way of doing it.

@@ -15,7 +15,7 @@ pub mod servers;
 pub mod tls;
 pub mod transfers;
 
-use servers::{PostgresServer, RedisServer};
+use servers::{CitusCluster, PostgresServer, RedisServer};
 use sqlx::PgPool;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -123,6 +123,15 @@ impl TestEnv {
         init_tracing();
         let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
         Self::with_servers(RedisServer::start_tls(ca), PostgresServer::start_tls(ca), prefix)
+    }
+
+    /// A Redis of this test's own, with `citus`'s coordinator as its Postgres: every scratch
+    /// schema's tables are distributed over the workers.
+    pub fn with_citus(citus: &CitusCluster) -> Self {
+        init_tracing();
+        let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
+        let redis = RedisServer::start();
+        Self { redis_url: redis.url(), database_url: citus.url(), redis: Some(redis), postgres: None, prefix }
     }
 
     pub fn own_postgres(&mut self) -> &mut PostgresServer {

@@ -3,6 +3,7 @@
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::{Pid, User};
+use std::collections::HashMap;
 use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -227,8 +228,14 @@ impl PostgresServer {
         format!("postgres://postgres@127.0.0.1:{}/{database}{query}", self.port)
     }
 
-    fn data_dir(&self) -> PathBuf {
+    pub fn data_dir(&self) -> PathBuf {
         self.dir.path().join("data")
+    }
+
+    /// The directory of its socket, through which the superuser gets in without a password: a
+    /// Citus node's name (see [`CitusCluster`]).
+    pub fn socket_dir(&self) -> &Path {
+        self.dir.path()
     }
 
     fn spawn(&mut self) {
@@ -302,7 +309,9 @@ impl PostgresServer {
 
     fn as_runner(&self, mut command: Command) -> Command {
         if let Some(user) = Self::runner() {
-            command.uid(user.uid.as_raw()).gid(user.gid.as_raw());
+            // Its HOME too: libpq inside the server (Citus's connections to the other nodes) looks
+            // for client certificates under $HOME/.postgresql, and root's is not readable.
+            command.uid(user.uid.as_raw()).gid(user.gid.as_raw()).env("HOME", &user.dir);
         }
         command
     }
@@ -607,4 +616,112 @@ pub fn redis_cli(port: u16, args: &[&str]) -> String {
     let out =
         Command::new("redis-cli").args(["-p", &port.to_string()]).args(args).output().expect("redis-cli");
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A Citus cluster of the test's own: a coordinator and two workers, each a [`PostgresServer`],
+/// joined as `deploy/local up --postgres citus` joins them (deploy/citus.sh), in the `postgres`
+/// database. Every table a scratch schema's migration makes in it is distributed by wallet.
+#[derive(Debug)]
+pub struct CitusCluster {
+    pub coordinator: PostgresServer,
+    pub workers: Vec<PostgresServer>,
+}
+
+impl CitusCluster {
+    pub fn start() -> Self {
+        let citus = |script: &str| super::fleet::lib_sh(&format!("source deploy/citus.sh; {script}"));
+        assert!(
+            Command::new("bash")
+                .args(["-c", "source deploy/lib.sh; source deploy/citus.sh; wl_citus_installed"])
+                .current_dir(super::fleet::repo())
+                .status()
+                .is_ok_and(|s| s.success()),
+            "Citus is not installed (deploy/test installs it: wl_citus_install in deploy/citus.sh)"
+        );
+        let settings = citus("wl_citus_settings");
+        // A commit acknowledged only once its WAL is out of Postgres's memory (the suite's own
+        // servers skip that, for speed): these nodes are killed under load.
+        let settings: Vec<&str> = settings.lines().chain(["synchronous_commit=on"]).collect();
+        // The coordinator logs to a file in its data directory (log/postgresql.log), for
+        // [`CitusCluster::remote_commands`].
+        let logged: Vec<&str> =
+            settings.iter().copied().chain(["logging_collector=on", "log_filename=postgresql.log"]).collect();
+        let coordinator = PostgresServer::start_with(&logged);
+        let workers: Vec<PostgresServer> = (0..2).map(|_| PostgresServer::start_with(&settings)).collect();
+        let node = |server: &PostgresServer| format!("{}:{}", server.socket_dir().display(), server.port);
+        let worker_nodes: Vec<String> = workers.iter().map(node).collect();
+        citus(&format!("wl_citus_join postgres {} {}", node(&coordinator), worker_nodes.join(" ")));
+        Self { coordinator, workers }
+    }
+
+    /// The coordinator's `postgres` database, where the tests' schemas go.
+    pub fn url(&self) -> String {
+        self.coordinator.url("postgres")
+    }
+
+    /// Runs `work` with the coordinator logging every command it sends to a worker
+    /// (`citus.log_remote_commands`), and returns those commands: by coordinator backend, in
+    /// order, each with the node it went to.
+    pub async fn remote_commands<F: std::future::Future<Output = ()>>(
+        &self,
+        work: impl FnOnce() -> F,
+    ) -> HashMap<u32, Vec<RemoteCommand>> {
+        let admin = sqlx::PgPool::connect(&self.url()).await.expect("the coordinator");
+        let log = self.coordinator.data_dir().join("log/postgresql.log");
+        let set = |on: bool| {
+            let admin = admin.clone();
+            async move {
+                let (remote, level) = if on { ("on", "notice") } else { ("off", "warning") };
+                for statement in [
+                    format!("alter system set citus.log_remote_commands = {remote}"),
+                    format!("alter system set log_min_messages = {level}"),
+                ] {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+                        .execute(&admin)
+                        .await
+                        .expect("alter system");
+                }
+                sqlx::query("select pg_reload_conf()").execute(&admin).await.expect("reload");
+                // A reload reaches every backend at its next command; give them a moment.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        };
+        set(true).await;
+        let from = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
+        work().await;
+        set(false).await;
+        let text = std::fs::read(&log).expect("the coordinator's log");
+        parse_remote_commands(&String::from_utf8_lossy(&text[from as usize..]))
+    }
+}
+
+/// A command the coordinator sent to a worker, as `citus.log_remote_commands` logs it.
+#[derive(Debug, Clone)]
+pub struct RemoteCommand {
+    pub sql: String,
+    /// `host:port` of the node it went to.
+    pub node: String,
+}
+
+/// The coordinator's log lines `[pid] NOTICE:  issuing <sql>`, each followed by its
+/// `[pid] DETAIL:  on server <user>@<host>:<port> connectionId: <n>`, by pid.
+fn parse_remote_commands(log: &str) -> HashMap<u32, Vec<RemoteCommand>> {
+    let mut issued: HashMap<u32, Vec<RemoteCommand>> = HashMap::new();
+    let mut pending: HashMap<u32, String> = HashMap::new();
+    for line in log.lines() {
+        let Some((pid, rest)) = line.split_once(" [").and_then(|(_, rest)| rest.split_once("] ")) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        if let Some(sql) = rest.strip_prefix("NOTICE:  issuing ") {
+            pending.insert(pid, sql.to_owned());
+        } else if let Some(server) = rest.strip_prefix("DETAIL:  on server ") {
+            let node = server.split_whitespace().next().unwrap_or_default();
+            let node = node.rsplit_once('@').map_or(node, |(_, node)| node).to_owned();
+            if let Some(sql) = pending.remove(&pid) {
+                issued.entry(pid).or_default().push(RemoteCommand { sql, node });
+            }
+        }
+    }
+    issued
 }

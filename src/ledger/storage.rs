@@ -1,0 +1,53 @@
+//! Where the tables live: one Postgres, or spread over a Citus cluster by wallet (README, "Scaling
+//! out"). The statements are the same SQL either way except where a statement would touch several
+//! wallets at once: on one Postgres a round writes many wallets in one statement, one WAL flush;
+//! under Citus that would be a transaction on several nodes, so there a round is one wallet, on the
+//! node holding it (see [`super::group`]).
+
+use super::StoreError;
+use sqlx::{PgConnection, PgPool};
+use std::sync::Arc;
+use tokio::sync::OnceCell;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Storage {
+    /// Every table on one Postgres.
+    OnePostgres,
+    /// The tables distributed by wallet over a Citus cluster (`walletlock migrate` distributed
+    /// them): every statement of a wallet's movement runs on the node holding that wallet.
+    Citus,
+}
+
+impl Storage {
+    /// What the database behind `conn` is: Citus when it has the extension.
+    pub async fn of(conn: &mut PgConnection) -> Result<Self, sqlx::Error> {
+        let citus: bool =
+            sqlx::query_scalar("select exists (select from pg_extension where extname = 'citus')")
+                .fetch_one(conn)
+                .await?;
+        Ok(if citus { Storage::Citus } else { Storage::OnePostgres })
+    }
+}
+
+/// A database's [`Storage`], learnt from the first connection that answers and kept: a replica
+/// starts whether or not Postgres is up, so it cannot ask at startup. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct KnownStorage(Arc<OnceCell<Storage>>);
+
+impl KnownStorage {
+    /// The storage, once learnt.
+    pub fn get(&self) -> Option<Storage> {
+        self.0.get().copied()
+    }
+
+    /// The storage of `db`, asking it the first time.
+    pub async fn of(&self, db: &PgPool) -> Result<Storage, StoreError> {
+        self.0
+            .get_or_try_init(|| async {
+                let mut conn = db.acquire().await?;
+                Ok::<_, StoreError>(Storage::of(&mut conn).await?)
+            })
+            .await
+            .copied()
+    }
+}

@@ -1,0 +1,181 @@
+//! The wallets spread over a Citus cluster (README, "Scaling out"): a coordinator and two workers
+//! of the test's own, every table distributed by wallet. A payment is one transaction on the
+//! worker holding its wallet; a worker or the coordinator dying under load loses no acknowledged
+//! payment and applies none twice.
+
+use crate::support::fleet::Fleet;
+use crate::support::load::{Load, check_books, open_wallets, settle, tally, time_to_recover};
+use crate::support::servers::{CitusCluster, RemoteCommand};
+use crate::support::{TestEnv, eventually};
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+const WALLETS: [&str; 8] = ["c1", "c2", "c3", "c4", "c5", "c6", "c7", "c8"];
+const OPENING: i64 = 1_000_000;
+/// A short lease and claim staleness, so wallets whose worker died are taken up again quickly.
+const SETTINGS: [(&str, &str); 2] = [("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s")];
+
+/// The nodes each distributed transaction of `commands` touched (a statement the coordinator sent
+/// outside a transaction block counts as one), and whether any committed in two phases.
+fn transactions_of(commands: &HashMap<u32, Vec<RemoteCommand>>) -> (Vec<BTreeSet<String>>, bool) {
+    let mut done = Vec::new();
+    let mut two_phase = false;
+    for issued in commands.values() {
+        // The transaction open on this backend: its distributed id, its nodes, and whether it is
+        // committing (its COMMITs go out one per node).
+        let mut open: Option<(String, BTreeSet<String>, bool)> = None;
+        for command in issued {
+            let sql = command.sql.as_str();
+            two_phase |= sql.starts_with("PREPARE TRANSACTION") || sql.starts_with("COMMIT PREPARED");
+            if let Some(id) = sql.split("assign_distributed_transaction_id(").nth(1) {
+                let id = id.split(", '").next().unwrap_or_default().to_owned();
+                if open.as_ref().is_none_or(|(current, _, _)| *current != id) {
+                    done.extend(open.take().map(|(_, nodes, _)| nodes));
+                    open = Some((id, BTreeSet::new(), false));
+                }
+                open.as_mut().expect("opened").1.insert(command.node.clone());
+            } else if let Some((_, nodes, committing)) =
+                open.as_mut().filter(|(_, _, committing)| !committing)
+            {
+                nodes.insert(command.node.clone());
+                *committing =
+                    ["COMMIT", "ROLLBACK", "PREPARE TRANSACTION"].iter().any(|end| sql.starts_with(end));
+            } else if let Some((_, nodes, _)) =
+                open.as_mut().filter(|_| sql.starts_with("COMMIT") || sql.starts_with("ROLLBACK"))
+            {
+                nodes.insert(command.node.clone());
+            } else {
+                done.extend(open.take().map(|(_, nodes, _)| nodes));
+                done.push(BTreeSet::from([command.node.clone()]));
+            }
+        }
+        done.extend(open.map(|(_, nodes, _)| nodes));
+    }
+    (done, two_phase)
+}
+
+/// The worker holding `wallet`, as `host:port` (a worker's host is its socket directory).
+async fn worker_of(db: &sqlx::PgPool, wallet: &str) -> String {
+    sqlx::query_scalar(
+        "select nodename || ':' || nodeport from pg_dist_shard_placement
+         where shardid = get_shard_id_for_distribution_column('wallet', $1)",
+    )
+    .bind(wallet)
+    .fetch_one(db)
+    .await
+    .expect("the wallet's placement")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_citus_each_payment_is_one_transaction_on_the_worker_holding_its_wallet() {
+    let citus = tokio::task::block_in_place(CitusCluster::start);
+    let env = TestEnv::with_citus(&citus);
+    let fleet = Fleet::start(&env, 2, &SETTINGS).await;
+    let distributed: Vec<(String, String)> = sqlx::query_as(
+        "select logicalrelid::regclass::text, column_to_column_name(logicalrelid, partkey)
+         from pg_dist_partition
+         where colocationid = (select colocationid from pg_dist_partition where logicalrelid = 'wallet'::regclass)
+         order by 1",
+    )
+    .fetch_all(&fleet.db)
+    .await
+    .unwrap();
+    let by_table: Vec<(&str, &str)> = distributed.iter().map(|(t, c)| (t.as_str(), c.as_str())).collect();
+    assert_eq!(
+        by_table,
+        [
+            ("hold", "wallet_id"),
+            ("idempotency_key", "wallet_id"),
+            ("ledger_entry", "wallet_id"),
+            ("transfer", "from_wallet"),
+            ("wallet", "id")
+        ],
+        "every table is distributed by wallet, co-located with the wallets"
+    );
+    open_wallets(&fleet, &WALLETS, OPENING).await;
+
+    let mut attempts = Vec::new();
+    let commands = citus
+        .remote_commands(|| async {
+            let load = Load::start(&fleet, &WALLETS, 8);
+            eventually("payments", Duration::from_secs(30), || async { load.acknowledged() >= 200 }).await;
+            attempts = load.finish().await;
+        })
+        .await;
+    let (transactions, two_phase) = transactions_of(&commands);
+    assert!(transactions.len() >= 200, "{} transactions logged", transactions.len());
+    let spread: Vec<&BTreeSet<String>> = transactions.iter().filter(|nodes| nodes.len() > 1).collect();
+    assert!(spread.is_empty(), "transactions on more than one node: {spread:?}");
+    assert!(!two_phase, "a payment committed in two phases");
+    let nodes: BTreeSet<&String> = transactions.iter().flatten().collect();
+    assert_eq!(nodes.len(), 2, "the payments ran on both workers: {nodes:?}");
+
+    // The check above sees a transaction that spans two workers: two wallets on different workers
+    // written in one transaction are exactly that, committed in two phases.
+    let mut placements = Vec::new();
+    for wallet in WALLETS {
+        placements.push((wallet.to_owned(), worker_of(&fleet.db, wallet).await));
+    }
+    let first = &placements[0];
+    let other = placements.iter().find(|(_, node)| *node != first.1).expect("wallets on both workers");
+    let across = citus
+        .remote_commands(|| async {
+            let mut tx = fleet.db.begin().await.unwrap();
+            for wallet in [&first.0, &other.0] {
+                sqlx::query("update wallet set updated_at = now() where id = $1")
+                    .bind(wallet)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+            }
+            tx.commit().await.unwrap();
+        })
+        .await;
+    let (across, two_phase) = transactions_of(&across);
+    assert!(two_phase && across.iter().any(|nodes| nodes.len() == 2), "{across:?}");
+
+    settle(&fleet, &mut attempts).await;
+    let opening: Vec<(&str, i64)> = WALLETS.iter().map(|w| (*w, OPENING)).collect();
+    check_books(&fleet, &opening, &attempts).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_citus_a_worker_and_then_the_coordinator_killed_under_load_lose_no_payment() {
+    let mut citus = tokio::task::block_in_place(CitusCluster::start);
+    let env = TestEnv::with_citus(&citus);
+    let fleet = Fleet::start(&env, 3, &SETTINGS).await;
+    open_wallets(&fleet, &WALLETS, OPENING).await;
+    let first_worker = format!("{}:{}", citus.workers[0].socket_dir().display(), citus.workers[0].port);
+    let mut on_first_worker = None;
+    for wallet in WALLETS {
+        if worker_of(&fleet.db, wallet).await == first_worker {
+            on_first_worker = Some(wallet);
+            break;
+        }
+    }
+    let on_first_worker =
+        on_first_worker.unwrap_or_else(|| panic!("no wallet on the first worker, {first_worker}"));
+    let load = Load::start(&fleet, &WALLETS, 8);
+    let mut attempts = Vec::new();
+
+    for node in ["a worker", "the coordinator"] {
+        let seen = load.acknowledged();
+        eventually("payments", Duration::from_secs(30), || async { load.acknowledged() >= seen + 100 }).await;
+        let server = if node == "a worker" { &mut citus.workers[0] } else { &mut citus.coordinator };
+        let killed_at = Instant::now();
+        tokio::task::block_in_place(|| {
+            server.crash();
+            server.start_again();
+        });
+        let restarted = killed_at.elapsed();
+        let resumed = time_to_recover(&fleet, on_first_worker, Duration::from_secs(20), &mut attempts).await;
+        println!("{node}: restarted in {restarted:?}, its wallets paid again {resumed:?} after");
+        assert!(resumed <= Duration::from_secs(15), "payments resumed {resumed:?} after {node} came back");
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    attempts.extend(load.finish().await);
+    println!("{:?}", tally(&attempts));
+    settle(&fleet, &mut attempts).await;
+    let opening: Vec<(&str, i64)> = WALLETS.iter().map(|w| (*w, OPENING)).collect();
+    check_books(&fleet, &opening, &attempts).await;
+}
