@@ -212,14 +212,13 @@ pub struct FoundTransfer {
 
 /// The transfer `id`, with its legs and what its refunds add up to.
 pub async fn find_transfer(conn: &mut PgConnection, id: Uuid) -> Result<Option<FoundTransfer>, StoreError> {
+    // Statements of their own, not subqueries of one: the transfer, its refunds and its two
+    // wallets may each be on another Citus worker, and Citus runs no correlated subquery across
+    // workers.
     let Some(row) = sqlx::query(
         // language=PostgreSQL
-        r#"select t.id, t.from_wallet, t.to_wallet, t.amount, t.reference, t.refund_of, t.created_at,
-                  (select coalesce(sum(r.amount), 0)::int8 from transfer r where r.refund_of = t.id)
-                      as refunded,
-                  (select owner from wallet where id = t.from_wallet) as from_owner,
-                  (select owner from wallet where id = t.to_wallet) as to_owner
-           from transfer t where t.id = $1"#,
+        r#"select id, from_wallet, to_wallet, amount, reference, refund_of, created_at
+           from transfer where id = $1"#,
     )
     .bind(id)
     .fetch_optional(&mut *conn)
@@ -227,6 +226,16 @@ pub async fn find_transfer(conn: &mut PgConnection, id: Uuid) -> Result<Option<F
     else {
         return Ok(None);
     };
+    let refunded = refunded_of_transfer(conn, id).await?;
+    let (from, to): (String, String) = (row.try_get("from_wallet")?, row.try_get("to_wallet")?);
+    let owned: HashMap<String, Option<String>> =
+        sqlx::query_as("select id, owner from wallet where id = any($1)")
+            .bind([from.as_str(), to.as_str()])
+            .fetch_all(&mut *conn)
+            .await?
+            .into_iter()
+            .collect();
+    let owner = |wallet: &str| owned.get(wallet).cloned().flatten();
     let legs: Vec<Entry> = sqlx::query_as(concat!(
         // language=PostgreSQL
         "select ",
@@ -245,8 +254,8 @@ pub async fn find_transfer(conn: &mut PgConnection, id: Uuid) -> Result<Option<F
     };
     let transfer = Transfer {
         id: row.try_get("id")?,
-        from: row.try_get("from_wallet")?,
-        to: row.try_get("to_wallet")?,
+        from: from.clone(),
+        to: to.clone(),
         amount: row.try_get("amount")?,
         reference: row.try_get("reference")?,
         refund_of: row.try_get("refund_of")?,
@@ -254,8 +263,8 @@ pub async fn find_transfer(conn: &mut PgConnection, id: Uuid) -> Result<Option<F
         to_entry: leg(super::EntryKind::TransferIn)?,
         created_at: row.try_get("created_at")?,
     };
-    let owners = [row.try_get("from_owner")?, row.try_get("to_owner")?];
-    Ok(Some(FoundTransfer { transfer, refunded: row.try_get("refunded")?, owners }))
+    let owners = [owner(&from), owner(&to)];
+    Ok(Some(FoundTransfer { transfer, refunded, owners }))
 }
 
 /// What the refunds of transfer `id` add up to. Call with both of its wallets locked: every refund

@@ -6,6 +6,7 @@
 use crate::support::fleet::Fleet;
 use crate::support::load::{Load, check_books, open_wallets, settle, tally, time_to_recover};
 use crate::support::servers::{CitusCluster, RemoteCommand};
+use crate::support::transfers::{self, TransferLoad};
 use crate::support::{TestEnv, eventually};
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -178,4 +179,57 @@ async fn under_citus_a_worker_and_then_the_coordinator_killed_under_load_lose_no
     settle(&fleet, &mut attempts).await;
     let opening: Vec<(&str, i64)> = WALLETS.iter().map(|w| (*w, OPENING)).collect();
     check_books(&fleet, &opening, &attempts).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_citus_transfers_between_workers_commit_whole_through_a_worker_killed_under_load() {
+    let mut citus = tokio::task::block_in_place(CitusCluster::start);
+    let env = TestEnv::with_citus(&citus);
+    let fleet = Fleet::start(&env, 3, &SETTINGS).await;
+    // The first two wallets (between which a third of the clients transfer back and forth) on
+    // different workers; the others wherever they hash.
+    let mut by_worker: HashMap<String, Vec<&str>> = HashMap::new();
+    for wallet in WALLETS {
+        by_worker.entry(worker_of(&fleet.db, wallet).await).or_default().push(wallet);
+    }
+    let mut workers = by_worker.values();
+    let (first, second) =
+        (workers.next().expect("a worker"), workers.next().expect("wallets on both workers"));
+    let pair = [first[0], second[0]];
+    let wallets: Vec<&str> =
+        pair.into_iter().chain(WALLETS.into_iter().filter(|w| !pair.contains(w))).collect();
+    open_wallets(&fleet, &wallets, OPENING).await;
+
+    let load = TransferLoad::start(&fleet, &wallets, 8);
+    eventually("transfers before the kill", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from transfer").fetch_one(&fleet.db).await.unwrap()
+            >= 50
+    })
+    .await;
+    tokio::task::block_in_place(|| {
+        citus.workers[0].crash();
+        citus.workers[0].start_again();
+    });
+    eventually("transfers after the restart", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from transfer").fetch_one(&fleet.db).await.unwrap()
+            >= 150
+    })
+    .await;
+    let mut attempts = load.finish().await;
+    println!("{:?}", transfers::tally(&attempts));
+    transfers::settle(&fleet, &mut attempts).await;
+
+    // Transfers between the workers went through: each was a transaction on both, committed in two
+    // phases, and is both legs or nothing.
+    let pairs: Vec<(String, String)> =
+        sqlx::query_as("select from_wallet, to_wallet from transfer").fetch_all(&fleet.db).await.unwrap();
+    let mut across = 0;
+    for (from, to) in &pairs {
+        if worker_of(&fleet.db, from).await != worker_of(&fleet.db, to).await {
+            across += 1;
+        }
+    }
+    assert!(across >= 20, "{across} of {} transfers between the two workers", pairs.len());
+    let opening: Vec<(&str, i64)> = wallets.iter().map(|w| (*w, OPENING)).collect();
+    transfers::check_books(&fleet, &opening, &attempts).await;
 }
