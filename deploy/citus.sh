@@ -53,18 +53,15 @@ wl_citus_install() {
   wl_citus_installed || wl_die "Citus did not install into $(wl_pg_bindir)/../lib"
 }
 
-# wl_citus_settings [CA_FILE]: the settings every node of a Citus cluster runs with (for
-# wl_start_postgres): the extension preloaded, prepared transactions for the two-phase commit of a
-# transaction that writes on two workers (a transfer between wallets placed apart), and logical WAL
-# so shards can move to a new worker while they take writes (citus_rebalance_start). The nodes'
-# connections to each other verify the peer against CA_FILE when given (the nodes then speak TLS
-# only, see wl_postgres_tls_settings), else they are plaintext on loopback, like the replicas'
-# (without this, Citus would turn TLS on with a self-signed certificate that no client verifies).
+# wl_citus_settings: the settings every node of a Citus cluster runs with (for wl_start_postgres):
+# the extension preloaded, prepared transactions for the two-phase commit of a transaction that
+# writes on two workers (a transfer between wallets placed apart), and logical WAL so shards can
+# move to a new worker while they take writes (citus_rebalance_start). The nodes reach each other
+# over their Unix sockets (wl_citus_join), where libpq uses no TLS: without `sslmode=disable`,
+# Citus would turn TLS on with a self-signed certificate that no client verifies.
 wl_citus_settings() {
-  local ca=${1:-} conninfo=sslmode=disable
-  [ -n "$ca" ] && conninfo="sslmode=verify-full sslrootcert=$ca"
   printf '%s\n' shared_preload_libraries=citus max_prepared_transactions=200 wal_level=logical \
-    "citus.node_conninfo=$conninfo"
+    citus.node_conninfo=sslmode=disable
 }
 
 # wl_citus_join DATABASE COORDINATOR WORKER...: makes DATABASE a Citus cluster, each node given as
