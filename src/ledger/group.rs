@@ -1,5 +1,6 @@
 //! The group commit across wallets: the statements a replica runs per round of movements, two at
-//! most, whatever the number of wallets and movements in the round.
+//! most, whatever the number of wallets and movements in the round (under Citus, where a round is
+//! one wallet, the write is a short transaction instead: see [`commit`]).
 //!
 //! 1. [`read`] reads the balance, version and fence of the wallets whose lease was just taken, and
 //!    looks up the round's idempotency keys, in one statement that writes nothing (a key past its

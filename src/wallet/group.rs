@@ -16,6 +16,9 @@
 //! ([`LANE_FRESH`]), does not read: it writes at once, its keys checked by the write. A wallet
 //! whose note was stale matches nothing; its job comes back ([`JobOutcome::Stale`]) to be read
 //! and run again, and the others commit.
+//!
+//! Under Citus ([`crate::ledger::storage`]) a round is one wallet, so that it runs on the one node
+//! holding it, and up to `CITUS_CONCURRENT_ROUNDS` rounds run at once.
 
 use super::batch::{self, FoundKeys, Held, Known, Op, Plan};
 use super::{Moved, WalletError, WalletId};
