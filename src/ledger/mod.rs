@@ -91,15 +91,22 @@ impl StoreError {
             | sqlx::Error::Protocol(_)
             | sqlx::Error::WorkerCrashed => true,
             // Class 08: connection exception; 57P0x: the server is shutting down or starting.
-            // Citus's coordinator, when its postmaster dies while a statement waits on a worker,
-            // says so with the generic internal-error code: the session is going away all the same.
             sqlx::Error::Database(db) => {
                 db.code().is_some_and(|code| code.starts_with("08") || code.starts_with("57P0"))
                     || (db.code().as_deref() == Some("XX000")
-                        && db.message() == "postmaster was shut down, exiting")
+                        && Self::is_citus_connection_failure(db.message()))
             }
             _ => false,
         }
+    }
+
+    /// The errors Citus's coordinator raises with the generic internal-error code when it lost a
+    /// node under a statement: its own postmaster died while the statement waited on a worker, or
+    /// the worker of a transaction committed in one phase went away during that COMMIT (which may
+    /// have committed there or not).
+    fn is_citus_connection_failure(message: &str) -> bool {
+        message == "postmaster was shut down, exiting"
+            || message.starts_with("could not commit transaction for shard")
     }
 
     /// Whether the database could not be reached or is restarting, as opposed to a bug or a
