@@ -15,9 +15,11 @@
                                                            of all of its hold instead, by a pay
                                                            entry that does not exist
     loadtest/tamper.py ACKS undecided WALLET KEY --base-url URL
-                                                           the record plus a payment of 1 from
+                                                           the record plus a deposit of 1 to
                                                            WALLET with key KEY whose answer was
-                                                           never seen
+                                                           never seen (a deposit, which is always
+                                                           applied: the mixed run may leave WALLET
+                                                           empty, and a payment would be refused)
 
 ACKS is a k6 console log of pay.js with ACK_LOG=1 (read by books.py's console_messages); the
 rewritten record goes to stdout as k6 JSON log lines, one `WL {...}` message each, for
@@ -54,7 +56,7 @@ def parse_args(argv):
     modes.add_parser("drop", help="leave out the operation KEY").add_argument("key")
     modes.add_parser("refuse", help="the operation KEY refused instead of charged").add_argument("key")
     modes.add_parser("captured", help="the void KEY a capture by a made-up entry").add_argument("key")
-    undecided = modes.add_parser("undecided", help="add a payment of 1 whose answer was never seen")
+    undecided = modes.add_parser("undecided", help="add a deposit of 1 whose answer was never seen")
     undecided.add_argument("wallet")
     undecided.add_argument("key")
     undecided.add_argument("--base-url", required=True, help="the API the payment was sent to")
@@ -85,9 +87,9 @@ def main(argv=None):
             if r.get("key") == args.key:
                 r.update(op="capture", entry=str(uuid.uuid4()))
     elif args.mode == "undecided":
-        body = compact({"amount": 1, "reference": args.key})
-        records.append({"op": "pay", "w": args.wallet, "amount": 1, "key": args.key, "s": "undecided",
-                        "url": f"{args.base_url}/wallets/{args.wallet}/pay", "body": body})
+        body = compact({"amount": 1})
+        records.append({"op": "deposit", "w": args.wallet, "amount": 1, "key": args.key, "s": "undecided",
+                        "url": f"{args.base_url}/wallets/{args.wallet}/deposit", "body": body})
     for r in records:
         print(json.dumps({"level": "info", "msg": "WL " + compact(r)}))
     return 0
