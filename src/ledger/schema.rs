@@ -11,24 +11,19 @@ use sqlx::{
 };
 use std::str::FromStr;
 
+use super::storage::Storage;
+
 pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
 /// Applies every migration not yet applied; on a database with the Citus extension, then
 /// distributes the tables ([`distribute`]).
 pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
     MIGRATOR.run(pool).await?;
-    if has_citus(pool).await.map_err(MigrateError::Execute)? {
+    let storage = Storage::of(&mut *pool.acquire().await.map_err(MigrateError::Execute)?).await;
+    if storage.map_err(MigrateError::Execute)? == Storage::Citus {
         distribute(pool).await.map_err(MigrateError::Execute)?;
     }
     Ok(())
-}
-
-/// Whether the database has the Citus extension: its tables are then spread over the cluster's
-/// workers (README, "Scaling out").
-pub async fn has_citus(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("select exists (select from pg_extension where extname = 'citus')")
-        .fetch_one(pool)
-        .await
 }
 
 /// The tables of the current schema, as Citus distributes them: every one by the wallet it

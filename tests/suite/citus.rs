@@ -55,16 +55,29 @@ fn transactions_of(commands: &HashMap<u32, Vec<RemoteCommand>>) -> (Vec<BTreeSet
     (done, two_phase)
 }
 
-/// The worker holding `wallet`, as `host:port` (a worker's host is its socket directory).
-async fn worker_of(db: &sqlx::PgPool, wallet: &str) -> String {
-    sqlx::query_scalar(
-        "select nodename || ':' || nodeport from pg_dist_shard_placement
-         where shardid = get_shard_id_for_distribution_column('wallet', $1)",
-    )
-    .bind(wallet)
-    .fetch_one(db)
-    .await
-    .expect("the wallet's placement")
+/// The test's wallets by the worker holding each, as `host:port` (a worker's host is its socket
+/// directory), in `WALLETS`' order.
+async fn wallets_by_worker(db: &sqlx::PgPool) -> HashMap<String, Vec<&'static str>> {
+    let mut by_worker: HashMap<String, Vec<&'static str>> = HashMap::new();
+    for wallet in WALLETS {
+        let worker: String = sqlx::query_scalar(
+            "select nodename || ':' || nodeport from pg_dist_shard_placement
+             where shardid = get_shard_id_for_distribution_column('wallet', $1)",
+        )
+        .bind(wallet)
+        .fetch_one(db)
+        .await
+        .expect("the wallet's placement");
+        by_worker.entry(worker).or_default().push(wallet);
+    }
+    by_worker
+}
+
+/// A wallet on each of the two workers.
+async fn one_wallet_on_each_worker(db: &sqlx::PgPool) -> [&'static str; 2] {
+    let by_worker = wallets_by_worker(db).await;
+    let mut firsts = by_worker.values().map(|wallets| wallets[0]);
+    [firsts.next().expect("a worker"), firsts.next().expect("wallets on both workers")]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -113,16 +126,11 @@ async fn under_citus_each_payment_is_one_transaction_on_the_worker_holding_its_w
 
     // The check above sees a transaction that spans two workers: two wallets on different workers
     // written in one transaction are exactly that, committed in two phases.
-    let mut placements = Vec::new();
-    for wallet in WALLETS {
-        placements.push((wallet.to_owned(), worker_of(&fleet.db, wallet).await));
-    }
-    let first = &placements[0];
-    let other = placements.iter().find(|(_, node)| *node != first.1).expect("wallets on both workers");
+    let pair = one_wallet_on_each_worker(&fleet.db).await;
     let across = citus
         .remote_commands(|| async {
             let mut tx = fleet.db.begin().await.unwrap();
-            for wallet in [&first.0, &other.0] {
+            for wallet in pair {
                 sqlx::query("update wallet set updated_at = now() where id = $1")
                     .bind(wallet)
                     .execute(&mut *tx)
@@ -147,15 +155,10 @@ async fn under_citus_a_worker_and_then_the_coordinator_killed_under_load_lose_no
     let fleet = Fleet::start(&env, 3, &SETTINGS).await;
     open_wallets(&fleet, &WALLETS, OPENING).await;
     let first_worker = format!("{}:{}", citus.workers[0].socket_dir().display(), citus.workers[0].port);
-    let mut on_first_worker = None;
-    for wallet in WALLETS {
-        if worker_of(&fleet.db, wallet).await == first_worker {
-            on_first_worker = Some(wallet);
-            break;
-        }
-    }
-    let on_first_worker =
-        on_first_worker.unwrap_or_else(|| panic!("no wallet on the first worker, {first_worker}"));
+    let by_worker = wallets_by_worker(&fleet.db).await;
+    let on_first_worker = by_worker
+        .get(&first_worker)
+        .unwrap_or_else(|| panic!("no wallet on the first worker, {first_worker}"))[0];
     let load = Load::start(&fleet, &WALLETS, 8);
     let mut attempts = Vec::new();
 
@@ -188,14 +191,7 @@ async fn under_citus_transfers_between_workers_commit_whole_through_a_worker_kil
     let fleet = Fleet::start(&env, 3, &SETTINGS).await;
     // The first two wallets (between which a third of the clients transfer back and forth) on
     // different workers; the others wherever they hash.
-    let mut by_worker: HashMap<String, Vec<&str>> = HashMap::new();
-    for wallet in WALLETS {
-        by_worker.entry(worker_of(&fleet.db, wallet).await).or_default().push(wallet);
-    }
-    let mut workers = by_worker.values();
-    let (first, second) =
-        (workers.next().expect("a worker"), workers.next().expect("wallets on both workers"));
-    let pair = [first[0], second[0]];
+    let pair = one_wallet_on_each_worker(&fleet.db).await;
     let wallets: Vec<&str> =
         pair.into_iter().chain(WALLETS.into_iter().filter(|w| !pair.contains(w))).collect();
     open_wallets(&fleet, &wallets, OPENING).await;
@@ -223,12 +219,12 @@ async fn under_citus_transfers_between_workers_commit_whole_through_a_worker_kil
     // phases, and is both legs or nothing.
     let pairs: Vec<(String, String)> =
         sqlx::query_as("select from_wallet, to_wallet from transfer").fetch_all(&fleet.db).await.unwrap();
-    let mut across = 0;
-    for (from, to) in &pairs {
-        if worker_of(&fleet.db, from).await != worker_of(&fleet.db, to).await {
-            across += 1;
-        }
-    }
+    let by_worker = wallets_by_worker(&fleet.db).await;
+    let worker_of: HashMap<&str, &String> = by_worker
+        .iter()
+        .flat_map(|(worker, wallets)| wallets.iter().map(move |wallet| (*wallet, worker)))
+        .collect();
+    let across = pairs.iter().filter(|(from, to)| worker_of[from.as_str()] != worker_of[to.as_str()]).count();
     assert!(across >= 20, "{across} of {} transfers between the two workers", pairs.len());
     let opening: Vec<(&str, i64)> = wallets.iter().map(|w| (*w, OPENING)).collect();
     transfers::check_books(&fleet, &opening, &attempts).await;
