@@ -255,9 +255,9 @@ async fn run_round(
         let expired: Vec<&str> = expired_of.iter().map(String::as_str).collect();
         let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired, now };
         let reading = Box::pin(read(&mut conn, &mut pending, &mut ready, look_up_keys, holds));
-        let (mut found, gave_up) = match tokio::time::timeout(settings.answer_within, reading).await {
-            Ok(found) => (found, false),
-            Err(_) => (Err(WalletError::from(unanswered(settings.answer_within))), true),
+        let (mut found, gave_up) = match answered_within(settings.answer_within, reading).await {
+            Some(found) => (found, false),
+            None => (Err(WalletError::from(unanswered(settings.answer_within))), true),
         };
         if kept && first_attempt && !gave_up && matches!(found, Err(WalletError::Unavailable { .. })) {
             // The kept connection died while idle (Postgres restarted, say), which a pool
@@ -307,9 +307,9 @@ async fn run_round(
         } else {
             crate::failpoint::hit("before_commit");
             let writing = Box::pin(store::commit(&mut conn, storage, &write, now, settings.retention));
-            let written = tokio::time::timeout(settings.answer_within, writing)
+            let written = answered_within(settings.answer_within, writing)
                 .await
-                .unwrap_or_else(|_| Err(unanswered(settings.answer_within).into()));
+                .unwrap_or_else(|| Err(unanswered(settings.answer_within).into()));
             crate::failpoint::hit("after_commit");
             written
         };
@@ -359,6 +359,29 @@ async fn run_round(
             }
         }
     }
+}
+
+/// The slices in which [`answered_within`] counts a wait.
+const ANSWER_SLICE: Duration = Duration::from_millis(100);
+
+/// `answer`'s output, or `None` once it has gone unanswered for `limit` of this process's running
+/// time. The wait is counted in slices of [`ANSWER_SLICE`], each counted as its own length however
+/// late its timer fires: a process frozen past the limit (a GC pause, a stalled VM, SIGSTOP) wakes
+/// with every timer expired, and `tokio::time::timeout` would give up on a statement that
+/// Postgres answered, or that was not even sent yet, while the process slept. Waking, the round
+/// gets its answer instead, and the fence decides: a lease lost in the pause is refused there.
+async fn answered_within<F: std::future::Future>(limit: Duration, answer: F) -> Option<F::Output> {
+    let mut answer = std::pin::pin!(answer);
+    let mut counted = Duration::ZERO;
+    while counted < limit {
+        let slice = ANSWER_SLICE.min(limit - counted);
+        tokio::select! {
+            biased;
+            output = &mut answer => return Some(output),
+            () = tokio::time::sleep(slice) => counted += slice,
+        }
+    }
+    None
 }
 
 /// A statement given up unanswered after `waited` (see [`RoundSettings::answer_within`]): to the
@@ -516,4 +539,36 @@ pub(super) fn round_time() -> chrono::DateTime<chrono::Utc> {
     use chrono::{DurationRound, TimeDelta};
     let now = chrono::Utc::now();
     now.duration_trunc(TimeDelta::microseconds(1)).unwrap_or(now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Blocks the runtime's only thread, as a frozen process is blocked.
+    fn freeze(for_: Duration) {
+        std::thread::sleep(for_);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_answer_that_comes_just_after_a_pause_longer_than_the_limit_is_taken() {
+        let (answer, answered) = oneshot::channel::<u8>();
+        let waiting = tokio::spawn(answered_within(Duration::from_millis(300), answered));
+        tokio::task::yield_now().await;
+        freeze(Duration::from_millis(500));
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let _ = answer.send(7);
+        });
+        assert_eq!(waiting.await.unwrap().map(Result::unwrap), Some(7));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_statement_never_answered_is_given_up_after_the_limit() {
+        let (_answer, answered) = oneshot::channel::<u8>();
+        let started = Instant::now();
+        assert!(answered_within(Duration::from_millis(250), answered).await.is_none());
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_millis(250) && waited < Duration::from_secs(1), "{waited:?}");
+    }
 }
