@@ -299,6 +299,12 @@ async fn a_fence_at_the_top_is_a_clear_error_and_the_documented_reset_frees_the_
 
     // The README's reset ("When a fence reaches the top"), as the tables' owner.
     let mut tx = db.begin().await.unwrap();
+    for setting in [
+        "set local citus.enable_unsafe_triggers = on",
+        "set local citus.multi_shard_modify_mode = sequential",
+    ] {
+        sqlx::query(setting).execute(&mut *tx).await.unwrap();
+    }
     sqlx::query("alter table wallet disable trigger wallet_counters_only_grow")
         .execute(&mut *tx)
         .await

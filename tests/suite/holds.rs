@@ -552,10 +552,11 @@ async fn the_audit_finds_a_held_amount_off_its_holds_and_a_capture_without_its_e
     sqlx::query("update wallet set held = 10 where id = 'audited'").execute(&app.db).await.unwrap();
     let second: uuid::Uuid = second["id"].as_str().unwrap().parse().unwrap();
     sqlx::query(
-        "update hold set status = 'captured', captured = 20, capture_entry = gen_random_uuid(), settled_at = now()
+        "update hold set status = 'captured', captured = 20, capture_entry = $2, settled_at = now()
          where id = $1",
     )
     .bind(second)
+    .bind(uuid::Uuid::new_v4())
     .execute(&app.db)
     .await
     .unwrap();

@@ -65,6 +65,19 @@ fn api_client_builder(token: &str) -> reqwest::ClientBuilder {
     reqwest::Client::builder().default_headers(headers).pool_max_idle_per_host(64)
 }
 
+/// Whether the tests' Postgres is a Citus cluster: `WALLETLOCK_TEST_POSTGRES=citus` (`single`, or
+/// unset: one Postgres). Then a test that starts its own Postgres starts a Citus cluster of its own
+/// instead (a coordinator and two workers) and restarts or crashes its coordinator, and
+/// `WALLETLOCK_TEST_DATABASE_URL`, when set, is a Citus coordinator too (`deploy/test` runs the
+/// storage tests so).
+pub fn storage_is_citus() -> bool {
+    match std::env::var("WALLETLOCK_TEST_POSTGRES").as_deref() {
+        Ok("citus") => true,
+        Ok("single") | Err(_) => false,
+        Ok(other) => panic!("WALLETLOCK_TEST_POSTGRES is `single` or `citus`, not `{other}`"),
+    }
+}
+
 /// Where a test's Redis and Postgres are, and the servers it owns (if any), which stop when the
 /// environment is dropped.
 pub struct TestEnv {
@@ -73,6 +86,8 @@ pub struct TestEnv {
     pub redis: Option<RedisServer>,
     /// A private Postgres, living exactly as long as the test.
     pub postgres: Option<PostgresServer>,
+    /// A private Citus cluster in its place, under `WALLETLOCK_TEST_POSTGRES=citus`.
+    pub citus: Option<CitusCluster>,
     /// Namespaces this test's Redis keys.
     pub prefix: String,
 }
@@ -84,7 +99,7 @@ impl TestEnv {
         let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
         match (std::env::var("WALLETLOCK_TEST_REDIS_URL"), std::env::var("WALLETLOCK_TEST_DATABASE_URL")) {
             (Ok(redis_url), Ok(database_url)) => {
-                Self { redis_url, database_url, redis: None, postgres: None, prefix }
+                Self { redis_url, database_url, redis: None, postgres: None, citus: None, prefix }
             }
             _ => Self::private_postgres(RedisServer::start(), prefix),
         }
@@ -96,9 +111,14 @@ impl TestEnv {
         let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
         let redis = RedisServer::start();
         match std::env::var("WALLETLOCK_TEST_DATABASE_URL") {
-            Ok(database_url) => {
-                Self { redis_url: redis.url(), database_url, redis: Some(redis), postgres: None, prefix }
-            }
+            Ok(database_url) => Self {
+                redis_url: redis.url(),
+                database_url,
+                redis: Some(redis),
+                postgres: None,
+                citus: None,
+                prefix,
+            },
             Err(_) => Self::private_postgres(redis, prefix),
         }
     }
@@ -114,6 +134,9 @@ impl TestEnv {
     pub fn with_own_servers_and_postgres(settings: &[&str]) -> Self {
         init_tracing();
         let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
+        if storage_is_citus() {
+            return Self::with_own_citus(RedisServer::start(), CitusCluster::start_with(settings), prefix);
+        }
         Self::with_servers(RedisServer::start(), PostgresServer::start_with(settings), prefix)
     }
 
@@ -131,15 +154,41 @@ impl TestEnv {
         init_tracing();
         let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
         let redis = RedisServer::start();
-        Self { redis_url: redis.url(), database_url: citus.url(), redis: Some(redis), postgres: None, prefix }
+        Self {
+            redis_url: redis.url(),
+            database_url: citus.url(),
+            redis: Some(redis),
+            postgres: None,
+            citus: None,
+            prefix,
+        }
     }
 
+    /// This test's own Postgres; under `WALLETLOCK_TEST_POSTGRES=citus`, its cluster's
+    /// coordinator, which the replicas connect to.
     pub fn own_postgres(&mut self) -> &mut PostgresServer {
+        if let Some(citus) = self.citus.as_mut() {
+            return &mut citus.coordinator;
+        }
         self.postgres.as_mut().expect("this test owns its Postgres")
     }
 
     fn private_postgres(redis: RedisServer, prefix: String) -> Self {
+        if storage_is_citus() {
+            return Self::with_own_citus(redis, CitusCluster::start(), prefix);
+        }
         Self::with_servers(redis, PostgresServer::start(), prefix)
+    }
+
+    fn with_own_citus(redis: RedisServer, citus: CitusCluster, prefix: String) -> Self {
+        Self {
+            redis_url: redis.url(),
+            database_url: citus.url(),
+            redis: Some(redis),
+            postgres: None,
+            citus: Some(citus),
+            prefix,
+        }
     }
 
     fn with_servers(redis: RedisServer, postgres: PostgresServer, prefix: String) -> Self {
@@ -148,6 +197,7 @@ impl TestEnv {
             database_url: postgres.url("postgres"),
             redis: Some(redis),
             postgres: Some(postgres),
+            citus: None,
             prefix,
         }
     }

@@ -629,7 +629,11 @@ pub struct CitusCluster {
 
 impl CitusCluster {
     pub fn start() -> Self {
-        let citus = |script: &str| super::fleet::lib_sh(&format!("source deploy/citus.sh; {script}"));
+        Self::start_with(&[])
+    }
+
+    /// A cluster whose every node runs with `settings` too (see [`PostgresServer::start_with`]).
+    pub fn start_with(settings: &[&str]) -> Self {
         assert!(
             Command::new("bash")
                 .args(["-c", "source deploy/lib.sh; source deploy/citus.sh; wl_citus_installed"])
@@ -638,20 +642,54 @@ impl CitusCluster {
                 .is_ok_and(|s| s.success()),
             "Citus is not installed (deploy/test installs it: wl_citus_install in deploy/citus.sh)"
         );
-        let settings = citus("wl_citus_settings");
-        // A commit acknowledged only once its WAL is out of Postgres's memory (the suite's own
-        // servers skip that, for speed): these nodes are killed under load.
-        let settings: Vec<&str> = settings.lines().chain(["synchronous_commit=on"]).collect();
+        let node_settings = Self::node_settings();
+        let settings: Vec<&str> =
+            node_settings.iter().map(String::as_str).chain(settings.iter().copied()).collect();
         // The coordinator logs to a file in its data directory (log/postgresql.log), for
         // [`CitusCluster::remote_commands`].
         let logged: Vec<&str> =
             settings.iter().copied().chain(["logging_collector=on", "log_filename=postgresql.log"]).collect();
         let coordinator = PostgresServer::start_with(&logged);
         let workers: Vec<PostgresServer> = (0..2).map(|_| PostgresServer::start_with(&settings)).collect();
-        let node = |server: &PostgresServer| format!("{}:{}", server.socket_dir().display(), server.port);
-        let worker_nodes: Vec<String> = workers.iter().map(node).collect();
-        citus(&format!("wl_citus_join postgres {} {}", node(&coordinator), worker_nodes.join(" ")));
+        let worker_nodes: Vec<String> = workers.iter().map(Self::node).collect();
+        Self::citus(&format!(
+            "wl_citus_join postgres {} {}",
+            Self::node(&coordinator),
+            worker_nodes.join(" ")
+        ));
         Self { coordinator, workers }
+    }
+
+    /// Starts one more worker and adds it to the cluster (it holds no shard until a rebalance
+    /// moves some to it); its node name, `host:port`.
+    pub fn add_worker(&mut self) -> String {
+        let settings = Self::node_settings();
+        let settings: Vec<&str> = settings.iter().map(String::as_str).collect();
+        let worker = PostgresServer::start_with(&settings);
+        let node = Self::node(&worker);
+        Self::citus(&format!("wl_citus_join postgres {} {node}", Self::node(&self.coordinator)));
+        self.workers.push(worker);
+        node
+    }
+
+    /// A node as Citus names it here: `host:port`, the host its socket directory.
+    pub fn node(server: &PostgresServer) -> String {
+        format!("{}:{}", server.socket_dir().display(), server.port)
+    }
+
+    /// What every node runs with: `wl_citus_settings`, and a commit acknowledged only once its
+    /// WAL is out of Postgres's memory (the suite's own servers skip that, for speed), since these
+    /// nodes are killed under load.
+    fn node_settings() -> Vec<String> {
+        Self::citus("wl_citus_settings")
+            .lines()
+            .map(str::to_owned)
+            .chain(["synchronous_commit=on".to_owned()])
+            .collect()
+    }
+
+    fn citus(script: &str) -> String {
+        super::fleet::lib_sh(&format!("source deploy/citus.sh; {script}"))
     }
 
     /// The coordinator's `postgres` database, where the tests' schemas go.
