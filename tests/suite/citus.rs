@@ -1,7 +1,8 @@
 //! The wallets spread over a Citus cluster (README, "Scaling out"): a coordinator and two workers
 //! of the test's own, every table distributed by wallet. A payment is one transaction on the
 //! worker holding its wallet; a worker or the coordinator dying under load loses no acknowledged
-//! payment and applies none twice.
+//! payment and applies none twice; a worker added under load takes its share of the wallets
+//! while they keep being paid.
 
 use crate::support::fleet::Fleet;
 use crate::support::load::{Load, check_books, open_wallets, settle, tally, time_to_recover};
@@ -12,6 +13,11 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 const WALLETS: [&str; 8] = ["c1", "c2", "c3", "c4", "c5", "c6", "c7", "c8"];
+/// More wallets, for a rebalance to move some of them.
+const SPREAD: [&str; 24] = [
+    "r01", "r02", "r03", "r04", "r05", "r06", "r07", "r08", "r09", "r10", "r11", "r12", "r13", "r14", "r15",
+    "r16", "r17", "r18", "r19", "r20", "r21", "r22", "r23", "r24",
+];
 const OPENING: i64 = 1_000_000;
 /// A short lease and claim staleness, so wallets whose worker died are taken up again quickly.
 const SETTINGS: [(&str, &str); 2] = [("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s")];
@@ -55,11 +61,14 @@ fn transactions_of(commands: &HashMap<u32, Vec<RemoteCommand>>) -> (Vec<BTreeSet
     (done, two_phase)
 }
 
-/// The test's wallets by the worker holding each, as `host:port` (a worker's host is its socket
-/// directory), in `WALLETS`' order.
-async fn wallets_by_worker(db: &sqlx::PgPool) -> HashMap<String, Vec<&'static str>> {
+/// `wallets` by the worker holding each, as `host:port` (a worker's host is its socket
+/// directory), in their order.
+async fn wallets_by_worker(
+    db: &sqlx::PgPool,
+    wallets: &[&'static str],
+) -> HashMap<String, Vec<&'static str>> {
     let mut by_worker: HashMap<String, Vec<&'static str>> = HashMap::new();
-    for wallet in WALLETS {
+    for &wallet in wallets {
         let worker: String = sqlx::query_scalar(
             "select nodename || ':' || nodeport from pg_dist_shard_placement
              where shardid = get_shard_id_for_distribution_column('wallet', $1)",
@@ -75,7 +84,7 @@ async fn wallets_by_worker(db: &sqlx::PgPool) -> HashMap<String, Vec<&'static st
 
 /// A wallet on each of the two workers.
 async fn one_wallet_on_each_worker(db: &sqlx::PgPool) -> [&'static str; 2] {
-    let by_worker = wallets_by_worker(db).await;
+    let by_worker = wallets_by_worker(db, &WALLETS).await;
     let mut firsts = by_worker.values().map(|wallets| wallets[0]);
     [firsts.next().expect("a worker"), firsts.next().expect("wallets on both workers")]
 }
@@ -154,8 +163,8 @@ async fn under_citus_a_worker_and_then_the_coordinator_killed_under_load_lose_no
     let env = TestEnv::with_citus(&citus);
     let fleet = Fleet::start(&env, 3, &SETTINGS).await;
     open_wallets(&fleet, &WALLETS, OPENING).await;
-    let first_worker = format!("{}:{}", citus.workers[0].socket_dir().display(), citus.workers[0].port);
-    let by_worker = wallets_by_worker(&fleet.db).await;
+    let first_worker = CitusCluster::node(&citus.workers[0]);
+    let by_worker = wallets_by_worker(&fleet.db, &WALLETS).await;
     let on_first_worker = by_worker
         .get(&first_worker)
         .unwrap_or_else(|| panic!("no wallet on the first worker, {first_worker}"))[0];
@@ -219,7 +228,7 @@ async fn under_citus_transfers_between_workers_commit_whole_through_a_worker_kil
     // phases, and is both legs or nothing.
     let pairs: Vec<(String, String)> =
         sqlx::query_as("select from_wallet, to_wallet from transfer").fetch_all(&fleet.db).await.unwrap();
-    let by_worker = wallets_by_worker(&fleet.db).await;
+    let by_worker = wallets_by_worker(&fleet.db, &WALLETS).await;
     let worker_of: HashMap<&str, &String> = by_worker
         .iter()
         .flat_map(|(worker, wallets)| wallets.iter().map(move |wallet| (*wallet, worker)))
@@ -228,4 +237,77 @@ async fn under_citus_transfers_between_workers_commit_whole_through_a_worker_kil
     assert!(across >= 20, "{across} of {} transfers between the two workers", pairs.len());
     let opening: Vec<(&str, i64)> = wallets.iter().map(|w| (*w, OPENING)).collect();
     transfers::check_books(&fleet, &opening, &attempts).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_citus_a_worker_added_under_load_takes_its_share_of_the_wallets_and_loses_no_payment() {
+    // 8 shards per table, not 32: each shard group's move takes seconds, whatever its size.
+    let mut citus = tokio::task::block_in_place(|| CitusCluster::start_with(&["citus.shard_count=8"]));
+    let env = TestEnv::with_citus(&citus);
+    let fleet = Fleet::start(&env, 3, &SETTINGS).await;
+    // Enough wallets that about a third of them land on the new worker.
+    open_wallets(&fleet, &SPREAD, OPENING).await;
+    let load = Load::start(&fleet, &SPREAD, 8);
+    eventually("payments", Duration::from_secs(30), || async { load.acknowledged() >= 100 }).await;
+
+    let third = tokio::task::block_in_place(|| citus.add_worker());
+    // The shards move while the wallets in them are paid: each is copied and kept up to date by
+    // logical replication, and writes to it wait only for the moment it changes hands.
+    let started = Instant::now();
+    let admin = sqlx::PgPool::connect(&citus.url()).await.expect("the coordinator");
+    sqlx::query("select citus_rebalance_start()").execute(&admin).await.expect("citus_rebalance_start");
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        sqlx::query("select citus_rebalance_wait()").execute(&admin),
+    )
+    .await
+    .expect("the rebalance finished within 2 minutes")
+    .expect("citus_rebalance_wait");
+    let moved = started.elapsed();
+    let status: String =
+        sqlx::query_scalar("select state::text from citus_rebalance_status() order by job_id desc limit 1")
+            .fetch_one(&admin)
+            .await
+            .expect("citus_rebalance_status");
+    assert_eq!(status, "finished", "the rebalance job");
+    let rebalanced_at: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("select now()").fetch_one(&admin).await.unwrap();
+
+    let by_worker = wallets_by_worker(&fleet.db, &SPREAD).await;
+    let shards: i64 = sqlx::query_scalar(
+        "select count(*) from pg_dist_shard_placement where nodename || ':' || nodeport = $1",
+    )
+    .bind(&third)
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert!(shards > 0, "no shard moved to the new worker");
+    let on_third = by_worker.get(&third).cloned().unwrap_or_default();
+    assert!(!on_third.is_empty(), "none of {} wallets moved to the new worker: {by_worker:?}", SPREAD.len());
+    println!("rebalanced in {moved:?}: {shards} shards on the new worker, with wallets {on_third:?}");
+
+    // The wallets keep being paid where they now live.
+    let seen = load.acknowledged();
+    eventually("payments after the rebalance", Duration::from_secs(30), || async {
+        load.acknowledged() >= seen + 100
+    })
+    .await;
+    let attempts = {
+        let mut attempts = load.finish().await;
+        settle(&fleet, &mut attempts).await;
+        attempts
+    };
+    let slowest = attempts.iter().map(|attempt| attempt.took).max().unwrap_or_default();
+    println!("{:?}; the slowest payment took {slowest:?}", tally(&attempts));
+    let opening: Vec<(&str, i64)> = SPREAD.iter().map(|w| (*w, OPENING)).collect();
+    check_books(&fleet, &opening, &attempts).await;
+    let paid_there: i64 = sqlx::query_scalar(
+        "select count(*) from ledger_entry where wallet_id = any($1) and kind = 'pay' and created_at > $2",
+    )
+    .bind(&on_third)
+    .bind(rebalanced_at)
+    .fetch_one(&fleet.db)
+    .await
+    .unwrap();
+    assert!(paid_there > 0, "no payment of {on_third:?} on the new worker after the rebalance");
 }
