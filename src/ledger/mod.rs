@@ -326,19 +326,6 @@ pub struct WalletRead {
     pub version: i64,
 }
 
-/// The columns [`Wallet`]'s `FromRow` reads, of a row of `wallet`. The available balance is the
-/// balance less the holds still held and not expired; a wallet that holds nothing (most) needs no
-/// look at its holds.
-macro_rules! wallet_columns {
-    () => {
-        "id, balance, held, version, fence, owner, created_at, updated_at, \
-         balance - case when held = 0 then 0 else (
-             select coalesce(sum(h.amount), 0)::int8 from hold h
-             where h.wallet_id = wallet.id and h.status = 'held' and h.expires_at > now()
-         ) end as available"
-    };
-}
-
 /// Creates a wallet owned by `owner` with an opening balance and its `open` entry, so that from
 /// its first moment the wallet's balance equals the sum of its ledger. No lease is needed: a new
 /// row has no other writer, and its primary key refuses a second creation.
@@ -349,7 +336,7 @@ pub async fn create_wallet(
     balance: i64,
 ) -> Result<(Wallet, Entry), StoreError> {
     // A new wallet has no holds: all of its balance is available. (Said here rather than by
-    // `wallet_columns!`'s subquery on `hold`, which Citus cannot plan in an INSERT's RETURNING.)
+    // `find_wallet`'s subquery on `hold`, which Citus cannot plan in an INSERT's RETURNING.)
     let wallet = sqlx::query_as::<_, Wallet>(
         // language=PostgreSQL
         "insert into wallet (id, balance, version, owner) values ($1, $2, 1, $3) \
@@ -380,13 +367,20 @@ pub async fn create_wallet(
     Ok((wallet, open.try_into()?))
 }
 
+/// The wallet, with its available balance: the balance less the holds still held and not
+/// expired (a wallet that holds nothing, most, needs no look at its holds).
 pub async fn find_wallet(conn: &mut PgConnection, id: &str) -> Result<Option<Wallet>, StoreError> {
-    Ok(sqlx::query_as(concat!(
+    // The holds are those of `$1`, not of `wallet.id`: Citus routes a statement to one shard by
+    // its parameters, and sent the correlated form to all 32.
+    Ok(sqlx::query_as(
         // language=PostgreSQL
-        "select ",
-        wallet_columns!(),
-        " from wallet where id = $1"
-    ))
+        "select id, balance, held, version, fence, owner, created_at, updated_at,
+                balance - case when held = 0 then 0 else (
+                    select coalesce(sum(h.amount), 0)::int8 from hold h
+                    where h.wallet_id = $1 and h.status = 'held' and h.expires_at > now()
+                ) end as available
+         from wallet where id = $1",
+    )
     .bind(id)
     .fetch_optional(conn)
     .await?)

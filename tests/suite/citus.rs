@@ -133,6 +133,35 @@ async fn under_citus_each_payment_is_one_transaction_on_the_worker_holding_its_w
     let nodes: BTreeSet<&String> = transactions.iter().flatten().collect();
     assert_eq!(nodes.len(), 2, "the payments ran on both workers: {nodes:?}");
 
+    // A wallet's reads go to its worker alone, one command each, not one per shard: the wallet
+    // with its available balance, and its ledger.
+    let reads = citus
+        .remote_commands(|| async {
+            for wallet in WALLETS {
+                for path in [format!("/wallets/{wallet}"), format!("/wallets/{wallet}/transactions")] {
+                    let response = fleet.client.get(fleet.url(&path)).send().await.unwrap();
+                    assert_eq!(response.status(), 200, "GET {path}");
+                }
+            }
+        })
+        .await;
+    // Both requests read the wallet (the ledger's, for its owner); one reads the ledger.
+    for (table, reads_of_table) in [("wallet", 2 * WALLETS.len()), ("ledger_entry", WALLETS.len())] {
+        // A shard of `table` is `<schema>.<table>_<shard id>`.
+        let shard = format!(".{table}_");
+        let sent: Vec<&RemoteCommand> = reads
+            .values()
+            .flatten()
+            .filter(|command| command.sql.starts_with("SELECT") && command.sql.contains(&shard))
+            .collect();
+        assert_eq!(
+            sent.len(),
+            reads_of_table,
+            "{reads_of_table} reads of `{table}` sent {}: {sent:?}",
+            sent.len()
+        );
+    }
+
     // The check above sees a transaction that spans two workers: two wallets on different workers
     // written in one transaction are exactly that, committed in two phases.
     let pair = one_wallet_on_each_worker(&fleet.db).await;
