@@ -67,8 +67,8 @@ wl_citus_settings() {
 # wl_citus_join DATABASE COORDINATOR WORKER...: makes DATABASE a Citus cluster, each node given as
 # DIR:PORT (its wl_start_postgres directory, whose socket lets the superuser in, and its port): the
 # extension in DATABASE on every node (the database made where missing), the coordinator
-# registered as itself, and each worker added, which copies the coordinator's roles and
-# distributed objects to it. Safe to run again.
+# registered as itself, the coordinator's login roles made on each worker, and each worker added,
+# which copies the distributed objects to it. Safe to run again.
 wl_citus_join() {
   local database=$1 coordinator=$2; shift 2
   local node
@@ -76,6 +76,20 @@ wl_citus_join() {
     wl_citus_psql "$node" postgres -tAc "select 1 from pg_database where datname = '$database'" | grep -q 1 ||
       wl_citus_psql "$node" postgres -qc "create database \"$database\""
     wl_citus_psql "$node" "$database" -qc "create extension if not exists citus"
+  done
+  # Citus copies to a worker only the roles its distributed objects depend on (a table's owner),
+  # not the others, such as an app role that only gets grants later, which then fail on the
+  # workers: every login role of the coordinator is made on each worker too, without a password
+  # (only the coordinator connects to a worker, over its socket).
+  local role
+  for node in "$@"; do
+    while read -r role; do
+      [ -n "$role" ] || continue
+      wl_citus_psql "$node" postgres -q -v role="$role" <<'SQL'
+select format('create role %I login', :'role') where not exists (select from pg_roles where rolname = :'role') \gexec
+SQL
+    done < <(wl_citus_psql "$coordinator" postgres -tAc \
+      "select rolname from pg_roles where rolcanlogin and not rolsuper and rolname !~ '^pg_'")
   done
   # Each node by its socket directory: the nodes connect to each other as the user of the session
   # at hand, which the socket lets in without a password (TCP clients must give one).
