@@ -220,6 +220,11 @@ def targets(rows):
             x = alone["rps"] / leased["rps"]
             out.append((f"{name}: under Postgres alone ÷ on leases (stated)",
                         f"{x:.2f} ({alone['rps']:,.0f}/s ÷ {leased['rps']:,.0f}/s)", "-"))
+    citus = by.get("Citus: spread")
+    if citus and spread and spread["rps"] > 0:
+        x = citus["rps"] / spread["rps"]
+        out.append(("spread: on Citus (coordinator + 2 workers, these cores) ÷ on one Postgres (stated)",
+                    f"{x:.2f} ({citus['rps']:,.0f}/s ÷ {spread['rps']:,.0f}/s)", "-"))
     for key, bound, name in (("statements", 2, "statements"), ("wal_flushes", 0.25, "WAL flushes")):
         value = ((spread or {}).get("costs") or {}).get("per_unit", {}).get(key)
         target = f"spread: {name} per payment ≤ {bound}"
@@ -309,6 +314,14 @@ def main():
          "as the first, so the first takes about a fifth of all transfers): both wallets' leases, "
          "both legs in one transaction. rps there is transfers answered per second, and its costs "
          "are per accepted transfer; it has no raw-Postgres anchor (`-`)."),
+        ("`Citus: spread`: the spread run on a second fleet (deploy/local up --postgres citus, 3 "
+         "replicas) whose Postgres is a Citus coordinator and two workers, all on this machine: "
+         "every wallet's rows on one worker, each payment one transaction routed by the coordinator "
+         "to that worker (README, \"Outgrowing one Postgres: Citus\"). Three Postgres servers share "
+         "the same cores, so it is slower here; it shows the cost of the extra hop, not the gain of "
+         "workers on machines of their own. Its ratio to anchor is to the one-Postgres pgbench "
+         "anchor. Its WAL flushes and transactions are summed over the three nodes; its statements "
+         "are the coordinator's (the ones the replicas sent)."),
         (f"The ceilings, with the same fleet and the same {vus} VUs: `read`, `GET /wallets/{{id}}` (with "
          "the token) on 10,000 wallets picked at random (the read ceiling: one Postgres read per "
          "request, nothing moves); `health`, `GET /healthz` through nginx (the health ceiling: nginx "

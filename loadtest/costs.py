@@ -13,6 +13,11 @@ the k6 run, before the book check):
     pg_stat_statements (walletlock): sum(calls), when the server loads it
       (shared_preload_libraries=pg_stat_statements, as deploy/local starts Postgres) and the
       extension exists in the walletlock database (deploy/local up creates it, schema `stats`)
+    Under Citus (`deploy/local up --postgres citus`) the WAL and transaction counters are summed
+      over the coordinator and every worker it lists in pg_dist_node (deploy/local names a worker
+      by its socket directory), since the workers hold the wallets and write their WAL; the
+      statements are the coordinator's alone, which are the ones the replicas sent (the workers
+      count the fragments Citus sends them).
   Redis (each primary data node under --redis-state, as `admin`): INFO commandstats, calls per
     command, summed; `info` itself (the snapshots' own command) left out.
 
@@ -23,9 +28,9 @@ OUT_JSON and prints one line.
 Postgres backends report their counters when they go idle, at most once a second, and a backend
 that stayed busy reports the rest up to 10 s after it goes idle (PGSTAT_IDLE_INTERVAL): the caller
 waits about 11 s after the traffic stops before a snapshot (COSTS_SETTLE_S in loadtest/run).
-pg_stat_statements and Redis count at once. The BEFORE snapshot's own query (one statement, one
-transaction in the walletlock database) and its AUTH on each Redis primary fall inside the window
-and are subtracted.
+pg_stat_statements and Redis count at once. The BEFORE snapshot's own queries (each a statement and a
+transaction in the walletlock database; it records how many in `own`) and its AUTH on each Redis
+primary fall inside the window and are subtracted.
 """
 
 import glob
@@ -37,8 +42,6 @@ import time
 from pathlib import Path
 
 PG_FIELDS = ["wal_sync", "wal_write", "wal_records", "wal_fpi", "wal_bytes", "xact_commit", "xact_rollback"]
-# What one snapshot itself adds to the walletlock database's counters (see the docstring).
-SNAPSHOT_OWN = {"statements": 1, "transactions": 1}
 
 
 def arg(name):
@@ -59,29 +62,55 @@ def psql(socket, port, db, query):
     return out.stdout.strip()
 
 
-def pg_snapshot(socket, port):
-    preload = psql(socket, port, "postgres", "select current_setting('shared_preload_libraries')")
-    statements = "null"
-    if "pg_stat_statements" in preload:
-        statements = "(select sum(calls) from stats.pg_stat_statements s where s.dbid = d.datid)"
+def pg_counters(socket, port):
+    """One node's WAL and transaction counters (PG_FIELDS)."""
     query = (
         "select json_build_object("
         + ", ".join(f"'{f}', {'w' if f.startswith('wal') else 'd'}.{f}" for f in PG_FIELDS)
-        + f", 'statements', {statements}) from pg_stat_wal w, pg_stat_database d where d.datname = 'walletlock'"
+        + ") from pg_stat_wal w, pg_stat_database d where d.datname = 'walletlock'"
     )
+    return json.loads(psql(socket, port, "walletlock", query))
+
+
+def citus_workers(socket, port):
+    """The (socket, port) of every active worker the coordinator lists; none without Citus."""
+    has_citus = psql(socket, port, "walletlock", "select count(*) from pg_extension where extname = 'citus'")
+    if has_citus != "1":
+        return []
+    rows = psql(socket, port, "walletlock",
+                "select nodename || ' ' || nodeport from pg_dist_node where groupid <> 0 and isactive")
+    return [tuple(row.rsplit(" ", 1)) for row in rows.splitlines() if row]
+
+
+def pg_snapshot(socket, port):
+    preload = psql(socket, port, "postgres", "select current_setting('shared_preload_libraries')")
+    workers = citus_workers(socket, port)
+    # What this snapshot itself adds to the counters it reads: its statements in the coordinator's
+    # walletlock database, each its own transaction, and one transaction on each worker.
+    own = 2 if workers else 1
+    values = pg_counters(socket, port)
+    own += 1
     note = None
-    try:
-        values = json.loads(psql(socket, port, "walletlock", query))
-    except RuntimeError as err:
-        if statements == "null":
-            raise
-        # Loaded, but the extension is missing from the walletlock database.
-        note = f"pg_stat_statements: {err}"
-        values = json.loads(psql(socket, port, "walletlock", query.replace(statements, "null")))
-    if statements == "null" and note is None:
+    values["statements"] = None
+    if "pg_stat_statements" in preload:
+        try:
+            values["statements"] = int(psql(
+                socket, port, "walletlock",
+                "select sum(calls) from stats.pg_stat_statements s, pg_database d "
+                "where s.dbid = d.oid and d.datname = 'walletlock'",
+            ) or 0)
+        except RuntimeError as err:  # loaded, but the extension is missing from the walletlock database
+            note = f"pg_stat_statements: {err}"
+        own += 1  # an error, too, ends its transaction (a rollback)
+    else:
         note = ("pg_stat_statements is not loaded (shared_preload_libraries); a Postgres started before "
                 "deploy/local loaded it must be restarted: deploy/local down, deploy/local up")
+    for worker in workers:
+        for field, value in pg_counters(*worker).items():
+            values[field] += value
     values["statements_note"] = note
+    values["nodes"] = 1 + len(workers)
+    values["own"] = {"statements": own, "transactions": own + len(workers)}
     return values
 
 
@@ -139,9 +168,9 @@ def report():
     units = figures["accepted"] if moves else figures["requests"]
     a, b = after["postgres"], before["postgres"]
     delta = {f: a[f] - b[f] for f in PG_FIELDS}
-    delta["transactions"] = delta["xact_commit"] + delta["xact_rollback"] - SNAPSHOT_OWN["transactions"]
+    delta["transactions"] = delta["xact_commit"] + delta["xact_rollback"] - b["own"]["transactions"]
     if a.get("statements") is not None and b.get("statements") is not None:
-        delta["statements"] = int(a["statements"]) - int(b["statements"]) - SNAPSHOT_OWN["statements"]
+        delta["statements"] = int(a["statements"]) - int(b["statements"]) - b["own"]["statements"]
     else:
         delta["statements"] = None
     rb, ra = redis_calls(before), redis_calls(after)
