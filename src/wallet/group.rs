@@ -83,7 +83,7 @@ pub struct RoundSettings {
     /// How long a stored response is replayed for its key.
     pub retention: Duration,
     /// How long a round's statement may go unanswered before the round gives it up (the wallets'
-    /// lease TTL). Postgres answers a round in milliseconds, and bounds every statement itself
+    /// lease TTL), counted while the replica runs ([`answered_within`]). Postgres answers a round in milliseconds, and bounds every statement itself
     /// (`statement_timeout`), but a connection whose packets vanish (a partition, a black-holed
     /// route) gets no answer and no error: TCP keepalives and `tcp_user_timeout` see a healthy
     /// peer wherever a middlebox still acknowledges. Given up, the connection is closed, the
