@@ -321,11 +321,8 @@ async fn under_citus_a_worker_added_under_load_takes_its_share_of_the_wallets_an
         load.acknowledged() >= seen + 100
     })
     .await;
-    let attempts = {
-        let mut attempts = load.finish().await;
-        settle(&fleet, &mut attempts).await;
-        attempts
-    };
+    let mut attempts = load.finish().await;
+    settle(&fleet, &mut attempts).await;
     let slowest = attempts.iter().map(|attempt| attempt.took).max().unwrap_or_default();
     println!("{:?}; the slowest payment took {slowest:?}", tally(&attempts));
     let opening: Vec<(&str, i64)> = SPREAD.iter().map(|w| (*w, OPENING)).collect();
