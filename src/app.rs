@@ -106,6 +106,7 @@ impl Application {
         let port = listener.local_addr()?.port();
         let replica = args.replica_name(port);
         let metrics = crate::telemetry::metrics::install(&[
+            crate::http::describe_metrics,
             crate::lease::describe_metrics,
             crate::wallet::describe_metrics,
             crate::idempotency::describe_metrics,

@@ -127,6 +127,25 @@ pub fn router(ctx: ApiContext) -> Router {
         .with_state(ctx)
 }
 
+/// Describes the metrics this module records (see `crate::telemetry::metrics`), and registers the
+/// shed counter's `in_flight` reason at zero (`crate::wallet` registers its `wallet_queue`).
+pub fn describe_metrics() {
+    metrics::describe_counter!(
+        "walletlock_http_requests_total",
+        "HTTP requests answered, by route and status."
+    );
+    metrics::describe_histogram!(
+        "walletlock_http_request_duration_seconds",
+        metrics::Unit::Seconds,
+        "Time to answer an HTTP request."
+    );
+    metrics::describe_counter!(
+        crate::telemetry::metrics::REQUESTS_SHED,
+        "Requests answered 503 overloaded before any work: the replica's in-flight bound or the wallet's queue was full."
+    );
+    metrics::counter!(crate::telemetry::metrics::REQUESTS_SHED, "reason" => "in_flight").absolute(0);
+}
+
 /// Counts each request and times it, by route (the matched pattern, so ids do not explode the
 /// label set) and status.
 async fn record_request_metrics(request: Request, next: Next) -> Response {

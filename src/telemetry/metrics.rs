@@ -1,10 +1,11 @@
 //! Prometheus metrics, served by every replica at `GET /metrics`.
 //!
-//! Each module describes the metrics it records (`lease::describe_metrics`,
-//! `wallet::describe_metrics`, ...; the replica passes them to [`install`], so this module, at the
-//! bottom, calls up into none of them); this module installs the recorder once per process,
-//! registers every metric at zero so a dashboard sees all of them from the first scrape, and
-//! samples the gauges (pools, process) at scrape time.
+//! Each module describes the metrics it records and registers them at zero, so a dashboard sees
+//! all of them from the first scrape (`http::describe_metrics`, `lease::describe_metrics`,
+//! `wallet::describe_metrics`, `idempotency::describe_metrics`; the replica passes them to
+//! [`install`], so this module, at the bottom, calls up into none of them). This module installs
+//! the recorder once per process, describes the replica's and the process's own metrics, and
+//! samples the process gauges at scrape time (the wallets sample their pools).
 //!
 //! | metric | type | what |
 //! |---|---|---|
@@ -79,22 +80,6 @@ pub fn install(describe_others: &[fn()]) -> PrometheusHandle {
 }
 
 fn describe() {
-    metrics::describe_counter!(
-        "walletlock_http_requests_total",
-        "HTTP requests answered, by route and status."
-    );
-    metrics::describe_histogram!(
-        "walletlock_http_request_duration_seconds",
-        metrics::Unit::Seconds,
-        "Time to answer an HTTP request."
-    );
-    metrics::describe_counter!(
-        REQUESTS_SHED,
-        "Requests answered 503 overloaded before any work: the replica's in-flight bound or the wallet's queue was full."
-    );
-    for reason in ["in_flight", "wallet_queue"] {
-        metrics::counter!(REQUESTS_SHED, "reason" => reason).absolute(0);
-    }
     metrics::describe_gauge!("walletlock_replica_info", "Always 1; labels name the replica and its version.");
     process_collector().describe();
     metrics::describe_gauge!(
@@ -102,15 +87,6 @@ fn describe() {
         metrics::Unit::Bytes,
         "Highest resident memory since the process started."
     );
-    for (name, help) in [
-        ("walletlock_pg_pool_connections", "Postgres pool connections, idle and in use."),
-        ("walletlock_pg_pool_max_connections", "Postgres pool size limit (PG_POOL_SIZE)."),
-        ("walletlock_redis_pool_connections", "Redis pool connections, idle and in use."),
-        ("walletlock_redis_pool_max_connections", "Redis pool size limit (REDIS_POOL_SIZE)."),
-        ("walletlock_redis_pool_waiting", "Requests waiting for a Redis connection."),
-    ] {
-        metrics::describe_gauge!(name, help);
-    }
 }
 
 /// Labels this process's metrics with the replica's name.

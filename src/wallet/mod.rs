@@ -95,6 +95,18 @@ pub fn describe_metrics() {
         Unit::Seconds,
         "Wait for a Postgres connection from the pool."
     );
+    // `crate::http` describes the shed counter; this module records its `wallet_queue` reason.
+    metrics::counter!(crate::telemetry::metrics::REQUESTS_SHED, "reason" => "wallet_queue").absolute(0);
+    // Sampled at scrape time by [`Wallets::sample_pool_metrics`].
+    for (name, help) in [
+        ("walletlock_pg_pool_connections", "Postgres pool connections, idle and in use."),
+        ("walletlock_pg_pool_max_connections", "Postgres pool size limit (PG_POOL_SIZE)."),
+        ("walletlock_redis_pool_connections", "Redis pool connections, idle and in use."),
+        ("walletlock_redis_pool_max_connections", "Redis pool size limit (REDIS_POOL_SIZE)."),
+        ("walletlock_redis_pool_waiting", "Requests waiting for a Redis connection."),
+    ] {
+        metrics::describe_gauge!(name, help);
+    }
 }
 
 /// The cause of a failure, shared by every request of a round or batch that it failed.
