@@ -24,7 +24,7 @@
 //! the same statement, so once a newer holder has written, every write of an older one matches no
 //! row (its fence or version moved) and is refused. A stale holder's write that comes first was
 //! decided on the state it replaces, so nothing is lost either way; the newer holder's write then
-//! finds the version moved and is refused, with nothing applied. This spares a payment the claim's
+//! finds the version moved and is refused, with nothing applied. This spares a payment a fence raise's
 //! own row update, its row lock and its WAL records.
 //!
 //! The commit never waits for a row: it locks the round's wallet rows in id order with `SKIP

@@ -47,7 +47,7 @@ pub enum StoreError {
     /// The row's fence is already at least as high as ours.
     #[error("fence {ours} is not above the wallet's fence {seen}")]
     FenceBehind { ours: i64, seen: i64 },
-    /// Another holder claimed or wrote the row after our claim: nothing was applied.
+    /// Another holder raised the row's fence or wrote the row since we read it: nothing was applied.
     #[error("a newer lease holder has fenced the wallet; nothing was applied")]
     LeaseLost,
     #[error(transparent)]
@@ -386,7 +386,7 @@ pub async fn find_wallet(conn: &mut PgConnection, id: &str) -> Result<Option<Wal
     .await?)
 }
 
-/// Claims the wallet for the holder of `fence` and reads its balance and version.
+/// Raises the wallet's fence to `fence`, the holder's, and reads its balance and version.
 ///
 /// Succeeds only if `fence` is strictly above the row's fence: a token equal to the row's was
 /// issued twice (the counter went backwards) and must not let two holders in.
@@ -415,8 +415,8 @@ pub async fn raise_fence(conn: &mut PgConnection, id: &str, fence: i64) -> Resul
 /// inserted. The wallet's new balance is the last
 /// entry's `balance_after`; its new version is `read_version` plus the number of entries.
 ///
-/// If the row's fence or version moved since the claim, nothing is written and the result is
-/// [`StoreError::LeaseLost`]; the caller must roll back. With no entries, only the check is made
+/// If the row's fence or version moved since the caller read it, nothing is written and the result
+/// is [`StoreError::LeaseLost`]; the caller must roll back. With no entries, only the check is made
 /// (and the row locked), so refusals are answered from a state this holder still owns.
 pub async fn commit(
     tx: &mut PgConnection,

@@ -18,7 +18,7 @@
 //! | `walletlock_lease_timeouts_total` | counter | leases not obtained within the wait |
 //! | `walletlock_lease_refreshes_total`, `walletlock_lease_refresh_failures_total` | counter | watchdog refreshes, and the ones that found the lease gone or failed |
 //! | `walletlock_lease_releases_total`, `walletlock_lease_release_not_held_total` | counter | releases, and the ones that found the lease already gone |
-//! | `walletlock_fence_refusals_total` | counter | writes or claims the fence refused (`lease_lost`) |
+//! | `walletlock_fence_refusals_total` | counter | fence raises or writes the fence refused (`lease_lost`) |
 //! | `walletlock_fence_resyncs_total` | counter | fence counters lifted after Redis lost them |
 //! | `walletlock_redis_outage` | gauge | 1 while the replica cannot reach Redis and moves money under Postgres alone (`REDIS_OUTAGE=postgres`), else 0 |
 //! | `walletlock_movements_by_path_total{path}` | counter | movements of money applied, by path: `lease` or `postgres_only` |

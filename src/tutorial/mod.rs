@@ -165,7 +165,7 @@ pub async fn unguarded_spend(
     Ok(Spent::Accepted)
 }
 
-/// A spend under a lease, with the fenced commit: claim the wallet with the lease's fence (which
+/// A spend under a lease, with the fenced commit: raise the wallet's fence to the lease's (which
 /// reads the balance), work, then write only if no newer holder fenced the wallet meanwhile.
 pub async fn fenced_spend(
     db: &PgPool,

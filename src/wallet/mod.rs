@@ -5,8 +5,8 @@
 //! run as: take the wallet's lease (waiting up to the configured wait), start its watchdog, start
 //! from the wallet as the lease's note says the last holder left it or read the wallet row
 //! (balance, version, fence, owner), decide, commit conditionally on all of that while raising the
-//! row's fence to the lease's, release leaving the wallet as written in the note (a transfer claims
-//! its two rows with the fence first, inside its transaction). It never touches Redis commands or
+//! row's fence to the lease's, release leaving the wallet as written in the note (a transfer raises
+//! the fence of its two rows first, inside its transaction). It never touches Redis commands or
 //! SQL itself: those live in [`crate::lease`] and [`crate::ledger`].
 //!
 //! Two ways to wait for a busy wallet ([`Strategy`]): the default queues the requests for one
@@ -74,7 +74,7 @@ pub fn describe_metrics() {
     metrics::counter!("walletlock_wallet_busy_total").absolute(0);
     describe_counter!(
         "walletlock_fence_refusals_total",
-        "Claims or commits the fence refused: the lease was lost."
+        "Fence raises or commits the fence refused: the lease was lost."
     );
     metrics::counter!("walletlock_fence_refusals_total").absolute(0);
     describe_counter!(
@@ -705,7 +705,7 @@ pub fn lease_name(id: &WalletId) -> String {
     id.scope()
 }
 
-/// Claims the wallet with the lease's fence. If the row has seen our fence or a higher one, either
+/// Raises the wallet's fence to the lease's. If the row has seen our fence or a higher one, either
 /// we are a stale holder (then the token-checked resynchronization refuses us too) or Redis lost
 /// the fence counter, which is lifted above what the row has seen before raising the row's fence again.
 pub async fn raise_fence(

@@ -348,7 +348,7 @@ async fn a_lease_lost_before_the_commit_is_a_409_and_applies_nothing() {
     let app = spawn_app_with(&env, &["--lease-ttl", "300ms"]).await;
     app.open_wallet("frank", 100).await;
 
-    // Hold the wallet's row so the payment is stuck at its claim, then make Redis lose its lease
+    // Hold the wallet's row so the payment is stuck at its fenced commit, then make Redis lose its lease
     // (as a failover would): the watchdog notices and the payment gives up.
     let blocker = hold_row(&app.db, "frank").await;
     let pay = tokio::spawn({

@@ -40,13 +40,14 @@ async fn wait_for_lease(env: &TestEnv, wallet: &str) {
     .await;
 }
 
-/// Waits until a lease holder's claim of a wallet found the row the test holds busy, three times:
-/// the holder is then inside its critical section, its lease taken and its claim sent, trying again
-/// while its lease lasts; and each of its replica's round connections is open (the first rounds
-/// open them), so a pause now freezes the holder in that loop, not in the middle of connecting
-/// (whose acquire timeout would expire during the pause and answer 503 before the fence is asked).
-async fn wait_for_blocked_claim(fleet: &Fleet) {
-    crate::support::eventually("a claim found the held row busy", Duration::from_secs(3), || async {
+/// Waits until a lease holder's fenced write of a wallet found the row the test holds busy, three
+/// times: the holder is then inside its critical section, its lease taken and its write sent,
+/// trying again while its lease lasts; and each of its replica's round connections is open (the
+/// first rounds open them), so a pause now freezes the holder in that loop, not in the middle of
+/// connecting (whose acquire timeout would expire during the pause and answer 503 before the fence
+/// is asked).
+async fn wait_for_blocked_write(fleet: &Fleet) {
+    crate::support::eventually("a fenced write found the held row busy", Duration::from_secs(3), || async {
         let mut busy = 0.0;
         for replica in &fleet.replicas {
             let Ok(response) = fleet.client.get(replica.url("/metrics")).send().await else { continue };
@@ -91,7 +92,7 @@ async fn a_lease_holder_killed_mid_critical_section_holds_others_up_at_most_one_
     let row = hold_row(&fleet.db, "held").await;
     let doomed = pay_on(&fleet, 0, "held", "doomed");
     wait_for_lease(&env, "held").await;
-    wait_for_blocked_claim(&fleet).await;
+    wait_for_blocked_write(&fleet).await;
     let mut fleet = fleet;
     fleet.replicas[0].stop(Signal::SIGKILL);
     row.rollback().await.unwrap();
@@ -125,7 +126,7 @@ async fn a_paused_lease_holder_is_refused_when_it_wakes() {
     let row = hold_row(&fleet.db, "paused").await;
     let stale = pay_on(&fleet, 0, "paused", "stale");
     wait_for_lease(&env, "paused").await;
-    wait_for_blocked_claim(&fleet).await;
+    wait_for_blocked_write(&fleet).await;
     fleet.replicas[0].signal(Signal::SIGSTOP);
     // A write the holder sent just before it froze is still its own, sent under a live lease: it
     // finds the row held (it never waits for a row) as long as the row stays held until Postgres

@@ -15,7 +15,7 @@ fn pay(amount: i64, balance_after: i64) -> NewEntry {
     NewEntry { id: uuid::Uuid::new_v4(), kind: EntryKind::Pay, amount, balance_after, reference: None }
 }
 
-/// Claims `id` for `lease` and commits one payment of `amount` from what the claim read.
+/// Raises the fence of `id` to `lease`'s and reads the wallet.
 async fn raise_fence(
     db: &sqlx::PgPool,
     lease: &mut Lease,
@@ -69,7 +69,7 @@ async fn a_paused_holder_is_refused_after_the_next_holder_committed() {
 }
 
 #[tokio::test]
-async fn a_paused_holder_is_refused_as_soon_as_the_next_holder_claims() {
+async fn a_paused_holder_is_refused_as_soon_as_the_next_holder_raises_the_fence() {
     let env = TestEnv::new();
     let (_schema, db) = env.database(4).await;
     let id = wallet_with(&db, 100).await;
@@ -89,7 +89,7 @@ async fn a_paused_holder_is_refused_as_soon_as_the_next_holder_claims() {
 }
 
 #[tokio::test]
-async fn a_holder_paused_before_its_claim_is_refused_at_the_claim() {
+async fn a_holder_paused_before_raising_the_fence_is_refused_when_it_raises_it() {
     let env = TestEnv::new();
     let (_schema, db) = env.database(4).await;
     let id = wallet_with(&db, 100).await;
@@ -157,7 +157,7 @@ async fn a_fence_counter_lost_by_redis_is_lifted_above_what_postgres_has_seen() 
 
     let read = raise_fence(&db, &mut lease, &id)
         .await
-        .expect("not wedged: the counter is lifted, then the claim succeeds");
+        .expect("not wedged: the counter is lifted, then the fence is raised");
     assert!(lease.fence() > seen, "fence {} not above {seen}", lease.fence());
     commit(&db, &lease, &id, read, 1).await.unwrap();
     lease.release().await.unwrap();
