@@ -176,6 +176,9 @@ pub enum EntryKind {
 }
 
 impl EntryKind {
+    /// The stored name (as the derive's renames spell it), for array binds: a `Vec<EntryKind>`
+    /// binds as an array declared by name, which sqlx looks up in the catalog on each new
+    /// connection, and `query!` takes it for a `text[]` parameter only unchecked (`as _`).
     pub fn as_str(self) -> &'static str {
         match self {
             EntryKind::Open => "open",
