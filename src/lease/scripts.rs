@@ -115,6 +115,9 @@ impl LeaseScript {
         keys: &[&str],
         args: &impl ToRedisArgs,
     ) -> redis::RedisResult<T> {
+        // Not `redis::Script::invoke_async`: on `NOSCRIPT` it sends `SCRIPT LOAD`, then the same
+        // `EVALSHA` again (redis 1.2): three round trips in all, where `EVAL` runs the script and
+        // caches it in the second.
         match command("EVALSHA", &self.sha1, keys, args).query_async(conn).await {
             Err(err) if err.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
                 command("EVAL", &self.code, keys, args).query_async(conn).await
