@@ -8,17 +8,22 @@
 //!
 //! # Layout
 //! - [`domain`] is the shared vocabulary at the bottom (wallet ids, amounts, movements, refusals):
-//!   every layer may use it, and it uses none. Arrows run one way: [`http`] → [`wallet`] →
-//!   ([`lease`], [`ledger`], [`idempotency`]) → [`domain`]; [`telemetry`] is called by all and
-//!   calls none of them.
+//!   every layer may use it, and it uses none. Arrows run one way, down: [`http`] → [`wallet`] →
+//!   [`idempotency`] → [`ledger`] → [`domain`], and [`wallet`] → [`lease`]; a layer may also name
+//!   one further down (the API takes [`idempotency`]'s keys and [`ledger`]'s row types directly),
+//!   never one above. [`telemetry`] and [`failpoint`] are called by the others and call none of them
+//!   (`tests/suite/layers.rs` checks all of this).
 //! - [`lease`] is the distributed lock: a small library over Redis that knows nothing of wallets
 //!   (acquire with SET NX PX and a fence, token-checked release and refresh, the watchdog).
 //! - [`ledger`] is the fenced ledger store: all of the product's SQL lives there (wallets, ledger
 //!   entries, raising the fence and the conditional commit, idempotency keys, migrations).
-//! - [`wallet`] holds the domain (ids, amounts, movements) and the service that runs each movement
-//!   under its wallet's lease with a fenced commit; it touches neither Redis commands nor SQL.
+//! - [`wallet`] holds the service that runs each movement under its wallet's lease with a fenced
+//!   commit (and re-exports the vocabulary it takes); it touches neither Redis commands nor SQL.
+//! - [`idempotency`] is the Idempotency-Key service: claims, replays, takeovers, over the keys
+//!   [`ledger`] stores.
 //! - [`config`] declares every setting, as a flag and an environment variable; [`telemetry`] sets
-//!   up logging.
+//!   up logging and the Prometheus recorder; [`failpoint`] holds the fault tests' crash and stall
+//!   points (feature `failpoints`).
 //! - [`http`] is the API: routes, the problem format for errors, middleware, the accept loop and its
 //!   drain; handlers call [`wallet`] and never write SQL. [`app`] builds one replica from its settings.
 //! - [`cli`] holds the `walletlock` subcommands, and [`tutorial`] the tutorial's experiments

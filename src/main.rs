@@ -1,3 +1,5 @@
+//! The `walletlock` binary: parses the command line, starts logging, runs the subcommand.
+
 use std::process::ExitCode;
 use walletlock::cli::{self, Cli};
 

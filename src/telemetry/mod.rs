@@ -1,6 +1,7 @@
-//! Logging: `tracing` to stderr, human-readable or one JSON object per line.
+//! Logging and metrics. Logs: `tracing` to stderr, human-readable or one JSON object per line;
+//! metrics: the Prometheus recorder, in [`metrics`].
 //!
-//! The filter comes from `RUST_LOG` when set (e.g. `RUST_LOG=walletlock=debug` shows every lease
+//! The log filter comes from `RUST_LOG` when set (e.g. `RUST_LOG=walletlock=debug` shows every lease
 //! acquisition and release), else `info`. Secrets never reach a log line: the URLs that may carry
 //! passwords are `SecretString`s, which print as `[REDACTED]`.
 

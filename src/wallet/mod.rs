@@ -11,7 +11,7 @@
 //!
 //! Two ways to wait for a busy wallet ([`Strategy`]): the default queues the requests for one
 //! wallet on this replica behind a single worker that applies them in batches under one lease
-//! (`queue`); the tutorial's way has every request take the lease on its own (`direct`), kept as
+//! (`queue`); the tutorial's way has every request take the lease on its own (`tutorial`), kept as
 //! the benchmark's baseline.
 //!
 //! While Redis cannot be reached ([`RedisOutage::Postgres`]), the same queues are served under
@@ -442,7 +442,7 @@ impl Wallets {
     }
 
     /// Claims `key` for a request that stores its outcome after it ran (wallet creation), or
-    /// finds what an earlier request with it left (see [`idempotency::begin`]).
+    /// finds what an earlier request with it left (see [`idempotency::Keys::begin`]).
     pub async fn begin_keyed(
         &self,
         scope: idempotency::Scope,
