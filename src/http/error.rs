@@ -6,7 +6,7 @@
 
 use crate::idempotency::Prior;
 use crate::ledger::idempotency::StoredResponse;
-use crate::wallet::{InvalidInput, Refusal, SameWallet, WalletError};
+use crate::wallet::{Field, InvalidInput, Refusal, SameWallet, WalletError};
 use axum::{
     extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection},
     http::{HeaderValue, StatusCode, header},
@@ -176,8 +176,8 @@ impl Problem {
         }
     }
 
-    fn with_field(mut self, field: &'static str) -> Self {
-        self.field = Some(field);
+    fn with_field(mut self, field: Field) -> Self {
+        self.field = Some(field.name());
         self
     }
 
@@ -198,10 +198,11 @@ impl ApiError {
         match self {
             ApiError::InvalidInput(invalid) => {
                 Problem::new(S::BAD_REQUEST, invalid.field.code(), "Invalid input", invalid.to_string())
-                    .with_field(invalid.field.name())
+                    .with_field(invalid.field)
             }
             ApiError::SameWallet(same) => {
-                Problem::new(S::BAD_REQUEST, "same_wallet", "Same wallet", same.to_string()).with_field("to")
+                Problem::new(S::BAD_REQUEST, "same_wallet", "Same wallet", same.to_string())
+                    .with_field(Field::To)
             }
             ApiError::BadRequest { code, detail } => {
                 Problem::new(S::BAD_REQUEST, code, "Bad request", detail.clone())
@@ -289,9 +290,9 @@ fn wallet_problem(err: &WalletError) -> Problem {
             S::NOT_FOUND,
             "wallet_not_found",
             "Wallet not found",
-            format!("no wallet has the id given as `{field}`"),
+            format!("no wallet has the id given as `{}`", field.name()),
         )
-        .with_field(field),
+        .with_field(*field),
         WalletError::TransferNotFound => {
             Problem::new(S::NOT_FOUND, "transfer_not_found", "Transfer not found", "no transfer has this id")
         }
@@ -301,7 +302,7 @@ fn wallet_problem(err: &WalletError) -> Problem {
             "Payment not found",
             "this wallet has no payment with this id",
         )
-        .with_field("payment"),
+        .with_field(Field::Payment),
         WalletError::Exists => Problem::new(
             S::CONFLICT,
             "wallet_exists",
@@ -345,7 +346,7 @@ fn wallet_problem(err: &WalletError) -> Problem {
                 "Capture exceeds hold",
                 format!("the hold holds {held}; nothing was charged"),
             )
-            .with_field("amount");
+            .with_field(Field::Amount);
             problem.held = Some(*held);
             problem
         }

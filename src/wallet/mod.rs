@@ -27,7 +27,7 @@ mod transfer;
 mod unleased;
 
 pub use crate::domain::{
-    Access, Amount, HoldLife, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId,
+    Access, Amount, Field, HoldLife, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId,
 };
 pub use outage::RedisOutage;
 pub use queue::{MAX_BATCH, MAX_HOLD};
@@ -118,9 +118,10 @@ pub type SharedError = Arc<dyn std::error::Error + Send + Sync>;
 pub enum WalletError {
     #[error("wallet not found")]
     NotFound,
-    /// One of a transfer's wallets does not exist; `field` says which (`from` or `to`).
-    #[error("the {field} wallet does not exist")]
-    PartyNotFound { field: &'static str },
+    /// One of a transfer's wallets does not exist; `field` says which ([`Field::From`] or
+    /// [`Field::To`]).
+    #[error("the {} wallet does not exist", .field.name())]
+    PartyNotFound { field: Field },
     #[error("transfer not found")]
     TransferNotFound,
     /// No `pay` entry of the wallet has this id.

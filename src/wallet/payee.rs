@@ -17,7 +17,7 @@ use super::queue::{Lane, MAX_BATCH, MAX_HOLD, Queues, Waiting};
 use super::transfer::{
     Attempt, Failure, Fences, ROW_LOCK_TIMEOUT, Side, TransferOutcome, Work, count_outcome, plan_transfer,
 };
-use super::{Access, Between, WalletError, WalletId, Wallets, lease_name};
+use super::{Access, Between, Field, WalletError, WalletId, Wallets, lease_name};
 use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
 use crate::ledger::transfer::{self as store, LockedWallet, Transfer, WalletWrite};
@@ -298,7 +298,7 @@ impl Wallets {
             let to =
                 rows.get(parties.to.as_str()).filter(|row| queued.access.may_pay_into(row.owner.as_deref()));
             let (Some(_), Some(_)) = (from, to) else {
-                let field = if from.is_none() { "from" } else { "to" };
+                let field = if from.is_none() { Field::From } else { Field::To };
                 results.push(Err(WalletError::PartyNotFound { field }));
                 continue;
             };

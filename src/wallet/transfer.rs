@@ -25,7 +25,7 @@
 //! the lease over after its current batch, because the transfer marks it contended.
 
 use super::outage::{Path, count_one};
-use super::{Access, Amount, Refusal, WalletError, WalletId, Wallets, lease_name};
+use super::{Access, Amount, Field, Refusal, WalletError, WalletId, Wallets, lease_name};
 use crate::domain::{self, Funds, Parties};
 use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
@@ -187,9 +187,9 @@ impl Work {
     fn missing(&self, wallet: &WalletId) -> WalletError {
         match self {
             Work::Transfer { refunds: Some(_), .. } => WalletError::TransferNotFound,
-            Work::Transfer { parties, .. } => {
-                WalletError::PartyNotFound { field: if *wallet == parties.from { "from" } else { "to" } }
-            }
+            Work::Transfer { parties, .. } => WalletError::PartyNotFound {
+                field: if *wallet == parties.from { Field::From } else { Field::To },
+            },
             Work::PaymentRefund { .. } => WalletError::NotFound,
         }
     }
