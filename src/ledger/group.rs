@@ -40,7 +40,7 @@ use super::{Entry, StoreError, WalletRead};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, QueryBuilder, Row};
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -300,27 +300,9 @@ pub struct Committed {
     pub busy: HashSet<String>,
 }
 
-/// Writes a round in one statement (see the module doc).
-///
-/// Fails whole, nothing written, with a unique violation on `idempotency_key` if another holder
-/// stored one of the round's keys after [`read`] looked (only a holder that lost its lease lets
-/// that happen): read again and replay it.
-pub async fn commit(
-    conn: &mut PgConnection,
-    storage: Storage,
-    write: &GroupWrite<'_>,
-    created_at: DateTime<Utc>,
-    retention: Duration,
-) -> Result<Committed, StoreError> {
-    if storage == Storage::Citus {
-        return Box::pin(commit_routed(conn, write, created_at, retention)).await;
-    }
-    let w = &write.wallets;
-    let e = &write.entries;
-    let k = &write.keys;
-    let rows = sqlx::query(
-        // language=PostgreSQL
-        r#"with locked as (
+/// [`commit`]'s statement, in two pieces around the holds it places and settles.
+// language=PostgreSQL
+const COMMIT_WALLETS: &str = r#"with locked as (
                select id from wallet where id = any($1::text[]) order by id for update skip locked
            ),
            moved as (
@@ -337,7 +319,9 @@ pub async fn commit(
                  and w.owner is not distinct from b.owner
                returning w.id
            ),
-           placed as (
+"#;
+// language=PostgreSQL
+const COMMIT_HOLDS: &str = r#"           placed as (
                insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at)
                select p.id, p.wallet_id, p.amount, p.expires_at, p.reference, p.fence, $13
                from unnest($31::uuid[], $32::text[], $33::int8[], $34::timestamptz[], $35::text[],
@@ -353,7 +337,9 @@ pub async fn commit(
                where h.id = s.id and h.wallet_id = s.wallet_id
                  and s.wallet_id in (select id from moved)
            ),
-           entries as (
+"#;
+// language=PostgreSQL
+const COMMIT_ENTRIES_AND_KEYS: &str = r#"           entries as (
                insert into ledger_entry
                    (id, wallet_id, seq, kind, amount, balance_after, fence, reference, hold_id,
                     created_at)
@@ -377,52 +363,88 @@ pub async fn commit(
            )
            select id, true as moved from moved
            union all
-           select b.id, false from unnest($1::text[]) as b(id) where b.id not in (select id from locked)"#,
-    )
-    .bind(w.iter().map(|w| w.id).collect::<Vec<_>>())
-    .bind(w.iter().map(|w| w.fence).collect::<Vec<_>>())
-    .bind(w.iter().map(|w| w.read_version).collect::<Vec<_>>())
-    .bind(w.iter().map(|w| w.balance).collect::<Vec<_>>())
-    .bind(w.iter().map(|w| w.version).collect::<Vec<_>>())
-    .bind(e.iter().map(|e| e.id).collect::<Vec<_>>())
-    .bind(e.iter().map(|e| e.wallet_id.as_str()).collect::<Vec<_>>())
-    .bind(e.iter().map(|e| e.version).collect::<Vec<_>>())
-    .bind(e.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>())
-    .bind(e.iter().map(|e| e.amount).collect::<Vec<_>>())
-    .bind(e.iter().map(|e| e.balance).collect::<Vec<_>>())
-    .bind(e.iter().map(|e| e.fence).collect::<Vec<_>>())
-    .bind(created_at)
-    .bind(e.iter().map(|e| e.reference.as_deref()).collect::<Vec<_>>())
-    .bind(k.iter().map(|k| k.wallet_id).collect::<Vec<_>>())
-    .bind(k.iter().map(|k| k.at.caller).collect::<Vec<_>>())
-    .bind(k.iter().map(|k| k.at.scope).collect::<Vec<_>>())
-    .bind(k.iter().map(|k| k.at.key).collect::<Vec<_>>())
-    .bind(k.iter().map(|k| k.fingerprint).collect::<Vec<_>>())
-    .bind(k.iter().map(|k| k.response.status as i16).collect::<Vec<_>>())
-    .bind(k.iter().map(|k| k.response.content_type.as_str()).collect::<Vec<_>>())
-    .bind(k.iter().map(|k| k.response.body.as_slice()).collect::<Vec<_>>())
-    .bind(k.iter().map(|k| k.entry_id).collect::<Vec<_>>())
-    .bind(retention.as_secs_f64())
-    .bind(w.iter().map(|w| w.read_fence).collect::<Vec<_>>())
-    .bind(w.iter().map(|w| w.read_balance).collect::<Vec<_>>())
-    .bind(w.iter().map(|w| w.owner).collect::<Vec<_>>())
-    .bind(w.iter().map(|w| w.read_held).collect::<Vec<_>>())
-    .bind(w.iter().map(|w| w.held).collect::<Vec<_>>())
-    .bind(e.iter().map(|e| e.hold_id).collect::<Vec<_>>())
-    .bind(write.placed.iter().map(|h| h.id).collect::<Vec<_>>())
-    .bind(write.placed.iter().map(|h| h.wallet_id.as_str()).collect::<Vec<_>>())
-    .bind(write.placed.iter().map(|h| h.amount).collect::<Vec<_>>())
-    .bind(write.placed.iter().map(|h| h.expires_at).collect::<Vec<_>>())
-    .bind(write.placed.iter().map(|h| h.reference.as_deref()).collect::<Vec<_>>())
-    .bind(write.placed.iter().map(|h| h.fence).collect::<Vec<_>>())
-    .bind(write.settled.iter().map(|s| s.hold).collect::<Vec<_>>())
-    .bind(write.settled.iter().map(|s| s.wallet_id).collect::<Vec<_>>())
-    .bind(write.settled.iter().map(|s| s.status.as_str()).collect::<Vec<_>>())
-    .bind(write.settled.iter().map(|s| s.captured).collect::<Vec<_>>())
-    .bind(write.settled.iter().map(|s| s.capture_entry).collect::<Vec<_>>())
-    .bind(k.iter().map(|k| k.at.wallet).collect::<Vec<_>>())
-    .fetch_all(conn)
-    .await?;
+           select b.id, false from unnest($1::text[]) as b(id) where b.id not in (select id from locked)"#;
+
+/// The whole statement, for a round that places or settles a hold.
+static COMMIT: LazyLock<String> =
+    LazyLock::new(|| format!("{COMMIT_WALLETS}{COMMIT_HOLDS}{COMMIT_ENTRIES_AND_KEYS}"));
+
+/// The statement without the holds' two CTEs, for a round of payments, deposits and refunds
+/// alone (nearly every round). Postgres plans, opens and locks every relation a statement names,
+/// whether or not a row goes there: with the holds' CTEs a round took 10 relation locks, the hold
+/// table and its three indexes among them; without, 6. Its parameters keep their numbers (the
+/// holds' are bound, empty, and unused; sqlx declares every parameter's type).
+static COMMIT_WITHOUT_HOLDS: LazyLock<String> =
+    LazyLock::new(|| format!("{COMMIT_WALLETS}{COMMIT_ENTRIES_AND_KEYS}"));
+
+/// Writes a round in one statement (see the module doc).
+///
+/// Fails whole, nothing written, with a unique violation on `idempotency_key` if another holder
+/// stored one of the round's keys after [`read`] looked (only a holder that lost its lease lets
+/// that happen): read again and replay it.
+pub async fn commit(
+    conn: &mut PgConnection,
+    storage: Storage,
+    write: &GroupWrite<'_>,
+    created_at: DateTime<Utc>,
+    retention: Duration,
+) -> Result<Committed, StoreError> {
+    if storage == Storage::Citus {
+        return Box::pin(commit_routed(conn, write, created_at, retention)).await;
+    }
+    let w = &write.wallets;
+    let e = &write.entries;
+    let k = &write.keys;
+    let statement = if write.placed.is_empty() && write.settled.is_empty() {
+        COMMIT_WITHOUT_HOLDS.as_str()
+    } else {
+        COMMIT.as_str()
+    };
+    let rows = sqlx::query(statement)
+        .bind(w.iter().map(|w| w.id).collect::<Vec<_>>())
+        .bind(w.iter().map(|w| w.fence).collect::<Vec<_>>())
+        .bind(w.iter().map(|w| w.read_version).collect::<Vec<_>>())
+        .bind(w.iter().map(|w| w.balance).collect::<Vec<_>>())
+        .bind(w.iter().map(|w| w.version).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.id).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.wallet_id.as_str()).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.version).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.amount).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.balance).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.fence).collect::<Vec<_>>())
+        .bind(created_at)
+        .bind(e.iter().map(|e| e.reference.as_deref()).collect::<Vec<_>>())
+        .bind(k.iter().map(|k| k.wallet_id).collect::<Vec<_>>())
+        .bind(k.iter().map(|k| k.at.caller).collect::<Vec<_>>())
+        .bind(k.iter().map(|k| k.at.scope).collect::<Vec<_>>())
+        .bind(k.iter().map(|k| k.at.key).collect::<Vec<_>>())
+        .bind(k.iter().map(|k| k.fingerprint).collect::<Vec<_>>())
+        .bind(k.iter().map(|k| k.response.status as i16).collect::<Vec<_>>())
+        .bind(k.iter().map(|k| k.response.content_type.as_str()).collect::<Vec<_>>())
+        .bind(k.iter().map(|k| k.response.body.as_slice()).collect::<Vec<_>>())
+        .bind(k.iter().map(|k| k.entry_id).collect::<Vec<_>>())
+        .bind(retention.as_secs_f64())
+        .bind(w.iter().map(|w| w.read_fence).collect::<Vec<_>>())
+        .bind(w.iter().map(|w| w.read_balance).collect::<Vec<_>>())
+        .bind(w.iter().map(|w| w.owner).collect::<Vec<_>>())
+        .bind(w.iter().map(|w| w.read_held).collect::<Vec<_>>())
+        .bind(w.iter().map(|w| w.held).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.hold_id).collect::<Vec<_>>())
+        .bind(write.placed.iter().map(|h| h.id).collect::<Vec<_>>())
+        .bind(write.placed.iter().map(|h| h.wallet_id.as_str()).collect::<Vec<_>>())
+        .bind(write.placed.iter().map(|h| h.amount).collect::<Vec<_>>())
+        .bind(write.placed.iter().map(|h| h.expires_at).collect::<Vec<_>>())
+        .bind(write.placed.iter().map(|h| h.reference.as_deref()).collect::<Vec<_>>())
+        .bind(write.placed.iter().map(|h| h.fence).collect::<Vec<_>>())
+        .bind(write.settled.iter().map(|s| s.hold).collect::<Vec<_>>())
+        .bind(write.settled.iter().map(|s| s.wallet_id).collect::<Vec<_>>())
+        .bind(write.settled.iter().map(|s| s.status.as_str()).collect::<Vec<_>>())
+        .bind(write.settled.iter().map(|s| s.captured).collect::<Vec<_>>())
+        .bind(write.settled.iter().map(|s| s.capture_entry).collect::<Vec<_>>())
+        .bind(k.iter().map(|k| k.at.wallet).collect::<Vec<_>>())
+        .fetch_all(conn)
+        .await?;
     let mut committed = Committed::default();
     for row in rows {
         let id: String = row.try_get("id")?;
