@@ -168,13 +168,18 @@ impl ComposeStack {
             .env("WALLETLOCK_HTTP_PORT", self.http_port.to_string())
             .env("WALLETLOCK_PG_PORT", self.pg_port.to_string())
             .env("WALLETLOCK_COMPOSE_STATE", self.state.path());
-        // Without the variables cargo sets for a test binary (CARGO_MANIFEST_DIR, CARGO_PKG_*):
-        // `deploy/compose up` runs `cargo build --release`, and ring's build script reruns when
-        // they differ from the last build's, which rebuilt ring and all above it (5 minutes on
-        // two cores) at every test run.
+        // Without the variables cargo sets for a test binary (CARGO_MANIFEST_DIR, CARGO_PKG_*, and
+        // OUT_DIR, since the crate has a build script): `deploy/compose up` runs `cargo build
+        // --release`, and ring's build script reruns when they differ from the last build's, which
+        // rebuilt ring and all above it (2 to 5 minutes on two cores) at every test run. Cargo
+        // says which: `CARGO_LOG=cargo::core::compiler::fingerprint=info` printed
+        // `EnvVarChanged { name: "OUT_DIR" ... }` for ring's build script.
         for (name, _) in std::env::vars_os() {
             let name = name.to_string_lossy();
-            if name.starts_with("CARGO_") && name != "CARGO_HOME" && name != "CARGO_TARGET_DIR" {
+            let set_by_cargo = name == "OUT_DIR"
+                || name == "CARGO"
+                || name.starts_with("CARGO_") && name != "CARGO_HOME" && name != "CARGO_TARGET_DIR";
+            if set_by_cargo {
                 command.env_remove(name.as_ref());
             }
         }
