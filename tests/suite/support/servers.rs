@@ -187,7 +187,7 @@ impl PostgresServer {
     pub fn start_with(settings: &[&str]) -> Self {
         let settings = settings.iter().map(|s| s.to_string()).collect();
         let mut server = Self::init(settings);
-        server.spawn();
+        server.spawn_on_a_free_port();
         server
     }
 
@@ -203,7 +203,7 @@ impl PostgresServer {
         ));
         server.settings.extend(settings.lines().map(str::to_owned));
         server.tls_query = Some(ca.postgres_query());
-        server.spawn();
+        server.spawn_on_a_free_port();
         server
     }
 
@@ -238,7 +238,26 @@ impl PostgresServer {
         self.dir.path()
     }
 
+    /// Starts the server on its port, or on another if a process took that port between
+    /// [`free_port`] and the server's bind (the tests start servers side by side): such a server
+    /// exits at once, and a readiness check over TCP would have asked the other process.
+    fn spawn_on_a_free_port(&mut self) {
+        for _ in 0..3 {
+            if self.try_spawn() {
+                return;
+            }
+            self.port = free_port();
+        }
+        panic!("postgres exited before it took connections, on three free ports in turn");
+    }
+
     fn spawn(&mut self) {
+        assert!(self.try_spawn(), "postgres on port {} exited before it took connections", self.port);
+    }
+
+    /// Starts the server; false if it exited before it took connections. Ready is asked through
+    /// its own socket directory, which no other server shares.
+    fn try_spawn(&mut self) -> bool {
         let child = self
             .as_runner(Command::new(pg_bin("postgres")))
             .arg("-D")
@@ -252,14 +271,24 @@ impl PostgresServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("postgres");
-        self.child = Some(OwnedChild(child));
-        let port = self.port;
+        let mut child = OwnedChild(child);
+        let (port, socket_dir) = (self.port.to_string(), self.dir.path().to_owned());
+        let mut exited = false;
         wait_until("postgres", Duration::from_secs(20), || {
-            Command::new(pg_bin("pg_isready"))
-                .args(["-q", "-h", "127.0.0.1", "-p", &port.to_string()])
-                .status()
-                .is_ok_and(|s| s.success())
+            exited = child.0.try_wait().is_ok_and(|status| status.is_some());
+            exited
+                || Command::new(pg_bin("pg_isready"))
+                    .arg("-q")
+                    .arg("-h")
+                    .arg(&socket_dir)
+                    .args(["-p", &port])
+                    .status()
+                    .is_ok_and(|s| s.success())
         });
+        if !exited {
+            self.child = Some(child);
+        }
+        !exited
     }
 
     /// Starts the server again after [`PostgresServer::stop`] or [`PostgresServer::crash`], on the
