@@ -38,12 +38,22 @@ pub struct LockedWallet {
 /// wallets of a transfer may be on two workers. `SET LOCAL` rather than `set_config`: Citus passes
 /// the former on to the workers whose rows the transaction locks (`citus.propagate_set_commands`,
 /// see `crate::config`), where the waiting happens.
+///
+/// With its rows locked here, a later write of several wallets ([`write_wallets`]) waits for no
+/// row lock, so it needs no other guard against deadlock. Citus would add one: by default it
+/// lets one statement writing several shards at a time touch a shard (a lock per shard on the
+/// coordinator, held to commit), which made every transfer wait for any other whose wallets
+/// shared a shard with it, past this `lock_timeout` under load. The transaction turns that off
+/// (`citus.enable_deadlock_prevention`; one Postgres keeps it as an unused setting).
 pub async fn lock_wallets(
     tx: &mut PgConnection,
     ids: &[&str],
     lock_timeout: Duration,
 ) -> Result<HashMap<String, LockedWallet>, StoreError> {
-    let set = format!("set local lock_timeout = '{}ms'", lock_timeout.as_millis().max(1));
+    let set = format!(
+        "set local lock_timeout = '{}ms'; set local citus.enable_deadlock_prevention = off",
+        lock_timeout.as_millis().max(1)
+    );
     sqlx::raw_sql(sqlx::AssertSqlSafe(set)).execute(&mut *tx).await?;
     let mut ordered = ids.to_vec();
     ordered.sort_unstable();
@@ -110,6 +120,10 @@ pub struct WalletWrite<'a> {
 /// Writes `writes` in one statement; returns how many rows matched their fence and version. The
 /// caller locked the rows ([`lock_wallets`]), so fewer than all means a bug or a holder it did not
 /// know of: it must roll back.
+///
+/// `w.id = any($1)` repeats the join's condition for Citus, which picks the shards a statement
+/// goes to from conditions on the distribution column and cannot from a join with `unnest`: without
+/// it the statement went to every shard of `wallet`.
 pub async fn write_wallets(tx: &mut PgConnection, writes: &[WalletWrite<'_>]) -> Result<usize, StoreError> {
     let written = sqlx::query(
         // language=PostgreSQL
@@ -117,7 +131,7 @@ pub async fn write_wallets(tx: &mut PgConnection, writes: &[WalletWrite<'_>]) ->
            set fence = c.fence, balance = c.balance, version = c.version, updated_at = now()
            from unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[])
                as c(id, fence, read_version, balance, version, read_fence)
-           where w.id = c.id and w.fence = c.read_fence and c.fence >= c.read_fence
+           where w.id = any($1) and w.id = c.id and w.fence = c.read_fence and c.fence >= c.read_fence
              and w.version = c.read_version"#,
     )
     .bind(writes.iter().map(|w| w.id).collect::<Vec<_>>())

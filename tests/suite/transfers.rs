@@ -14,6 +14,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Barrier;
+use walletlock::ledger::StoreError;
+use walletlock::ledger::storage::Storage;
+use walletlock::ledger::transfer as ledger;
 
 async fn problem(response: Response) -> (u16, Value) {
     let status = response.status().as_u16();
@@ -1138,4 +1141,74 @@ async fn transfers_from_many_payers_into_one_payee_commit_together_and_a_busy_pa
     eprintln!(
         "48 transfers into one payee, 40 payments from 8 of its payers: {batches} batches, {alone} alone"
     );
+}
+
+/// Four wallets for two transfers that share none: under Citus the third on a shard of the first
+/// (what a transfer writes there must not hold up the other), on one Postgres any four.
+async fn two_disjoint_pairs(db: &sqlx::PgPool) -> [String; 4] {
+    let mut conn = db.acquire().await.unwrap();
+    let names = |n: usize| format!("dp{n}");
+    if Storage::of(&mut conn).await.unwrap() == Storage::OnePostgres {
+        return [names(0), names(1), names(2), names(3)];
+    }
+    let shard_of = |name: String| async move {
+        let shard: i64 = sqlx::query_scalar("select get_shard_id_for_distribution_column('wallet', $1)")
+            .bind(&name)
+            .fetch_one(db)
+            .await
+            .unwrap();
+        shard
+    };
+    let first = shard_of(names(0)).await;
+    for n in 2..10_000 {
+        if shard_of(names(n)).await == first {
+            let last = if n == 3 { 4 } else { 3 };
+            return [names(0), names(1), names(n), names(last)];
+        }
+    }
+    panic!("no wallet name among 10,000 on the shard of {}", names(0));
+}
+
+/// Writes `pair` in `tx` as a transfer does (its rows locked in id order first), balances unchanged,
+/// and leaves `tx` open.
+async fn write_pair(tx: &mut sqlx::PgConnection, pair: [&str; 2]) -> Result<usize, StoreError> {
+    let locked = ledger::lock_wallets(&mut *tx, &pair, Duration::from_secs(1)).await?;
+    let writes: Vec<ledger::WalletWrite> = pair
+        .iter()
+        .map(|id| {
+            let row = &locked[*id];
+            ledger::WalletWrite {
+                id,
+                fence: row.fence,
+                read_fence: row.fence,
+                read_version: row.version,
+                balance: row.balance,
+                version: row.version + 1,
+            }
+        })
+        .collect();
+    ledger::write_wallets(&mut *tx, &writes).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_in_flight_holds_up_no_transfer_between_two_other_wallets() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    let [a, b, c, d] = two_disjoint_pairs(&app.db).await;
+    for wallet in [&a, &b, &c, &d] {
+        app.open_wallet(wallet, 100).await;
+    }
+
+    let mut first = app.db.begin().await.unwrap();
+    assert_eq!(write_pair(&mut first, [&a, &b]).await.unwrap(), 2);
+    // The first is still open, its rows locked: the second writes its own at once, whatever
+    // shards (under Citus) the two share, and does not wait out its lock_timeout.
+    let started = Instant::now();
+    let mut second = app.db.begin().await.unwrap();
+    let written = write_pair(&mut second, [&c, &d]).await;
+    assert_eq!(written.unwrap(), 2, "the second transfer's write, after {:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_millis(500), "waited {:?}", started.elapsed());
+    // Rolled back: the writes move no money and write no entry, which the books would not allow.
+    second.rollback().await.unwrap();
+    first.rollback().await.unwrap();
 }
