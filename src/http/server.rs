@@ -1,9 +1,13 @@
 //! The accept loop, and a shutdown that drops no request behind nginx.
 //!
 //! On the shutdown signal the replica (1) starts draining: readiness fails and every response
-//! carries `Connection: close`, so nginx opens its next connection elsewhere; (2) closes its
-//! listener, so a new connection is refused, which nginx safely retries on another replica even for
-//! a POST (nothing was sent); (3) serves the connections it has until each closes. Idle keep-alive
+//! carries `Connection: close`, so nginx opens its next connection elsewhere; (2) accepts the
+//! connections waiting in its accept queue, then closes its listener, so a new connection is
+//! refused, which nginx safely retries on another replica even for a POST (nothing was sent);
+//! (3) serves the connections it has until each closes. A connection left in the queue would be
+//! reset by the close after nginx may have sent a request on it (the kernel completes the handshake
+//! before the replica accepts), and nginx answers 502 to a POST it cannot resend; only a handshake
+//! completed in the microseconds between the last accept and the close still is. Idle keep-alive
 //! connections are left for nginx to close (its upstream `keepalive_timeout` is shorter than the
 //! grace), never closed from this side: closing one races with nginx sending a request on it, and
 //! nginx does not resend a POST that may have reached a replica, so the client would get a 502.
@@ -18,7 +22,7 @@ use std::sync::{
     atomic::{AtomicBool, Ordering},
 };
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpSocket};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 /// How long an idle keep-alive connection is kept open. Longer than nginx's upstream
@@ -77,37 +81,75 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(router.clone());
-        let cut = cut.clone();
-        connections.spawn(async move {
-            // hyper answers a request it cannot parse before the router sees it: a 400, a 414, or
-            // a 431 (over 100 header fields, or over `max_buf_size`), each with an empty body. It
-            // offers no hook for that answer's body (`Server::on_error` in its h1 role builds a
-            // bare head), so those stay bodiless. nginx's own limits catch all of them first but
-            // the header count, which it does not bound (README, Errors). Raising `max_headers`
-            // to what nginx can pass (thousands) would allocate that many slots per request.
-            let mut builder = hyper::server::conn::http1::Builder::new();
-            builder.timer(TokioTimer::new()).header_read_timeout(IDLE_TIMEOUT);
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
-            tokio::select! {
-                result = connection => if let Err(err) = result {
-                    tracing::debug!(error = %err, "connection ended with an error");
-                },
-                () = cut.cancelled() => {}
-            }
-        });
+        serve_connection(&connections, &router, &cut, stream);
     }
 
     tracing::info!("shutting down: draining connections");
     draining.start();
-    drop(listener);
+    for stream in accept_queued(listener) {
+        serve_connection(&connections, &router, &cut, stream);
+    }
     connections.close();
     if tokio::time::timeout(grace, connections.wait()).await.is_err() {
         tracing::warn!(?grace, "connections still open after the grace period; closing them");
         cut.cancel();
         connections.wait().await;
     }
+}
+
+/// Accepts what waits in `listener`'s accept queue, without waiting for more, and closes it.
+fn accept_queued(listener: TcpListener) -> Vec<TcpStream> {
+    // Straight to the socket: tokio's accept answers from its readiness, which may not know yet of
+    // a connection that just arrived.
+    let listener = match listener.into_std() {
+        Ok(listener) => listener,
+        Err(err) => {
+            tracing::warn!(error = %err, "could not take the listener's queued connections");
+            return Vec::new();
+        }
+    };
+    let mut queued = Vec::new();
+    loop {
+        match listener.accept() {
+            Ok((stream, _peer)) => {
+                match stream.set_nonblocking(true).and_then(|()| TcpStream::from_std(stream)) {
+                    Ok(stream) => queued.push(stream),
+                    Err(err) => tracing::warn!(error = %err, "a queued connection could not be served"),
+                }
+            }
+            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(err) => {
+                tracing::warn!(error = %err, "accept failed while draining");
+                break;
+            }
+        }
+    }
+    queued
+}
+
+/// Serves one connection as a task of `connections`, until it closes or `cut` fires.
+fn serve_connection(connections: &TaskTracker, router: &Router, cut: &CancellationToken, stream: TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let service = TowerToHyperService::new(router.clone());
+    let cut = cut.clone();
+    connections.spawn(async move {
+        // hyper answers a request it cannot parse before the router sees it: a 400, a 414, or
+        // a 431 (over 100 header fields, or over `max_buf_size`), each with an empty body. It
+        // offers no hook for that answer's body (`Server::on_error` in its h1 role builds a
+        // bare head), so those stay bodiless. nginx's own limits catch all of them first but
+        // the header count, which it does not bound (README, Errors). Raising `max_headers`
+        // to what nginx can pass (thousands) would allocate that many slots per request.
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder.timer(TokioTimer::new()).header_read_timeout(IDLE_TIMEOUT);
+        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        tokio::select! {
+            result = connection => if let Err(err) = result {
+                tracing::debug!(error = %err, "connection ended with an error");
+            },
+            () = cut.cancelled() => {}
+        }
+    });
 }
 
 /// Completes on SIGTERM or SIGINT (Ctrl-C).
