@@ -97,7 +97,13 @@ pub async fn serve(
     }
 }
 
-/// Accepts what waits in `listener`'s accept queue, without waiting for more, and closes it.
+/// The most connections [`accept_queued`] takes: what a full accept queue holds at the default
+/// `LISTEN_BACKLOG` (and Linux's default `net.core.somaxconn`), so that clients connecting as
+/// fast as it accepts cannot hold the close back.
+const MAX_QUEUED_AT_CLOSE: usize = 4096;
+
+/// Accepts what waits in `listener`'s accept queue, without waiting for more (at most
+/// [`MAX_QUEUED_AT_CLOSE`]), and closes it.
 fn accept_queued(listener: TcpListener) -> Vec<TcpStream> {
     // Straight to the socket: tokio's accept answers from its readiness, which may not know yet of
     // a connection that just arrived.
@@ -109,7 +115,7 @@ fn accept_queued(listener: TcpListener) -> Vec<TcpStream> {
         }
     };
     let mut queued = Vec::new();
-    loop {
+    while queued.len() < MAX_QUEUED_AT_CLOSE {
         match listener.accept() {
             Ok((stream, _peer)) => {
                 match stream.set_nonblocking(true).and_then(|()| TcpStream::from_std(stream)) {
