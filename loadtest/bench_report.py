@@ -330,7 +330,8 @@ def main():
          "they move no money, so they have no books and no lock_timeout (`-`)."),
         ("Costs per payment: from Postgres's and Redis's own statistics, read right before and right "
          "after the k6 run (loadtest/costs.py, called by `COSTS=1 loadtest/run`), before the book "
-         "check, with the wallets opened by a k6 run of their own before the first reading; the "
+         "check, with the wallets opened by a k6 run of their own and a CHECKPOINT (on every node) "
+         "before the first reading, as the anchors get one before pgbench; the "
          "deltas over the run divided by its accepted payments (read and health: by its requests, "
          "`/req`). WAL flushes: pg_stat_wal.wal_sync (the whole cluster, so a checkpoint or "
          "autovacuum during the run counts too); transactions: pg_stat_database xact_commit + "
