@@ -50,17 +50,6 @@ lt_psql() {
   psql -q -X -h "$lt_pg_socket" -p "$lt_pg_port" -U postgres -d "$db" -v ON_ERROR_STOP=1 "$@"
 }
 
-# lt_checkpoint: a CHECKPOINT on the fleet's Postgres and, on a Citus fleet, on each worker (named
-# by its socket directory in pg_dist_node), which write their own WAL and pages.
-lt_checkpoint() {
-  local node
-  lt_psql postgres -c checkpoint
-  while read -r node; do
-    [ -n "$node" ] && psql -q -X -h "${node% *}" -p "${node#* }" -U postgres -d postgres -c checkpoint
-  done < <(lt_psql walletlock -tA -c "select nodename || ' ' || nodeport from pg_dist_node
-                                      where groupid <> 0 and isactive" 2>/dev/null)
-}
-
 # lt_api_token: the API token for the load tests: $API_TOKEN, else `deploy/local token` (empty if
 # this deploy/local has none, for an API without authentication).
 lt_api_token() {

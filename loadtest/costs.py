@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
 """loadtest/costs.py: what a load test's payments cost Postgres and Redis, from their own statistics.
 
+    loadtest/costs.py checkpoint --pg-socket DIR --pg-port N
     loadtest/costs.py snapshot OUT_JSON --pg-socket DIR --pg-port N --redis-state DIR --redis-auth FILE
     loadtest/costs.py report BEFORE_JSON AFTER_JSON SUMMARY_JSON OUT_JSON
+
+`checkpoint` runs CHECKPOINT on Postgres and, under Citus, on every worker (below), before the
+first snapshot: no checkpoint then runs beside the measured run (Postgres spreads a timed one over
+most of checkpoint_timeout), and its own writes come before the first reading.
 
 `snapshot` reads the cumulative counters (loadtest/run takes one right before and one right after
 the k6 run, before the book check):
@@ -80,6 +85,12 @@ def citus_workers(socket, port):
     rows = psql(socket, port, "walletlock",
                 "select nodename || ' ' || nodeport from pg_dist_node where groupid <> 0 and isactive")
     return [tuple(row.rsplit(" ", 1)) for row in rows.splitlines() if row]
+
+
+def checkpoint():
+    socket, port = arg("--pg-socket"), arg("--pg-port")
+    for node in [(socket, port), *citus_workers(socket, port)]:
+        psql(*node, "postgres", "checkpoint")
 
 
 def pg_snapshot(socket, port):
@@ -215,7 +226,9 @@ def report():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "snapshot":
+    if len(sys.argv) >= 2 and sys.argv[1] == "checkpoint":
+        checkpoint()
+    elif len(sys.argv) >= 3 and sys.argv[1] == "snapshot":
         snapshot()
     elif len(sys.argv) == 6 and sys.argv[1] == "report":
         report()
