@@ -1147,26 +1147,21 @@ async fn transfers_from_many_payers_into_one_payee_commit_together_and_a_busy_pa
 /// (what a transfer writes there must not hold up the other), on one Postgres any four.
 async fn two_disjoint_pairs(db: &sqlx::PgPool) -> [String; 4] {
     let mut conn = db.acquire().await.unwrap();
-    let names = |n: usize| format!("dp{n}");
+    let names = |n: i32| format!("dp{n}");
     if Storage::of(&mut conn).await.unwrap() == Storage::OnePostgres {
         return [names(0), names(1), names(2), names(3)];
     }
-    let shard_of = |name: String| async move {
-        let shard: i64 = sqlx::query_scalar("select get_shard_id_for_distribution_column('wallet', $1)")
-            .bind(&name)
-            .fetch_one(db)
-            .await
-            .unwrap();
-        shard
-    };
-    let first = shard_of(names(0)).await;
-    for n in 2..10_000 {
-        if shard_of(names(n)).await == first {
-            let last = if n == 3 { 4 } else { 3 };
-            return [names(0), names(1), names(n), names(last)];
-        }
-    }
-    panic!("no wallet name among 10,000 on the shard of {}", names(0));
+    let on_the_shard_of_dp0: i32 = sqlx::query_scalar(
+        "select n from generate_series(2, 10000) n
+         where get_shard_id_for_distribution_column('wallet', 'dp' || n)
+             = get_shard_id_for_distribution_column('wallet', 'dp0')
+         limit 1",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .expect("a wallet name among 10,000 on the shard of dp0");
+    let last = if on_the_shard_of_dp0 == 3 { 4 } else { 3 };
+    [names(0), names(1), names(on_the_shard_of_dp0), names(last)]
 }
 
 /// Writes `pair` in `tx` as a transfer does (its rows locked in id order first), balances unchanged,
