@@ -307,5 +307,19 @@ impl Drop for Fleet {
         for replica in &mut self.replicas {
             replica.stop(Signal::SIGKILL);
         }
+        // A failed test's cause is often in a replica's log (a 500's error), which goes with the
+        // fleet's directory: keep its errors in the test's output (not tower-http's line for
+        // each 5xx, which only repeats the status).
+        if std::thread::panicking() {
+            let logged_error = |line: &&str| {
+                line.contains(r#""level":"ERROR""#)
+                    && !line.contains(r#""target":"tower_http::trace::on_failure""#)
+            };
+            for replica in &self.replicas {
+                for line in replica.log().lines().filter(logged_error) {
+                    eprintln!("{}: {line}", replica.name);
+                }
+            }
+        }
     }
 }
