@@ -93,20 +93,49 @@ impl StoreError {
             // Class 08: connection exception; 57P0x: the server is shutting down or starting.
             sqlx::Error::Database(db) => {
                 db.code().is_some_and(|code| code.starts_with("08") || code.starts_with("57P0"))
-                    || (db.code().as_deref() == Some("XX000")
-                        && Self::is_citus_connection_failure(db.message()))
+                    || Self::is_citus_connection_failure(db.code().as_deref(), db.message())
             }
             _ => false,
         }
     }
 
-    /// The errors Citus's coordinator raises with the generic internal-error code when it lost a
-    /// node under a statement: its own postmaster died while the statement waited on a worker, or
-    /// the worker of a transaction committed in one phase went away during that COMMIT (which may
-    /// have committed there or not).
-    fn is_citus_connection_failure(message: &str) -> bool {
-        message == "postmaster was shut down, exiting"
-            || message.starts_with("could not commit transaction for shard")
+    /// The errors Citus's coordinator raises without a connection-failure code when it lost a
+    /// node under a statement (read off Citus 13.2's source). With the generic internal-error code
+    /// (an `ereport` without an `errcode`):
+    /// - its own postmaster died while the statement waited on a worker;
+    /// - the worker of a transaction committed in one phase went away during that COMMIT (which
+    ///   may have committed there or not);
+    /// - a worker went away before or while the transaction was prepared for its two-phase commit,
+    ///   or under every placement of a statement (the transaction is rolled back);
+    /// - a worker's own connection-ending error, passed on without its code when it ended a COPY
+    ///   (an `INSERT … SELECT` into a distributed table runs as one).
+    ///
+    /// And as an I/O error (58030), a COPY whose worker connection broke while it sent the rows
+    /// or ended the COPY, or without a message.
+    fn is_citus_connection_failure(code: Option<&str>, message: &str) -> bool {
+        const INTERNAL_MESSAGES: [&str; 4] = [
+            "postmaster was shut down, exiting",
+            "terminating connection due to unexpected postmaster exit",
+            "terminating connection due to administrator command",
+            "terminating connection because of crash of another server process",
+        ];
+        const INTERNAL_PREFIXES: [&str; 4] = [
+            "could not commit transaction for shard",
+            "failed to prepare transaction",
+            "failure on connection marked as essential",
+            "execution cannot recover from multiple connection failures",
+        ];
+        match code {
+            Some("XX000") => {
+                INTERNAL_MESSAGES.contains(&message)
+                    || INTERNAL_PREFIXES.iter().any(|prefix| message.starts_with(prefix))
+            }
+            Some("58030") => {
+                message.starts_with("failed to COPY to shard")
+                    || message.starts_with("failed to complete COPY on")
+            }
+            _ => false,
+        }
     }
 
     /// Whether the database could not be reached or is restarting, as opposed to a bug or a

@@ -727,8 +727,10 @@ impl CitusCluster {
     }
 
     /// Runs `work` with the coordinator logging every command it sends to a worker
-    /// (`citus.log_remote_commands`), and returns those commands: by coordinator backend, in
-    /// order, each with the node it went to.
+    /// (`citus.log_remote_commands`), and returns the commands its client backends sent: by
+    /// coordinator backend, in order, each with the node it went to. Citus's own background
+    /// workers are left out: the maintenance daemon asks every node for its prepared transactions
+    /// each `citus.recover_2pc_interval` (deploy/citus.sh).
     pub async fn remote_commands<F: std::future::Future<Output = ()>>(
         &self,
         work: impl FnOnce() -> F,
@@ -757,8 +759,15 @@ impl CitusCluster {
         let from = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
         work().await;
         set(false).await;
+        let background: Vec<i32> =
+            sqlx::query_scalar("select pid from pg_stat_activity where backend_type <> 'client backend'")
+                .fetch_all(&admin)
+                .await
+                .expect("the coordinator's background workers");
         let text = std::fs::read(&log).expect("the coordinator's log");
-        parse_remote_commands(&String::from_utf8_lossy(&text[from as usize..]))
+        let mut commands = parse_remote_commands(&String::from_utf8_lossy(&text[from as usize..]));
+        commands.retain(|pid, _| !background.contains(&(*pid as i32)));
+        commands
     }
 }
 
