@@ -246,7 +246,7 @@ async fn under_citus_transfers_between_workers_commit_whole_through_each_worker_
             >= 50
     })
     .await;
-    let transfers = || async {
+    let transfers_made = || async {
         sqlx::query_scalar::<_, i64>("select count(*) from transfer").fetch_one(&fleet.db).await.unwrap()
     };
     for crash in 0..4 {
@@ -255,9 +255,9 @@ async fn under_citus_transfers_between_workers_commit_whole_through_each_worker_
             worker.crash();
             worker.start_again();
         });
-        let before = transfers().await;
+        let before = transfers_made().await;
         eventually("transfers after the restart", Duration::from_secs(15), || async {
-            transfers().await >= before + 30
+            transfers_made().await >= before + 30
         })
         .await;
     }

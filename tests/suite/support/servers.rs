@@ -759,14 +759,15 @@ impl CitusCluster {
         let from = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
         work().await;
         set(false).await;
-        let background: Vec<i32> =
-            sqlx::query_scalar("select pid from pg_stat_activity where backend_type <> 'client backend'")
-                .fetch_all(&admin)
-                .await
-                .expect("the coordinator's background workers");
+        let background: Vec<i64> = sqlx::query_scalar(
+            "select pid::bigint from pg_stat_activity where backend_type <> 'client backend'",
+        )
+        .fetch_all(&admin)
+        .await
+        .expect("the coordinator's background workers");
         let text = std::fs::read(&log).expect("the coordinator's log");
         let mut commands = parse_remote_commands(&String::from_utf8_lossy(&text[from as usize..]));
-        commands.retain(|pid, _| !background.contains(&(*pid as i32)));
+        commands.retain(|pid, _| !background.contains(&i64::from(*pid)));
         commands
     }
 }
