@@ -312,28 +312,13 @@ pub async fn complete<T>(
     outcome: &T,
     entry_id: Option<Uuid>,
 ) -> Result<bool, StoreError> {
-    Ok(complete_all(tx, [(receipt, outcome, entry_id)]).await? == 1)
-}
-
-/// Stores the rendered outcomes of several claims in `tx`, in one statement; returns how many
-/// claims were still theirs (fewer than given: one was taken over, and the caller must roll back).
-pub async fn complete_all<'a, T: 'a>(
-    tx: &mut sqlx::PgConnection,
-    outcomes: impl IntoIterator<Item = (&'a Receipt<T>, &'a T, Option<Uuid>)>,
-) -> Result<usize, StoreError> {
-    let completions: Vec<store::Completion<'_>> = outcomes
-        .into_iter()
-        .map(|(receipt, outcome, entry_id)| store::Completion {
-            at: receipt.claim.at(),
-            claim: receipt.claim.token,
-            response: (receipt.render)(outcome),
-            entry_id,
-        })
-        .collect();
-    if completions.is_empty() {
-        return Ok(0);
-    }
-    Ok(store::complete_all(tx, &completions).await?.len())
+    let completion = store::Completion {
+        at: receipt.claim.at(),
+        claim: receipt.claim.token,
+        response: (receipt.render)(outcome),
+        entry_id,
+    };
+    store::complete(tx, &completion).await
 }
 
 #[cfg(test)]
