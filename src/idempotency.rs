@@ -312,13 +312,8 @@ pub async fn complete<T>(
     outcome: &T,
     entry_id: Option<Uuid>,
 ) -> Result<bool, StoreError> {
-    let completion = store::Completion {
-        at: receipt.claim.at(),
-        claim: receipt.claim.token,
-        response: (receipt.render)(outcome),
-        entry_id,
-    };
-    store::complete(tx, &completion).await
+    let response = (receipt.render)(outcome);
+    store::complete(tx, receipt.claim.at(), receipt.claim.token, &response, entry_id).await
 }
 
 #[cfg(test)]
