@@ -339,6 +339,39 @@ pub enum Refusal {
     CaptureExceedsHold { held: i64 },
 }
 
+/// The furthest a lease's fence may stand above the fence of the row it writes: 2^32. Every lease
+/// of a wallet takes the next value of its Redis counter, and nearly every lease writes the row,
+/// so a legitimate gap is a handful of leases that wrote nothing; four billion of them is a
+/// counter moved from outside (a leaked Redis password's `SET`). Such a fence is refused before it
+/// is written: written, it would spend the wallet's remaining fences at once (a counter set near
+/// 2^63 makes the next payment write the largest fence there is, and every later one would need an
+/// operator to reset the row by hand).
+pub const MAX_FENCE_STEP: i64 = 1 << 32;
+
+/// How a lease's fence stands against the fence of the row it is to write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceStanding {
+    /// Above the row's, within [`MAX_FENCE_STEP`]: it may write.
+    Above,
+    /// At or below the row's: the lease is stale, or Redis lost its counter (the holder lifts it).
+    Behind,
+    /// More than [`MAX_FENCE_STEP`] above the row's: the counter was moved from outside.
+    Implausible,
+}
+
+impl FenceStanding {
+    /// Where `fence` stands against a row whose last writer had `row_fence`.
+    pub fn of(fence: i64, row_fence: i64) -> Self {
+        if fence <= row_fence {
+            FenceStanding::Behind
+        } else if fence - row_fence > MAX_FENCE_STEP {
+            FenceStanding::Implausible
+        } else {
+            FenceStanding::Above
+        }
+    }
+}
+
 /// The two wallets of a transfer, which differ.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Parties {
@@ -492,6 +525,17 @@ mod tests {
         let id = |id| WalletId::parse(id).unwrap();
         assert_eq!(Parties::new(id("a"), id("a")), Err(SameWallet));
         assert!(Parties::new(id("a"), id("b")).is_ok());
+    }
+
+    #[test]
+    fn a_fence_writes_only_a_little_above_the_row() {
+        assert_eq!(FenceStanding::of(8, 7), FenceStanding::Above);
+        assert_eq!(FenceStanding::of(7, 7), FenceStanding::Behind, "a fence issued twice");
+        assert_eq!(FenceStanding::of(3, 7), FenceStanding::Behind);
+        assert_eq!(FenceStanding::of(7 + MAX_FENCE_STEP, 7), FenceStanding::Above);
+        assert_eq!(FenceStanding::of(8 + MAX_FENCE_STEP, 7), FenceStanding::Implausible);
+        assert_eq!(FenceStanding::of(i64::MAX, 0), FenceStanding::Implausible, "no overflow");
+        assert_eq!(FenceStanding::of(i64::MAX, i64::MAX - 1), FenceStanding::Above);
     }
 
     #[test]

@@ -390,6 +390,13 @@ fn wallet_problem(err: &WalletError) -> Problem {
             "this wallet's fencing token reached its largest value; nothing was applied, and nothing \
              can be until an operator resets it",
         ),
+        WalletError::FenceImplausible { .. } => Problem::new(
+            S::SERVICE_UNAVAILABLE,
+            "fence_implausible",
+            "Wallet needs an operator",
+            "this wallet's fencing token in Redis was moved far past the wallet's; nothing was applied, \
+             and nothing can be until an operator deletes the counter",
+        ),
         WalletError::Unavailable { .. } => Problem::new(
             S::SERVICE_UNAVAILABLE,
             "dependency_unavailable",
@@ -505,7 +512,8 @@ pub mod described {
     /// A 503 of a movement under a wallet's lease.
     pub const MOVEMENT_UNAVAILABLE: &str = "`overloaded`, `lock_timeout`, `dependency_unavailable`, \
                                             `request_timeout`, `outcome_unknown`: retry after `Retry-After`; \
-                                            `fence_exhausted`: the wallet needs an operator (no `Retry-After`)";
+                                            `fence_exhausted`, `fence_implausible`: the wallet needs an operator \
+                                            (no `Retry-After`)";
     /// A 409 of a movement under a wallet's lease.
     pub const MOVEMENT_CONFLICT: &str =
         "`lease_lost` (nothing applied, retry); `idempotency_key_in_flight` (with `Retry-After`)";

@@ -37,6 +37,7 @@ use super::hold::Hold;
 use super::idempotency::{KeyRef, StoredResponse};
 use super::storage::Storage;
 use super::{Entry, StoreError, WalletRead};
+use crate::domain::FenceStanding;
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, QueryBuilder, Row};
 use std::collections::{HashMap, HashSet};
@@ -64,6 +65,11 @@ pub enum ReadOutcome {
     },
     /// The row has seen this fence or a higher one (see [`StoreError::FenceBehind`]).
     FenceBehind {
+        seen: i64,
+    },
+    /// The lease's fence is implausibly far above the row's `seen` (see
+    /// [`crate::domain::MAX_FENCE_STEP`]): it must not be written.
+    FenceImplausible {
         seen: i64,
     },
     NotFound,
@@ -215,16 +221,18 @@ pub async fn read(
             found.keys.insert(at, FoundKey { fingerprint: row.try_get("fingerprint")?, response });
         }
     }
-    // A token equal to the row's fence was issued twice (the counter went backwards) and must not
-    // let two holders in: only a fence strictly above the row's may write it.
     found.wallets = wallets
         .iter()
         .map(|wallet| {
             let outcome = match rows_read.get(wallet.id) {
-                Some(&ReadOutcome::Ready { fence: seen, .. }) if seen >= wallet.fence => {
-                    ReadOutcome::FenceBehind { seen }
+                Some(ready @ &ReadOutcome::Ready { fence: seen, .. }) => {
+                    match FenceStanding::of(wallet.fence, seen) {
+                        FenceStanding::Above => ready.clone(),
+                        FenceStanding::Behind => ReadOutcome::FenceBehind { seen },
+                        FenceStanding::Implausible => ReadOutcome::FenceImplausible { seen },
+                    }
                 }
-                Some(ready) => ready.clone(),
+                Some(other) => other.clone(),
                 None => ReadOutcome::NotFound,
             };
             (wallet.id.to_owned(), outcome)

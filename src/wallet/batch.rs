@@ -16,7 +16,7 @@
 //! replica can charge it afterwards, whatever its clock says.
 
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
-use crate::domain::{Funds, HoldStatus, capture_amount};
+use crate::domain::{FenceStanding, Funds, HoldStatus, capture_amount};
 use crate::idempotency::{Keyed, Prior};
 use crate::ledger::group::FoundKey;
 use crate::ledger::hold::Hold;
@@ -76,8 +76,8 @@ impl Held {
     }
 
     /// The wallet as `note` says it was left, for the lease holding `fence`; `None` if it is not a
-    /// note of this layout, or names a fence at or above the lease's (Redis's fence counter went
-    /// backwards: the holder reads the row, which says how far). Advice only: the holder's write is
+    /// note of this layout, or names a fence the lease's does not stand plausibly above (Redis's
+    /// fence counter went backwards, or was moved: the holder reads the row, which says how far). Advice only: the holder's write is
     /// conditional on every field of it (see [`crate::ledger::group::commit`]), so a stale or forged
     /// note moves nothing and costs a read.
     pub fn from_note(note: &str, fence: i64) -> Option<Held> {
@@ -89,7 +89,8 @@ impl Held {
         let (balance, held, version, written_by) = (number()?, number()?, number()?, number()?);
         let owner = fields.next()?;
         let owner = (!owner.is_empty()).then(|| Arc::from(owner));
-        (written_by < fence && (0..=balance).contains(&held) && version >= 1).then_some(Held {
+        let plausible = FenceStanding::of(fence, written_by) == FenceStanding::Above;
+        (plausible && (0..=balance).contains(&held) && version >= 1).then_some(Held {
             balance,
             held,
             version,

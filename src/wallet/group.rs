@@ -464,6 +464,11 @@ async fn read(
                     let _ = reply.send(JobOutcome::FenceBehind { seen: *seen, ops: job.ops });
                     continue;
                 }
+                Some(ReadOutcome::FenceImplausible { seen }) => {
+                    let err = WalletError::fence_implausible(&job.id, job.fence, *seen);
+                    let _ = reply.send(failed(job.ops.len(), &err));
+                    continue;
+                }
                 Some(ReadOutcome::NotFound) | None => {
                     let _ = reply.send(failed(job.ops.len(), &WalletError::NotFound));
                     continue;

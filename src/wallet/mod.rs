@@ -148,6 +148,12 @@ pub enum WalletError {
     /// operator resets its fence (README, "When a fence reaches the top").
     #[error("the wallet's fence is at its top; an operator must reset it")]
     FenceExhausted(#[source] Arc<LeaseError>),
+    /// The lease's fence is more than [`crate::domain::MAX_FENCE_STEP`] above the fence of the
+    /// wallet's row: the wallet's fence counter in Redis was moved from outside. Nothing was
+    /// written, so the row keeps its fences; an operator deletes the counter (README, "When a
+    /// fence counter is moved from outside"), and the next lease lifts it above the row's.
+    #[error("the lease's fence {fence} is implausibly far above the wallet's {seen}; nothing was applied")]
+    FenceImplausible { fence: i64, seen: i64 },
     /// Redis or Postgres could not be reached in time.
     #[error("{dependency} unavailable")]
     Unavailable { dependency: &'static str, source: SharedError },
@@ -173,6 +179,18 @@ impl WalletError {
         WalletError::Internal(Arc::from(Box::<dyn std::error::Error + Send + Sync>::from(what)))
     }
 
+    /// [`WalletError::FenceImplausible`] for wallet `id`, logged: it needs an operator.
+    pub(crate) fn fence_implausible(id: &WalletId, fence: i64, seen: i64) -> Self {
+        tracing::error!(
+            wallet = %id,
+            fence,
+            seen,
+            lease = %lease_name(id),
+            "a lease's fence is implausibly far above the wallet's: its Redis fence counter was moved from outside; delete the counter"
+        );
+        WalletError::FenceImplausible { fence, seen }
+    }
+
     /// The `outcome` label of `walletlock_movements_total`.
     fn outcome(&self) -> &'static str {
         match self {
@@ -186,6 +204,7 @@ impl WalletError {
             WalletError::Overloaded => "overloaded",
             WalletError::LeaseLost => "lease_lost",
             WalletError::FenceExhausted(_) => "fence_exhausted",
+            WalletError::FenceImplausible { .. } => "fence_implausible",
             WalletError::Unavailable { .. } => "unavailable",
             WalletError::OutcomeUnknown(_) => "unknown",
             WalletError::KeyTakenOver => "key_taken_over",

@@ -26,7 +26,7 @@
 
 use super::outage::{Path, count_one};
 use super::{Access, Amount, Field, Refusal, WalletError, WalletId, Wallets, lease_name};
-use crate::domain::{self, Funds, Parties};
+use crate::domain::{self, FenceStanding, Funds, Parties};
 use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
 use crate::ledger::transfer::{self as store, FoundTransfer, LockedWallet, Transfer, WalletWrite};
@@ -125,15 +125,21 @@ pub(super) enum Fences {
 
 impl Fences {
     /// The fence wallet `id`'s write carries, its row locked with fence `row_fence`; a row that
-    /// has seen its lease's fence is [`Failure::FenceBehind`].
+    /// has seen its lease's fence is [`Failure::FenceBehind`], one far below it
+    /// [`WalletError::FenceImplausible`].
     pub(super) fn for_row(&self, id: &WalletId, row_fence: i64) -> Result<i64, Failure> {
         match self {
             Fences::Leased(by_lease) => {
                 let fence = by_lease.get(&lease_name(id)).copied().unwrap_or_default();
-                if row_fence >= fence {
-                    return Err(Failure::FenceBehind { wallet: id.clone(), seen: row_fence });
+                match FenceStanding::of(fence, row_fence) {
+                    FenceStanding::Above => Ok(fence),
+                    FenceStanding::Behind => {
+                        Err(Failure::FenceBehind { wallet: id.clone(), seen: row_fence })
+                    }
+                    FenceStanding::Implausible => {
+                        Err(WalletError::fence_implausible(id, fence, row_fence).into())
+                    }
                 }
-                Ok(fence)
             }
             Fences::RowsOwn => Ok(row_fence),
         }

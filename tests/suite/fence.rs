@@ -357,3 +357,57 @@ async fn the_row_refuses_a_fence_or_version_moving_back_whoever_sends_it() {
         .await
         .unwrap();
 }
+
+#[tokio::test]
+async fn a_fence_counter_moved_far_past_the_row_is_refused_and_spends_none_of_its_fences() {
+    use crate::support::{payment, tester};
+    use walletlock::domain::MAX_FENCE_STEP;
+    let env = TestEnv::new();
+    let (schema, db) = env.database(4).await;
+    let wallets = env.replica(&schema, ms(5_000), ms(2_000)).await;
+    let id = wallet_with(&db, 100).await;
+    let name = wallet::lease_name(&id);
+    wallets.apply(&tester(), &id, payment(1), None).await.expect("paid under fence 1");
+    assert_eq!(books(&db, id.as_str()).await.fence, 1);
+    let refused = |result: Result<wallet::Moved, WalletError>, fence: i64, row: i64| match result {
+        Err(WalletError::FenceImplausible { fence: sent, seen }) => {
+            assert_eq!((sent, seen), (fence, row), "the lease's fence and the row's")
+        }
+        other => panic!("expected FenceImplausible for fence {fence}, got {other:?}"),
+    };
+
+    // A counter set just below the top (a leaked Redis password's SET): the next lease's fence is
+    // 2^63-1, which written would leave the row no fence above it. It is refused, nothing written.
+    let _: () = env.redis_cmd(&["SET", &env.fence_key(&name), &(i64::MAX - 1).to_string()]).await;
+    refused(wallets.apply(&tester(), &id, payment(1), None).await, i64::MAX, 1);
+    let after = books(&db, id.as_str()).await;
+    assert_eq!((after.fence, after.pays, after.balance), (1, 1, 99), "nothing written");
+    // The counter cannot grow past the top: it starts over, and the row's fence lifts it.
+    wallets.apply(&tester(), &id, payment(1), None).await.expect("paid after the counter started over");
+    assert_eq!(books(&db, id.as_str()).await.fence, 2, "the row's fences are not spent");
+
+    // Far past the row, short of the top: refused each time, until an operator deletes the counter
+    // (README, "When a fence counter is moved from outside").
+    let moved = 2 + MAX_FENCE_STEP;
+    let _: () = env.redis_cmd(&["SET", &env.fence_key(&name), &moved.to_string()]).await;
+    for attempt in 1..=2 {
+        refused(wallets.apply(&tester(), &id, payment(1), None).await, moved + attempt, 2);
+    }
+    // A transfer's write carries the paying lease's fence the same way.
+    let payee = wallet_with(&db, 0).await;
+    let between = wallet::Between {
+        parties: wallet::Parties::new(id.clone(), payee.clone()).unwrap(),
+        amount: wallet::Amount::new(1).unwrap(),
+        reference: None,
+    };
+    match wallets.transfer(&tester(), between, None).await {
+        Err(WalletError::FenceImplausible { fence, seen: 2 }) => assert_eq!(fence, moved + 3),
+        other => panic!("expected FenceImplausible for the transfer, got {other:?}"),
+    }
+    assert_eq!(books(&db, payee.as_str()).await.balance, 0, "nothing moved");
+    assert_eq!(books(&db, id.as_str()).await.fence, 2);
+    let _: () = env.redis_cmd(&["DEL", &env.fence_key(&name)]).await;
+    wallets.apply(&tester(), &id, payment(1), None).await.expect("paid once the counter is deleted");
+    let after = books(&db, id.as_str()).await;
+    assert_eq!((after.fence, after.pays, after.balance, after.ledger_sum), (3, 3, 97, 97));
+}
