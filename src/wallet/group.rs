@@ -20,7 +20,7 @@
 //! Under Citus ([`crate::ledger::storage`]) a round is one wallet, so that it runs on the one node
 //! holding it, and up to `CITUS_CONCURRENT_ROUNDS` rounds run at once.
 
-use super::batch::{self, FoundKeys, Held, Known, Op, Plan};
+use super::decision::{self, Batch, FoundKeys, Held, Known, Op, Plan};
 use super::{Moved, WalletError, WalletId};
 use crate::ledger::group::{
     self as store, GroupWrite, HoldsToRead, KeyWrite, ReadOutcome, Settlement, ToRead, WalletWrite,
@@ -218,6 +218,12 @@ struct Ready {
     reply: oneshot::Sender<JobOutcome>,
 }
 
+impl Ready {
+    fn batch(&self) -> Batch<'_> {
+        Batch { id: &self.job.id, fence: self.job.fence, held: &self.held, ops: &self.job.ops }
+    }
+}
+
 /// Runs one round on `lane`'s connection; the lane to keep for the next round.
 async fn run_round(
     db: &PgPool,
@@ -277,31 +283,18 @@ async fn run_round(
                 return answer_all(pending, ready, &err);
             }
         };
-        let plans: Vec<Plan> = ready
-            .iter()
-            .map(|r| {
-                let known = Known {
-                    keys: &keys,
-                    holds: &held_holds,
-                    expired_read: expired_of.contains(r.job.id.as_str()),
-                    now,
-                };
-                batch::decide(&r.job.id, r.job.fence, &r.held, &r.job.ops, known)
-            })
-            .collect();
-        let short: Vec<String> = ready
-            .iter()
-            .zip(&plans)
-            .filter(|(_, plan)| plan.needs_expired)
-            .map(|(r, _)| r.job.id.as_str().to_owned())
-            .collect();
-        if !short.is_empty() {
-            // Nothing is written yet: read those wallets' expired holds, and decide again.
-            expired_of.extend(short);
-            first_attempt = false;
-            continue;
-        }
-        let write = group_write(&ready, &plans);
+        let batches: Vec<Batch<'_>> = ready.iter().map(Ready::batch).collect();
+        let known = Known { keys: &keys, holds: &held_holds, expired_read: &expired_of, now };
+        let plans = match decision::decide_round(&batches, known) {
+            Ok(plans) => plans,
+            Err(short) => {
+                // Nothing is written yet: read those wallets' expired holds, and decide again.
+                expired_of.extend(short);
+                first_attempt = false;
+                continue;
+            }
+        };
+        let write = group_write(&batches, &plans);
         let written = if write.wallets.is_empty() {
             Ok(Default::default())
         } else {
@@ -481,23 +474,17 @@ async fn read(
 }
 
 /// What the round writes: every wallet with an op that runs, its entries, its keys' responses.
-fn group_write<'a>(ready: &'a [Ready], plans: &'a [Plan]) -> GroupWrite<'a> {
+fn group_write<'a>(batches: &[Batch<'a>], plans: &'a [Plan]) -> GroupWrite<'a> {
     let mut write = GroupWrite::default();
-    for (r, plan) in ready.iter().zip(plans).filter(|(_, plan)| plan.runs()) {
-        add_wallet(&mut write, &r.job.id, r.job.fence, &r.held, &r.job.ops, plan);
+    for (batch, plan) in batches.iter().zip(plans).filter(|(_, plan)| plan.runs()) {
+        add_wallet(&mut write, batch, plan);
     }
     write
 }
 
-/// Adds to `write` wallet `id`'s write under `fence`, from `held` as `plan` decided `ops`.
-pub(super) fn add_wallet<'a>(
-    write: &mut GroupWrite<'a>,
-    id: &'a WalletId,
-    fence: i64,
-    held: &'a Held,
-    ops: &'a [Op],
-    plan: &'a Plan,
-) {
+/// Adds to `write` the write of `batch`'s wallet as `plan` decided it.
+pub(super) fn add_wallet<'a>(write: &mut GroupWrite<'a>, batch: &Batch<'a>, plan: &'a Plan) {
+    let Batch { id, fence, held, ops } = *batch;
     let id = id.as_str();
     write.wallets.push(WalletWrite {
         id,

@@ -17,7 +17,7 @@
 //! While Redis cannot be reached ([`RedisOutage::Postgres`]), the same queues are served under
 //! Postgres alone, each batch's row locked in its transaction (`outage`, `unleased`).
 
-mod batch;
+mod decision;
 mod group;
 mod holds;
 mod outage;
@@ -518,7 +518,7 @@ impl Wallets {
     /// not read it (see [`queue`]), in the background: opening a wallet does not wait for Redis or
     /// fail without it. The note is only advice, checked by the first write that uses it.
     fn leave_note(&self, id: &WalletId, wallet: &Wallet) {
-        let opened = batch::Held {
+        let opened = decision::Held {
             balance: wallet.balance,
             held: wallet.held,
             version: wallet.version,
@@ -575,7 +575,7 @@ impl Wallets {
         key: Option<Keyed<MovementOutcome>>,
     ) -> Result<Moved, WalletError> {
         let kind = movement.kind();
-        let op = batch::Op { movement, access: access.clone(), key };
+        let op = decision::Op { movement, access: access.clone(), key };
         let result = match self.strategy {
             Strategy::Queue => {
                 let reply = self.apply_queued(id, op).await;
@@ -645,7 +645,7 @@ impl Wallets {
 
     /// The tutorial's way: this request takes the lease itself, has its movement written alone
     /// under it, and releases.
-    async fn apply_alone(&self, id: &WalletId, op: batch::Op) -> Result<Moved, WalletError> {
+    async fn apply_alone(&self, id: &WalletId, op: decision::Op) -> Result<Moved, WalletError> {
         let mut lease = self.leases.acquire(&lease_name(id)).await?;
         tracing::Span::current().record("lease_wait_ms", lease.waited().as_secs_f64() * 1e3);
         lease.keep_alive();
@@ -664,7 +664,7 @@ impl Wallets {
         &self,
         lease: &mut Lease,
         id: &WalletId,
-        mut op: batch::Op,
+        mut op: decision::Op,
     ) -> Result<Moved, WalletError> {
         // After one resynchronization our fence is above every fence the row has seen, unless
         // another holder raised the fence meanwhile, which only a lost lease lets happen.

@@ -16,7 +16,7 @@
 //! While Redis cannot be reached, the worker serves the queue the same way without a lease, under
 //! Postgres alone ([`super::outage`]), and takes leases again once Redis answers.
 
-use super::batch::{Held, Op};
+use super::decision::{Held, Op};
 use super::group::{Job, JobOutcome};
 use super::{Moved, WalletError, WalletId, Wallets, lease_name};
 use crate::lease::{Lease, LeaseError, Released};

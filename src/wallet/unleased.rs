@@ -4,7 +4,7 @@
 //! Every batch is written in a transaction that holds its wallet's row locked from its read to its
 //! commit: the lock is what makes writers on several replicas take turns, as the lease does
 //! otherwise. The transaction reads the batch's keys and holds after the lock, so they are as the
-//! row's last writer left them, decides exactly as under a lease ([`batch::decide`]), writes with
+//! row's last writer left them, decides exactly as under a lease ([`decision::decide_round`]), writes with
 //! the rounds' compare-and-set on the row as locked, and commits. The row's fence is left as it
 //! was, so it keeps ordering the leases taken after the outage.
 //!
@@ -17,7 +17,7 @@
 //!   bounded by [`ROW_LOCK_TIMEOUT`] (then `503 lock_timeout`), so contended wallets queue in
 //!   Postgres's lock queue, first come first served, rather than polling.
 
-use super::batch::{self, Held, Known, Op, Plan};
+use super::decision::{self, Batch, Held, Known, Op, Plan};
 use super::group::{self, MAX_ROUND_OPS, round_time};
 use super::outage::{Path, count_path};
 use super::queue::{MAX_BATCH, MAX_HOLD, Reply};
@@ -142,6 +142,13 @@ struct Locked {
     reply: oneshot::Sender<RoundOutcome>,
 }
 
+impl Locked {
+    /// Written under the row's lock, with the row's own fence (see the module doc).
+    fn batch(&self) -> Batch<'_> {
+        Batch { id: &self.id, fence: self.held.fence, held: &self.held, ops: &self.ops }
+    }
+}
+
 /// One round: lock the rows no one else holds, read, decide, write, commit; the batches whose rows
 /// were held come back ([`RoundOutcome::NotRun`]).
 async fn run_round(db: &PgPool, retention: Duration, storage: Storage, round: Vec<Submission>) {
@@ -175,7 +182,7 @@ async fn run_round(db: &PgPool, retention: Duration, storage: Storage, round: Ve
     if locked.is_empty() {
         return;
     }
-    let batches: Vec<ToDecide<'_>> = locked.iter().map(|l| (&l.id, &l.held, l.ops.as_slice())).collect();
+    let batches: Vec<Batch<'_>> = locked.iter().map(Locked::batch).collect();
     let written = decide_write_commit(tx, storage, &batches, retention).await;
     drop(batches);
     match written {
@@ -202,13 +209,13 @@ async fn run_round(db: &PgPool, retention: Duration, storage: Storage, round: Ve
 async fn decide_write_commit(
     mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
     storage: Storage,
-    batches: &[ToDecide<'_>],
+    batches: &[Batch<'_>],
     retention: Duration,
 ) -> Result<Vec<Vec<Result<Moved, WalletError>>>, Failed> {
     let (now, plans) = decide_all(&mut tx, batches).await?;
     let mut write = GroupWrite::default();
-    for ((id, held, ops), plan) in batches.iter().zip(&plans).filter(|(_, plan)| plan.runs()) {
-        group::add_wallet(&mut write, id, held.fence, held, ops, plan);
+    for (batch, plan) in batches.iter().zip(&plans).filter(|(_, plan)| plan.runs()) {
+        group::add_wallet(&mut write, batch, plan);
     }
     if !write.wallets.is_empty() {
         match Box::pin(store::commit(&mut tx, storage, &write, now, retention)).await {
@@ -243,52 +250,35 @@ fn held(row: &LockedWallet) -> Held {
     }
 }
 
-/// One wallet's batch to decide: its id, its row as locked, its ops.
-type ToDecide<'a> = (&'a WalletId, &'a Held, &'a [Op]);
-
 /// Reads the keys and holds of `batches` (their rows locked, so they are as the rows' last writers
-/// left them) and decides each batch from its row's own fence; the time of the round and each
-/// batch's plan.
+/// left them) and decides the round; its time and each batch's plan.
 async fn decide_all(
     conn: &mut PgConnection,
-    batches: &[ToDecide<'_>],
+    batches: &[Batch<'_>],
 ) -> Result<(chrono::DateTime<chrono::Utc>, Vec<Plan>), WalletError> {
     let keys: Vec<KeyRef<'_>> = batches
         .iter()
-        .flat_map(|(_, _, ops)| ops.iter().filter_map(|op| op.key.as_ref().map(|key| key.at())))
+        .flat_map(|batch| batch.ops.iter().filter_map(|op| op.key.as_ref().map(|key| key.at())))
         .collect();
     let hold_ids: Vec<Uuid> =
-        batches.iter().flat_map(|(_, _, ops)| ops.iter().filter_map(Op::settles)).collect();
-    let mut expired_of: HashSet<&str> = HashSet::new();
+        batches.iter().flat_map(|batch| batch.ops.iter().filter_map(Op::settles)).collect();
+    let round: Vec<&str> = batches.iter().map(|batch| batch.id.as_str()).collect();
+    let mut expired_of: HashSet<String> = HashSet::new();
     loop {
         let now = round_time();
-        let expired: Vec<&str> = expired_of.iter().copied().collect();
+        let expired: Vec<&str> = expired_of.iter().map(String::as_str).collect();
         let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired, now };
         let found = if keys.is_empty() && holds.is_empty() {
             store::Found::default()
         } else {
-            let round: Vec<&str> = batches.iter().map(|(id, _, _)| id.as_str()).collect();
             Box::pin(store::read(conn, &[], &round, &keys, holds)).await?
         };
-        let plans: Vec<Plan> = batches
-            .iter()
-            .map(|(id, held, ops)| {
-                let expired_read = expired_of.contains(id.as_str());
-                let known = Known { keys: &found.keys, holds: &found.holds, expired_read, now };
-                batch::decide(id, held.fence, held, ops, known)
-            })
-            .collect();
-        let short: Vec<&str> = batches
-            .iter()
-            .zip(&plans)
-            .filter(|(_, plan)| plan.needs_expired)
-            .map(|((id, _, _), _)| id.as_str())
-            .collect();
-        if short.is_empty() {
-            return Ok((now, plans));
+        let known = Known { keys: &found.keys, holds: &found.holds, expired_read: &expired_of, now };
+        match decision::decide_round(batches, known) {
+            Ok(plans) => return Ok((now, plans)),
+            // Nothing is written yet: read those wallets' expired holds, and decide again.
+            Err(short) => expired_of.extend(short),
         }
-        // Nothing is written yet: read those wallets' expired holds, and decide again.
-        expired_of.extend(short);
     }
 }
 
@@ -352,7 +342,8 @@ impl Wallets {
         let held = held(row);
         let retention = self.keys.settings().retention;
         let storage = self.storage.of(&self.db).await?;
-        let mut results = Box::pin(decide_write_commit(tx, storage, &[(id, &held, ops)], retention)).await?;
+        let batch = Batch { id, fence: held.fence, held: &held, ops };
+        let mut results = Box::pin(decide_write_commit(tx, storage, &[batch], retention)).await?;
         results.pop().ok_or_else(|| WalletError::internal("a batch decided into nothing").into())
     }
 }

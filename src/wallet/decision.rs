@@ -1,8 +1,10 @@
-//! Deciding one wallet's batch of movements: each on its own, in arrival order, against the
-//! balance and holds the previous ones left, and each idempotency key looked up first. Pure: the
-//! round that runs it ([`super::group`]) reads before and writes after.
+//! The decision: every movement of a round decided against its wallet, with no I/O. The rounds
+//! that run it ([`super::group`] under leases, [`super::unleased`] under Postgres alone) read
+//! before and write after; this module only decides, so it is tested on its own (below).
 //!
-//! A payment that does not fit is refused alone; the rest go through. A request whose key is
+//! Each wallet's batch is decided on its own, its movements one by one in arrival order, against
+//! the balance and holds the previous ones left, and each idempotency key looked up first. A
+//! payment that does not fit is refused alone; the rest go through. A request whose key is
 //! already stored does not run: it gets the stored response (or `idempotency_key_reused`). A
 //! request whose key an earlier request of the same batch carries waits for that one and gets its
 //! response too, so a double tap that lands in one batch charges once. A request from a caller
@@ -11,9 +13,10 @@
 //! Holds: a payment, or a new hold, spends the available balance (the balance less what is held).
 //! A hold is only ever treated as expired when the write that relies on it also releases it: a
 //! movement short of funds while something is held asks for the wallet's expired holds first
-//! ([`Plan::needs_expired`]), and the batch then releases them all before its movements. So a hold
-//! a payment spent past is settled `expired` by that payment's own write, and no capture on any
-//! replica can charge it afterwards, whatever its clock says.
+//! ([`decide_round`] answers with the wallets to read them for), and the round, decided again
+//! with them, then releases them all before its movements. So a hold a payment spent past is
+//! settled `expired` by that payment's own write, and no capture on any replica can charge it
+//! afterwards, whatever its clock says.
 
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
 use crate::domain::{FenceStanding, Funds, HoldStatus, capture_amount};
@@ -24,7 +27,7 @@ use crate::ledger::idempotency::StoredResponse;
 use crate::ledger::{self, Entry, EntryKind};
 use crate::wallet::{Movement, Refusal};
 use chrono::{DateTime, Utc};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use uuid::Uuid;
 
@@ -146,7 +149,7 @@ pub struct Plan {
     pub responses: Vec<(usize, StoredResponse)>,
     /// A movement was short of funds while something is held, and the wallet's expired holds were
     /// not read: nothing of this plan may be written; decide again with them.
-    pub needs_expired: bool,
+    needs_expired: bool,
 }
 
 impl Plan {
@@ -203,21 +206,48 @@ impl Plan {
     }
 }
 
-/// What a batch decides on besides the wallet: the keys already stored, the holds its captures and
-/// voids name (as read under the lease), and, once read, the wallet's expired holds.
+/// What a round decides on besides its wallets: the keys already stored, the holds its captures
+/// and voids name (as read under the lease or the row lock), and, once read, wallets' expired
+/// holds.
 #[derive(Debug, Clone, Copy)]
 pub struct Known<'a> {
     pub keys: &'a FoundKeys,
     pub holds: &'a HashMap<Uuid, Hold>,
-    /// Whether `holds` has every hold of this wallet still held that expired by `now`.
-    pub expired_read: bool,
-    /// The time of the batch's entries, and what "expired" is decided against.
+    /// The wallets for which `holds` has every hold still held that expired by `now`.
+    pub expired_read: &'a HashSet<String>,
+    /// The time of the round's entries, and what "expired" is decided against.
     pub now: DateTime<Utc>,
 }
 
-/// Decides `ops` for wallet `id`, held at `held` under the lease holding `fence`.
-pub fn decide(id: &WalletId, fence: i64, held: &Held, ops: &[Op], known: Known<'_>) -> Plan {
+/// One wallet's batch in a round: the fence its write carries (the lease's, or under Postgres
+/// alone the row's own), the wallet as its writer holds it, and its movements in arrival order.
+#[derive(Debug, Clone, Copy)]
+pub struct Batch<'a> {
+    pub id: &'a WalletId,
+    pub fence: i64,
+    pub held: &'a Held,
+    pub ops: &'a [Op],
+}
+
+/// Decides every batch of a round: each batch's plan, in the round's order. `Err` names the
+/// wallets one of whose movements was short of funds while something of it is held, and whose
+/// expired holds `known` lacks: nothing of the round may be written; read those and decide again.
+pub fn decide_round(batches: &[Batch<'_>], known: Known<'_>) -> Result<Vec<Plan>, Vec<String>> {
+    let plans: Vec<Plan> = batches.iter().map(|batch| decide(batch, known)).collect();
+    let short: Vec<String> = batches
+        .iter()
+        .zip(&plans)
+        .filter(|(_, plan)| plan.needs_expired)
+        .map(|(batch, _)| batch.id.as_str().to_owned())
+        .collect();
+    if short.is_empty() { Ok(plans) } else { Err(short) }
+}
+
+/// Decides one wallet's batch.
+fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
+    let Batch { id, fence, held, ops } = *batch;
     let now = known.now;
+    let expired_read = known.expired_read.contains(id.as_str());
     let mut funds = held.funds();
     let mut plan = Plan {
         decisions: Vec::with_capacity(ops.len()),
@@ -230,7 +260,7 @@ pub fn decide(id: &WalletId, fence: i64, held: &Held, ops: &[Op], known: Known<'
     };
     // What this batch settled so far, by hold: a second capture of one hold in the batch sees it.
     let mut status_now: HashMap<Uuid, HoldStatus> = HashMap::new();
-    if known.expired_read {
+    if expired_read {
         for hold in known.holds.values().filter(|h| h.wallet_id == id.as_str()) {
             if hold.status == HoldStatus::Held && hold.expires_at <= now {
                 funds.held -= hold.amount;
@@ -351,7 +381,7 @@ pub fn decide(id: &WalletId, fence: i64, held: &Held, ops: &[Op], known: Known<'
                     Moved::Hold { hold, entry: None }
                 })
             }
-            Movement::ReleaseExpired if !known.expired_read => {
+            Movement::ReleaseExpired if !expired_read => {
                 plan.needs_expired = true;
                 return plan;
             }
@@ -362,8 +392,7 @@ pub fn decide(id: &WalletId, fence: i64, held: &Held, ops: &[Op], known: Known<'
         }
         // Short of funds while something is held: the holds that expired may cover it, and only a
         // write that releases them may count on that.
-        if matches!(outcome, Err(Refusal::InsufficientFunds { .. })) && funds.held > 0 && !known.expired_read
-        {
+        if matches!(outcome, Err(Refusal::InsufficientFunds { .. })) && funds.held > 0 && !expired_read {
             plan.needs_expired = true;
             return plan;
         }
@@ -415,4 +444,308 @@ fn standing(
         return Err(Refusal::HoldExpired);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{Amount, HoldLife};
+    use crate::idempotency::{IdempotencyKey, Scope};
+    use proptest::prelude::*;
+
+    const OWNER: &str = "shop";
+
+    fn wallet() -> WalletId {
+        WalletId::parse("w").unwrap()
+    }
+
+    fn amount(n: i64) -> Amount {
+        Amount::new(n).unwrap()
+    }
+
+    fn held(balance: i64, held: i64) -> Held {
+        Held { balance, held, version: 5, fence: 3, owner: Some(Arc::from(OWNER)), from_note: false }
+    }
+
+    fn render(outcome: &MovementOutcome) -> StoredResponse {
+        let body = match outcome {
+            Ok(moved) => moved.entry().map(|entry| entry.amount.to_string()).unwrap_or_default(),
+            Err(refusal) => refusal.code().to_owned(),
+        };
+        StoredResponse { status: 200, content_type: "text/plain".into(), body: body.into_bytes() }
+    }
+
+    fn op(movement: Movement) -> Op {
+        Op { movement, access: Access::own_wallets(OWNER), key: None }
+    }
+
+    /// `movement` with the key `key`, for the request whose fingerprint is all `request`.
+    fn keyed(movement: Movement, key: &str, request: u8) -> Op {
+        let key = Keyed {
+            scope: Scope::wallet(OWNER, &wallet()),
+            key: IdempotencyKey::parse(key.as_bytes()).unwrap(),
+            fingerprint: [request; 32],
+            render,
+        };
+        Op { key: Some(key), ..op(movement) }
+    }
+
+    fn pay(n: i64) -> Movement {
+        Movement::Pay { amount: amount(n), reference: None }
+    }
+
+    fn hold_of(amount: i64, expired: bool, now: DateTime<Utc>) -> Hold {
+        let expires_at = now + chrono::Duration::seconds(if expired { -1 } else { 60 });
+        Hold {
+            id: Uuid::now_v7(),
+            wallet_id: wallet().as_str().to_owned(),
+            amount,
+            captured: 0,
+            status: HoldStatus::Held,
+            expires_at,
+            reference: None,
+            created_at: now,
+            settled_at: None,
+            capture_entry: None,
+            fence: 1,
+        }
+    }
+
+    /// What a round knows, with nothing stored: keys and holds as given.
+    struct World {
+        keys: FoundKeys,
+        holds: HashMap<Uuid, Hold>,
+        expired_read: HashSet<String>,
+        now: DateTime<Utc>,
+    }
+
+    impl World {
+        fn new() -> Self {
+            let now = Utc::now();
+            Self { keys: FoundKeys::new(), holds: HashMap::new(), expired_read: HashSet::new(), now }
+        }
+
+        fn known(&self) -> Known<'_> {
+            Known { keys: &self.keys, holds: &self.holds, expired_read: &self.expired_read, now: self.now }
+        }
+
+        /// Decides one wallet's batch, reading its expired holds when the decision asks for them,
+        /// as the rounds do.
+        fn decide(&mut self, held: &Held, ops: &[Op]) -> Plan {
+            let id = wallet();
+            let batch = Batch { id: &id, fence: 9, held, ops };
+            match decide_round(&[batch], self.known()) {
+                Ok(mut plans) => plans.remove(0),
+                Err(short) => {
+                    assert_eq!(short, vec![id.as_str().to_owned()]);
+                    self.expired_read.insert(id.as_str().to_owned());
+                    decide_round(&[batch], self.known())
+                        .expect("decided once expired holds are read")
+                        .remove(0)
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_payment_that_does_not_fit_is_refused_alone_and_the_rest_go_through() {
+        let plan = World::new().decide(&held(100, 0), &[op(pay(60)), op(pay(50)), op(pay(40))]);
+        assert!(matches!(
+            plan.decisions[1],
+            Decision::Refused(Refusal::InsufficientFunds { available: 40, .. })
+        ));
+        let balances: Vec<i64> = plan.entries.iter().map(|e| e.balance).collect();
+        assert_eq!(balances, [40, 0]);
+        assert_eq!((plan.after.balance, plan.after.version, plan.after.fence), (0, 7, 9));
+    }
+
+    #[test]
+    fn a_key_sent_twice_in_a_batch_runs_once_and_a_key_stored_before_runs_not_at_all() {
+        let mut world = World::new();
+        let ops = [keyed(pay(10), "k", 1), keyed(pay(10), "k", 1), keyed(pay(20), "k", 2)];
+        let plan = world.decide(&held(100, 0), &ops);
+        assert!(matches!(plan.decisions[1], Decision::SameAs(0)), "the double tap waits for the first");
+        assert!(matches!(plan.decisions[2], Decision::Prior(Prior::Reused)), "another request");
+        assert_eq!((plan.entries.len(), plan.responses.len(), plan.after.balance), (1, 1, 90));
+
+        let at = (OWNER.to_owned(), wallet().scope(), "k".to_owned());
+        let response = plan.responses[0].1.clone();
+        world.keys.insert(at, FoundKey { fingerprint: vec![1; 32], response: Some(response.clone()) });
+        let again = world.decide(&held(90, 0), &ops[..1]);
+        assert!(matches!(&again.decisions[0], Decision::Prior(Prior::Replay(r)) if *r == response));
+        assert!(!again.runs(), "nothing to write");
+    }
+
+    #[test]
+    fn a_caller_who_may_not_use_the_wallet_is_told_it_does_not_exist_and_moves_nothing() {
+        let stranger = Op { access: Access::own_wallets("stranger"), ..op(pay(10)) };
+        let plan = World::new().decide(&held(100, 0), &[stranger]);
+        assert!(plan.hides() && !plan.runs());
+        assert_eq!(plan.after, held(100, 0));
+    }
+
+    #[test]
+    fn short_of_funds_while_something_is_held_the_expired_holds_are_read_and_released_first() {
+        let mut world = World::new();
+        let expired = hold_of(70, true, world.now);
+        world.holds.insert(expired.id, expired.clone());
+        let id = wallet();
+        let wallet_held = held(100, 70);
+        let ops = [op(pay(50))];
+        let batch = Batch { id: &id, fence: 9, held: &wallet_held, ops: &ops };
+        assert_eq!(decide_round(&[batch], world.known()).unwrap_err(), vec!["w".to_owned()]);
+        let plan = world.decide(&wallet_held, &ops);
+        assert_eq!(plan.settled, [settled(expired.id, HoldStatus::Expired, 0, None)]);
+        assert_eq!((plan.after.balance, plan.after.held), (50, 0));
+    }
+
+    #[test]
+    fn a_capture_charges_once_and_releases_the_rest() {
+        let mut world = World::new();
+        let hold = hold_of(40, false, world.now);
+        world.holds.insert(hold.id, hold.clone());
+        let capture = Movement::Capture { hold: hold.id, amount: Some(amount(25)) };
+        let plan = world.decide(&held(100, 40), &[op(capture.clone()), op(capture)]);
+        assert!(matches!(plan.decisions[1], Decision::Refused(Refusal::HoldCaptured)));
+        assert_eq!((plan.after.balance, plan.after.held), (75, 0));
+        assert_eq!(plan.entries[0].hold_id, Some(hold.id));
+    }
+
+    /// A movement for the property tests: holds are named by their index among the known ones.
+    #[derive(Debug, Clone)]
+    enum Step {
+        Deposit(i64),
+        Pay(i64),
+        Hold(i64),
+        Capture(usize, Option<i64>),
+        Void(usize),
+        ReleaseExpired,
+        Stranger(i64),
+    }
+
+    /// A step, with a key from a pool of three for one of two requests, or none.
+    type KeyedStep = (Step, Option<(u8, u8)>);
+
+    fn step() -> impl Strategy<Value = KeyedStep> {
+        let step = prop_oneof![
+            (1..500_i64).prop_map(Step::Deposit),
+            (1..500_i64).prop_map(Step::Pay),
+            (1..300_i64).prop_map(Step::Hold),
+            (0..3_usize, proptest::option::of(1..200_i64)).prop_map(|(h, a)| Step::Capture(h, a)),
+            (0..3_usize).prop_map(Step::Void),
+            Just(Step::ReleaseExpired),
+            (1..100_i64).prop_map(Step::Stranger),
+        ];
+        (step, proptest::option::weighted(0.4, (0..3_u8, 1..3_u8)))
+    }
+
+    fn to_op(step: &Step, key: Option<(u8, u8)>, holds: &[Hold]) -> Op {
+        let movement = match *step {
+            Step::Deposit(n) => Movement::Deposit { amount: amount(n) },
+            Step::Pay(n) | Step::Stranger(n) => pay(n),
+            Step::Hold(n) => Movement::Hold { amount: amount(n), life: HoldLife::DEFAULT, reference: None },
+            Step::Capture(h, a) => Movement::Capture { hold: holds[h].id, amount: a.map(amount) },
+            Step::Void(h) => Movement::Void { hold: holds[h].id },
+            Step::ReleaseExpired => Movement::ReleaseExpired,
+        };
+        let op = match key {
+            Some((key, request)) => keyed(movement, &format!("key-{key}"), request),
+            None => op(movement),
+        };
+        match step {
+            Step::Stranger(_) => Op { access: Access::own_wallets("stranger"), ..op },
+            _ => op,
+        }
+    }
+
+    /// A wallet with three holds (each expired or not) within its balance, and a batch for it.
+    fn case() -> impl Strategy<Value = (i64, [(i64, bool); 3], Vec<KeyedStep>)> {
+        let holds = [(1..200_i64, any::<bool>()), (1..200_i64, any::<bool>()), (1..200_i64, any::<bool>())];
+        (0..1_000_i64, holds, proptest::collection::vec(step(), 0..24))
+    }
+
+    /// The money a decided batch moves into the wallet (negative: out), by its accepted movements.
+    fn moved_by(plan: &Plan) -> i64 {
+        plan.entries.iter().map(|e| if e.kind.is_debit() { -e.amount } else { e.amount }).sum()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn a_decided_batch_conserves_money_keeps_what_is_held_and_decides_each_key_once(
+            (spare, hold_specs, steps) in case(),
+        ) {
+            let mut world = World::new();
+            let holds: Vec<Hold> = hold_specs.iter().map(|&(a, expired)| hold_of(a, expired, world.now)).collect();
+            for hold in &holds {
+                world.holds.insert(hold.id, hold.clone());
+            }
+            let reserved: i64 = holds.iter().map(|h| h.amount).sum();
+            let before = held(reserved + spare, reserved);
+            let ops: Vec<Op> = steps.iter().map(|(step, key)| to_op(step, *key, &holds)).collect();
+            let plan = world.decide(&before, &ops);
+
+            // Money is conserved: the balance moves by exactly what the entries say, and each entry
+            // follows the one before it, one version at a time, in the batch's order.
+            prop_assert_eq!(plan.after.balance, before.balance + moved_by(&plan));
+            let mut balance = before.balance;
+            for (n, entry) in plan.entries.iter().enumerate() {
+                balance += if entry.kind.is_debit() { -entry.amount } else { entry.amount };
+                prop_assert_eq!(entry.balance, balance);
+                prop_assert_eq!(entry.version, before.version + n as i64 + 1);
+                prop_assert!(entry.balance >= 0);
+            }
+            let ops_with_entries: Vec<usize> = (0..ops.len()).filter(|&n| plan.entry_of(n).is_some()).collect();
+            prop_assert_eq!(ops_with_entries.len(), plan.entries.len());
+            for (entry, &n) in plan.entries.iter().zip(&ops_with_entries) {
+                prop_assert_eq!(Some(entry), plan.entry_of(n), "entries in the order of their movements");
+            }
+
+            // What is held is what the holds still held reserve, and never more than the balance.
+            let placed: i64 = plan.placed.iter().map(|h| h.amount).sum();
+            let released: i64 = plan.settled.iter().map(|s| world.holds[&s.hold].amount).sum();
+            if plan.runs() {
+                prop_assert_eq!(plan.after.held, before.held + placed - released);
+            }
+            prop_assert!(0 <= plan.after.held && plan.after.held <= plan.after.balance);
+            let settled_ids: HashSet<Uuid> = plan.settled.iter().map(|s| s.hold).collect();
+            prop_assert_eq!(settled_ids.len(), plan.settled.len(), "a hold settles once");
+
+            // A key decides once: one response per key, and only its first request can run.
+            let mut keys_answered = HashSet::new();
+            for (n, _) in &plan.responses {
+                let key = ops[*n].key.as_ref().unwrap().key.as_str();
+                prop_assert!(keys_answered.insert(key), "{} answered twice", key);
+            }
+            let mut first_of_key = HashMap::new();
+            for (n, op) in ops.iter().enumerate() {
+                let Some(key) = &op.key else { continue };
+                if matches!(plan.decisions[n], Decision::Hidden) {
+                    continue;
+                }
+                let first = *first_of_key.entry(key.key.as_str()).or_insert(n);
+                if first != n {
+                    prop_assert!(matches!(plan.decisions[n], Decision::SameAs(_) | Decision::Prior(_)));
+                }
+            }
+
+            // Refusals change nothing: with only the movements that ran (and those refused for an
+            // expired hold, which release it), the same entries and the same wallet.
+            let kept: Vec<Op> = steps
+                .iter()
+                .zip(&plan.decisions)
+                .filter(|(_, d)| {
+                    matches!(d, Decision::Accepted(_) | Decision::Hidden | Decision::Refused(Refusal::HoldExpired))
+                })
+                .map(|((step, key), _)| to_op(step, *key, &holds))
+                .collect();
+            let without = world.decide(&before, &kept);
+            let shape = |plan: &Plan| -> Vec<(EntryKind, i64, i64)> {
+                plan.entries.iter().map(|e| (e.kind, e.amount, e.balance)).collect()
+            };
+            prop_assert_eq!(shape(&without), shape(&plan));
+            prop_assert_eq!((without.after.balance, without.after.held), (plan.after.balance, plan.after.held));
+        }
+    }
 }
