@@ -48,6 +48,10 @@ const CONCURRENT_ROUNDS: usize = 1;
 /// side.
 const CITUS_CONCURRENT_ROUNDS: usize = 8;
 
+/// How long a holder that found its wallet's row busy waits before it tries again (while its
+/// lease lasts: a holder that stays busy longer has lost the wallet to the one writing it).
+pub(super) const BUSY_PAUSE: Duration = Duration::from_millis(10);
+
 /// One wallet's movements for a round, from the holder of its lease.
 #[derive(Debug)]
 pub struct Job {
@@ -75,7 +79,7 @@ pub enum JobOutcome {
     Busy { ops: Vec<Op> },
 }
 
-type Submission = (Job, oneshot::Sender<JobOutcome>);
+type JobWithReply = (Job, oneshot::Sender<JobOutcome>);
 
 /// How the rounds write.
 #[derive(Debug, Clone, Copy)]
@@ -95,7 +99,7 @@ pub struct RoundSettings {
 /// The replica's rounds. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Rounds {
-    jobs: mpsc::UnboundedSender<Submission>,
+    jobs: mpsc::UnboundedSender<JobWithReply>,
 }
 
 impl Rounds {
@@ -128,7 +132,7 @@ fn failed(ops: usize, err: &WalletError) -> JobOutcome {
 /// runs its statements and nothing else, where a pool checkout would add a health-check ping
 /// (one more round trip per round) and its own timeout. `None` until first used and after a failed
 /// round; the next round then takes a fresh connection from the pool.
-type Lane = Option<Kept>;
+type RoundConnection = Option<Kept>;
 
 /// A kept connection, and when it last answered.
 struct Kept {
@@ -148,9 +152,10 @@ async fn gather(
     settings: RoundSettings,
     storage: KnownStorage,
     tracker: TaskTracker,
-    mut queued: mpsc::UnboundedReceiver<Submission>,
+    mut queued: mpsc::UnboundedReceiver<JobWithReply>,
 ) {
-    let (lane_back, mut lanes) = mpsc::channel::<Lane>(CONCURRENT_ROUNDS.max(CITUS_CONCURRENT_ROUNDS));
+    let (lane_back, mut lanes) =
+        mpsc::channel::<RoundConnection>(CONCURRENT_ROUNDS.max(CITUS_CONCURRENT_ROUNDS));
     for _ in 0..CONCURRENT_ROUNDS {
         lane_back.try_send(None).expect("a channel sized for every lane");
     }
@@ -227,11 +232,11 @@ impl Ready {
 /// Runs one round on `lane`'s connection; the lane to keep for the next round.
 async fn run_round(
     db: &PgPool,
-    lane: Lane,
+    lane: RoundConnection,
     settings: RoundSettings,
     storage: Storage,
-    round: Vec<Submission>,
-) -> Lane {
+    round: Vec<JobWithReply>,
+) -> RoundConnection {
     metrics::histogram!(crate::telemetry::metrics::ROUND_WALLETS).record(round.len() as f64);
     let kept = lane.is_some();
     let fresh = lane.as_ref().is_some_and(|lane| lane.answered.elapsed() < LANE_FRESH);
@@ -385,7 +390,7 @@ fn unanswered(waited: Duration) -> sqlx::Error {
 }
 
 /// The lane's connection, or a fresh one from the pool.
-async fn connect(db: &PgPool, lane: Lane) -> Result<PoolConnection<Postgres>, sqlx::Error> {
+async fn connect(db: &PgPool, lane: RoundConnection) -> Result<PoolConnection<Postgres>, sqlx::Error> {
     if let Some(Kept { conn, .. }) = lane {
         return Ok(conn);
     }
@@ -396,7 +401,7 @@ async fn connect(db: &PgPool, lane: Lane) -> Result<PoolConnection<Postgres>, sq
 }
 
 /// Answers every job of a round that failed before writing anything.
-fn answer_all(pending: Vec<Submission>, ready: Vec<Ready>, err: &WalletError) -> Lane {
+fn answer_all(pending: Vec<JobWithReply>, ready: Vec<Ready>, err: &WalletError) -> RoundConnection {
     for (job, reply) in pending {
         let _ = reply.send(failed(job.ops.len(), err));
     }
@@ -410,7 +415,7 @@ fn answer_all(pending: Vec<Submission>, ready: Vec<Ready>, err: &WalletError) ->
 /// the write checks the keys.
 async fn read(
     conn: &mut sqlx::PgConnection,
-    pending: &mut Vec<Submission>,
+    pending: &mut Vec<JobWithReply>,
     ready: &mut Vec<Ready>,
     look_up_keys: bool,
     holds: HoldsToRead<'_>,

@@ -335,7 +335,7 @@ impl Wallets {
                         return fail(batch, &WalletError::LockTimeout { waited });
                     }
                     again = Some(batch);
-                    tokio::time::sleep(super::BUSY_PAUSE).await;
+                    tokio::time::sleep(super::group::BUSY_PAUSE).await;
                     continue;
                 }
                 JobOutcome::Done { held: after, results } => {

@@ -44,12 +44,12 @@ pub(super) enum RoundOutcome {
     NotRun(Vec<Op>),
 }
 
-type Submission = (WalletId, Vec<Op>, oneshot::Sender<RoundOutcome>);
+type BatchWithReply = (WalletId, Vec<Op>, oneshot::Sender<RoundOutcome>);
 
 /// The replica's rounds under Postgres alone. Cheap to clone.
 #[derive(Debug, Clone)]
 pub(super) struct UnleasedRounds {
-    batches: mpsc::UnboundedSender<Submission>,
+    batches: mpsc::UnboundedSender<BatchWithReply>,
 }
 
 impl UnleasedRounds {
@@ -91,7 +91,7 @@ async fn gather(
     retention: Duration,
     storage: KnownStorage,
     tracker: TaskTracker,
-    mut queued: mpsc::UnboundedReceiver<Submission>,
+    mut queued: mpsc::UnboundedReceiver<BatchWithReply>,
 ) {
     loop {
         let first = tokio::select! {
@@ -151,7 +151,7 @@ impl Locked {
 
 /// One round: lock the rows no one else holds, read, decide, write, commit; the batches whose rows
 /// were held come back ([`RoundOutcome::NotRun`]).
-async fn run_round(db: &PgPool, retention: Duration, storage: Storage, round: Vec<Submission>) {
+async fn run_round(db: &PgPool, retention: Duration, storage: Storage, round: Vec<BatchWithReply>) {
     let answer_all = |round: Vec<(oneshot::Sender<RoundOutcome>, usize)>, err: &WalletError| {
         for (reply, ops) in round {
             let _ = reply.send(failed(ops, err));
