@@ -243,15 +243,19 @@ pub async fn read(
 
 /// One wallet's write in a [`commit`]: from the state the holder read (`read_balance`,
 /// `read_held`, `read_version`, `owner`, and `read_fence`, the fence of the row's last writer) to
-/// `version`, `balance` and `held`, under the lease holding `fence`. With no entries (`version == read_version`) it only
-/// checks that the wallet is still as read (and raises its fence), so refusals are stored only
-/// from a state this holder owns.
+/// `version`, `balance` and `held`, under the lease holding `fence`. With no entries (`version ==
+/// read_version`) it only checks that the wallet is still as read (and raises its fence), so
+/// refusals are stored only from a state this holder owns.
 ///
 /// The write matches only a row that is exactly as the holder believes, every field it decided on
 /// included, so the state may come from anywhere (the lease's note, say): a wrong one moves nothing.
-#[derive(Debug, Clone, Copy)]
+/// The wallets of one `group` (the legs of one movement) are written all or none.
+///
+/// Bound as the composite `wallet_write` (migration 0013): its fields in that type's order.
+#[derive(Debug, Clone, Copy, sqlx::Encode)]
 pub struct WalletWrite<'a> {
     pub id: &'a str,
+    pub group: i32,
     pub fence: i64,
     pub read_fence: i64,
     pub read_version: i64,
@@ -264,8 +268,8 @@ pub struct WalletWrite<'a> {
 }
 
 /// A hold's settlement in a [`commit`]: `captured` (with what it charged and its `pay` entry),
-/// `voided` or `expired`, written with its wallet.
-#[derive(Debug, Clone, Copy)]
+/// `voided` or `expired`, written with its wallet. Bound as the composite `hold_settled`.
+#[derive(Debug, Clone, Copy, sqlx::Encode)]
 pub struct Settlement<'a> {
     pub hold: Uuid,
     pub wallet_id: &'a str,
@@ -304,86 +308,165 @@ pub struct Committed {
     pub moved: HashSet<String>,
     /// The wallets whose row another statement had locked right then: nothing of them was
     /// written, and they may be tried again while the lease lasts. A wallet in neither set was
-    /// written by another holder since this one read it: nothing of it was written.
+    /// written by another holder since this one read it (or is of a group one of whose wallets
+    /// was): nothing of it was written.
     pub busy: HashSet<String>,
 }
 
-/// [`commit`]'s statement, in two pieces around the holds it places and settles.
-// language=PostgreSQL
-const COMMIT_WALLETS: &str = r#"with locked as (
-               select id from wallet where id = any($1::text[]) order by id for update skip locked
-           ),
-           moved as (
-               update wallet w set balance = b.balance, version = b.version, fence = b.fence,
-                                   held = b.held, updated_at = now()
-               from locked
-               join unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $25::int8[],
-                           $26::int8[], $27::text[], $28::int8[], $29::int8[])
-                   as b(id, fence, read_version, balance, version, read_fence, read_balance, owner,
-                        read_held, held)
-                   on b.id = locked.id
-               where w.id = locked.id and w.fence = b.read_fence and w.version = b.read_version
-                 and w.balance = b.read_balance and w.held = b.read_held
-                 and w.owner is not distinct from b.owner
-               returning w.id
-           ),
-"#;
-// language=PostgreSQL
-const COMMIT_HOLDS: &str = r#"           placed as (
+/// An entry as the composite `entry_write` binds it.
+#[derive(sqlx::Encode)]
+struct EntryRow<'a> {
+    id: Uuid,
+    wallet_id: &'a str,
+    seq: i64,
+    kind: super::EntryKind,
+    amount: i64,
+    balance_after: i64,
+    fence: i64,
+    reference: Option<&'a str>,
+    hold_id: Option<Uuid>,
+    transfer_id: Option<Uuid>,
+    refund_of: Option<Uuid>,
+}
+
+impl<'a> From<&'a Entry> for EntryRow<'a> {
+    fn from(e: &'a Entry) -> Self {
+        EntryRow {
+            id: e.id,
+            wallet_id: &e.wallet_id,
+            seq: e.version,
+            kind: e.kind,
+            amount: e.amount,
+            balance_after: e.balance,
+            fence: e.fence,
+            reference: e.reference.as_deref(),
+            hold_id: e.hold_id,
+            transfer_id: e.transfer_id,
+            refund_of: e.refund_of,
+        }
+    }
+}
+
+/// A hold placed, as the composite `hold_placed` binds it.
+#[derive(sqlx::Encode)]
+struct PlacedRow<'a> {
+    id: Uuid,
+    wallet_id: &'a str,
+    amount: i64,
+    expires_at: DateTime<Utc>,
+    reference: Option<&'a str>,
+    fence: i64,
+}
+
+/// A key's response, as the composite `key_write` binds it.
+#[derive(sqlx::Encode)]
+struct KeyRow<'a> {
+    depends_on: &'a str,
+    wallet_id: &'a str,
+    caller: &'a str,
+    scope: &'a str,
+    key: &'a str,
+    fingerprint: &'a [u8],
+    status: i16,
+    content_type: &'a str,
+    body: &'a [u8],
+    entry_id: Option<Uuid>,
+}
+
+/// Declares that `$ty` binds as the composite type `$name` (and arrays of it as `$name[]`), which
+/// migration 0013 creates: sqlx resolves the name once per connection.
+macro_rules! composite {
+    ($ty:ty, $name:literal) => {
+        impl sqlx::Type<sqlx::Postgres> for $ty {
+            fn type_info() -> sqlx::postgres::PgTypeInfo {
+                sqlx::postgres::PgTypeInfo::with_name($name)
+            }
+        }
+        impl sqlx::postgres::PgHasArrayType for $ty {
+            fn array_type_info() -> sqlx::postgres::PgTypeInfo {
+                sqlx::postgres::PgTypeInfo::array_of($name)
+            }
+        }
+    };
+}
+composite!(WalletWrite<'_>, "wallet_write");
+composite!(Settlement<'_>, "hold_settled");
+composite!(EntryRow<'_>, "entry_write");
+composite!(PlacedRow<'_>, "hold_placed");
+composite!(KeyRow<'_>, "key_write");
+
+/// The compare-and-set of every wallet write, on one Postgres and under Citus alike: the row `l`
+/// as locked is exactly the state `b` was decided from.
+const MATCHES_AS_READ: &str = "l.fence = b.read_fence and l.version = b.read_version \
+     and l.balance = b.read_balance and l.held = b.read_held and l.owner is not distinct from b.owner";
+
+/// [`commit`]'s statement on one Postgres: the wallets' compare-and-set, then whatever the wallets
+/// that matched bring. `{holds}` is the holds' two CTEs, or nothing for a round without holds
+/// (nearly every round): Postgres plans, opens and locks every relation a statement names, whether
+/// or not a row goes there (with them, 10 relation locks a round; without, 6).
+fn commit_statement(with_holds: bool) -> String {
+    // language=PostgreSQL
+    let holds = r#"
+           placed as (
                insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at)
-               select p.id, p.wallet_id, p.amount, p.expires_at, p.reference, p.fence, $13
-               from unnest($31::uuid[], $32::text[], $33::int8[], $34::timestamptz[], $35::text[],
-                           $36::int8[])
-                   as p(id, wallet_id, amount, expires_at, reference, fence)
+               select p.id, p.wallet_id, p.amount, p.expires_at, p.reference, p.fence, $6
+               from unnest($3::hold_placed[]) as p
                where p.wallet_id in (select id from moved)
            ),
            settled as (
                update hold h set status = s.status, captured = s.captured,
-                                 capture_entry = s.capture_entry, settled_at = $13
-               from unnest($37::uuid[], $38::text[], $39::text[], $40::int8[], $41::uuid[])
-                   as s(id, wallet_id, status, captured, capture_entry)
+                                 capture_entry = s.capture_entry, settled_at = $6
+               from unnest($4::hold_settled[]) as s
                where h.id = s.id and h.wallet_id = s.wallet_id
                  and s.wallet_id in (select id from moved)
+           ),"#;
+    // language=PostgreSQL
+    format!(
+        r#"with b as (
+               select * from unnest($1::wallet_write[])
            ),
-"#;
-// language=PostgreSQL
-const COMMIT_ENTRIES_AND_KEYS: &str = r#"           entries as (
+           locked as (
+               select id, fence, version, balance, held, owner from wallet
+               where id = any(array(select id from b)) order by id for update skip locked
+           ),
+           matched as (
+               select b.grp from b left join locked l on l.id = b.id
+               group by b.grp
+               having bool_and(l.id is not null and {MATCHES_AS_READ})
+           ),
+           moved as (
+               update wallet w set balance = b.balance, version = b.version, fence = b.fence,
+                                   held = b.held, updated_at = now()
+               from b
+               where w.id = b.id and b.grp in (select grp from matched)
+               returning w.id
+           ),{holds}
+           entries as (
                insert into ledger_entry
                    (id, wallet_id, seq, kind, amount, balance_after, fence, reference, hold_id,
-                    created_at)
+                    transfer_id, refund_of, created_at)
                select e.id, e.wallet_id, e.seq, e.kind, e.amount, e.balance_after, e.fence,
-                      e.reference, e.hold_id, $13
-               from unnest($6::uuid[], $7::text[], $8::int8[], $9::text[], $10::int8[], $11::int8[],
-                           $12::int8[], $14::text[], $30::uuid[])
-                   as e(id, wallet_id, seq, kind, amount, balance_after, fence, reference, hold_id)
+                      e.reference, e.hold_id, e.transfer_id, e.refund_of, $6
+               from unnest($2::entry_write[]) as e
                where e.wallet_id in (select id from moved)
            ),
            keys as (
                insert into idempotency_key (wallet_id, caller, scope, key, fingerprint, status,
                                             content_type, body, entry_id, expires_at)
-               select k.placed_with, k.caller, k.scope, k.key, k.fingerprint, k.status,
-                      k.content_type, k.body, k.entry_id, now() + make_interval(secs => $24)
-               from unnest($15::text[], $16::text[], $17::text[], $18::text[], $19::bytea[],
-                           $20::int2[], $21::text[], $22::bytea[], $23::uuid[], $42::text[])
-                   as k(wallet_id, caller, scope, key, fingerprint, status, content_type, body,
-                        entry_id, placed_with)
-               where k.wallet_id in (select id from moved)
+               select k.wallet_id, k.caller, k.scope, k.key, k.fingerprint, k.status,
+                      k.content_type, k.body, k.entry_id, now() + make_interval(secs => $7)
+               from unnest($5::key_write[]) as k
+               where k.depends_on in (select id from moved)
            )
            select id, true as moved from moved
            union all
-           select b.id, false from unnest($1::text[]) as b(id) where b.id not in (select id from locked)"#;
+           select b.id, false from b where b.id not in (select id from locked)"#,
+        holds = if with_holds { holds } else { "" },
+    )
+}
 
-/// The whole statement, for a round that places or settles a hold.
-static COMMIT: LazyLock<String> =
-    LazyLock::new(|| format!("{COMMIT_WALLETS}{COMMIT_HOLDS}{COMMIT_ENTRIES_AND_KEYS}"));
-
-/// The statement without the holds' two CTEs, for a round of payments, deposits and refunds
-/// alone (nearly every round). Postgres plans, opens and locks every relation a statement names,
-/// whether or not a row goes there: with the holds' CTEs a round took 10 relation locks, the hold
-/// table and its three indexes among them; without, 6. Its parameters keep their numbers (the
-/// holds' are bound, empty, and unused; sqlx declares every parameter's type).
-static COMMIT_WITHOUT_HOLDS: LazyLock<String> =
-    LazyLock::new(|| format!("{COMMIT_WALLETS}{COMMIT_ENTRIES_AND_KEYS}"));
+static COMMIT: LazyLock<String> = LazyLock::new(|| commit_statement(true));
+static COMMIT_WITHOUT_HOLDS: LazyLock<String> = LazyLock::new(|| commit_statement(false));
 
 /// Writes a round in one statement (see the module doc).
 ///
@@ -400,57 +483,33 @@ pub async fn commit(
     if storage == Storage::Citus {
         return Box::pin(commit_routed(conn, write, created_at, retention)).await;
     }
-    let w = &write.wallets;
-    let e = &write.entries;
-    let k = &write.keys;
     let statement = if write.placed.is_empty() && write.settled.is_empty() {
         COMMIT_WITHOUT_HOLDS.as_str()
     } else {
         COMMIT.as_str()
     };
-    let rows = sqlx::query(statement)
-        .bind(w.iter().map(|w| w.id).collect::<Vec<_>>())
-        .bind(w.iter().map(|w| w.fence).collect::<Vec<_>>())
-        .bind(w.iter().map(|w| w.read_version).collect::<Vec<_>>())
-        .bind(w.iter().map(|w| w.balance).collect::<Vec<_>>())
-        .bind(w.iter().map(|w| w.version).collect::<Vec<_>>())
-        .bind(e.iter().map(|e| e.id).collect::<Vec<_>>())
-        .bind(e.iter().map(|e| e.wallet_id.as_str()).collect::<Vec<_>>())
-        .bind(e.iter().map(|e| e.version).collect::<Vec<_>>())
-        .bind(e.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>())
-        .bind(e.iter().map(|e| e.amount).collect::<Vec<_>>())
-        .bind(e.iter().map(|e| e.balance).collect::<Vec<_>>())
-        .bind(e.iter().map(|e| e.fence).collect::<Vec<_>>())
+    let entries: Vec<EntryRow<'_>> = write.entries.iter().map(|&e| e.into()).collect();
+    let placed: Vec<PlacedRow<'_>> = write
+        .placed
+        .iter()
+        .map(|h| PlacedRow {
+            id: h.id,
+            wallet_id: &h.wallet_id,
+            amount: h.amount,
+            expires_at: h.expires_at,
+            reference: h.reference.as_deref(),
+            fence: h.fence,
+        })
+        .collect();
+    let keys: Vec<KeyRow<'_>> = write.keys.iter().map(key_row).collect();
+    let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
+        .bind(&write.wallets)
+        .bind(&entries)
+        .bind(&placed)
+        .bind(&write.settled)
+        .bind(&keys)
         .bind(created_at)
-        .bind(e.iter().map(|e| e.reference.as_deref()).collect::<Vec<_>>())
-        .bind(k.iter().map(|k| k.wallet_id).collect::<Vec<_>>())
-        .bind(k.iter().map(|k| k.at.caller).collect::<Vec<_>>())
-        .bind(k.iter().map(|k| k.at.scope).collect::<Vec<_>>())
-        .bind(k.iter().map(|k| k.at.key).collect::<Vec<_>>())
-        .bind(k.iter().map(|k| k.fingerprint).collect::<Vec<_>>())
-        .bind(k.iter().map(|k| k.response.status as i16).collect::<Vec<_>>())
-        .bind(k.iter().map(|k| k.response.content_type.as_str()).collect::<Vec<_>>())
-        .bind(k.iter().map(|k| k.response.body.as_slice()).collect::<Vec<_>>())
-        .bind(k.iter().map(|k| k.entry_id).collect::<Vec<_>>())
         .bind(retention.as_secs_f64())
-        .bind(w.iter().map(|w| w.read_fence).collect::<Vec<_>>())
-        .bind(w.iter().map(|w| w.read_balance).collect::<Vec<_>>())
-        .bind(w.iter().map(|w| w.owner).collect::<Vec<_>>())
-        .bind(w.iter().map(|w| w.read_held).collect::<Vec<_>>())
-        .bind(w.iter().map(|w| w.held).collect::<Vec<_>>())
-        .bind(e.iter().map(|e| e.hold_id).collect::<Vec<_>>())
-        .bind(write.placed.iter().map(|h| h.id).collect::<Vec<_>>())
-        .bind(write.placed.iter().map(|h| h.wallet_id.as_str()).collect::<Vec<_>>())
-        .bind(write.placed.iter().map(|h| h.amount).collect::<Vec<_>>())
-        .bind(write.placed.iter().map(|h| h.expires_at).collect::<Vec<_>>())
-        .bind(write.placed.iter().map(|h| h.reference.as_deref()).collect::<Vec<_>>())
-        .bind(write.placed.iter().map(|h| h.fence).collect::<Vec<_>>())
-        .bind(write.settled.iter().map(|s| s.hold).collect::<Vec<_>>())
-        .bind(write.settled.iter().map(|s| s.wallet_id).collect::<Vec<_>>())
-        .bind(write.settled.iter().map(|s| s.status.as_str()).collect::<Vec<_>>())
-        .bind(write.settled.iter().map(|s| s.captured).collect::<Vec<_>>())
-        .bind(write.settled.iter().map(|s| s.capture_entry).collect::<Vec<_>>())
-        .bind(k.iter().map(|k| k.at.wallet).collect::<Vec<_>>())
         .fetch_all(conn)
         .await?;
     let mut committed = Committed::default();
@@ -465,6 +524,21 @@ pub async fn commit(
     Ok(committed)
 }
 
+fn key_row<'a>(k: &KeyWrite<'a>) -> KeyRow<'a> {
+    KeyRow {
+        depends_on: k.wallet_id,
+        wallet_id: k.at.wallet,
+        caller: k.at.caller,
+        scope: k.at.scope,
+        key: k.at.key,
+        fingerprint: k.fingerprint,
+        status: k.response.status as i16,
+        content_type: &k.response.content_type,
+        body: &k.response.body,
+        entry_id: k.entry_id,
+    }
+}
+
 impl StoreError {
     /// Another holder stored one of the round's idempotency keys first (see [`commit`]).
     pub fn is_key_conflict(&self) -> bool {
@@ -474,52 +548,74 @@ impl StoreError {
 }
 
 /// [`commit`] under Citus: the same writes, as a transaction of statements each of which Citus
-/// routes to the node holding the wallet (a round there is one wallet, see `crate::wallet::group`),
-/// so it commits on that node alone, without two-phase commit. The one-statement commit would not
-/// do: Citus plans its writable CTEs apart and ships their results to every node. Each wallet's
-/// row is locked (`SKIP LOCKED`: a busy row is left out, as in [`commit`]) and written with the
-/// same compare-and-set; the entries, holds and keys of the wallets that matched follow, and a
-/// key stored meanwhile fails the transaction whole, as it fails [`commit`]'s statement.
+/// routes to the node holding the wallet (a round there is one job, see `crate::wallet::group`),
+/// so a wallet's write commits on that node alone, without two-phase commit. The one-statement
+/// commit would not do: Citus plans its writable CTEs apart and ships their results to every node.
+/// Each wallet's row is locked (`SKIP LOCKED`: a busy row is left out, as in [`commit`]) and
+/// written with the same compare-and-set ([`MATCHES_AS_READ`]); the entries, holds and keys follow
+/// once every wallet of the job matched, and a key stored meanwhile fails the transaction whole,
+/// as it fails [`commit`]'s statement. A wallet that did not match leaves the job unwritten: the
+/// transaction is rolled back, so the legs of a movement are written all or none here too.
 async fn commit_routed(
     conn: &mut PgConnection,
     write: &GroupWrite<'_>,
     created_at: DateTime<Utc>,
     retention: Duration,
 ) -> Result<Committed, StoreError> {
+    static WRITE_ONE: LazyLock<String> = LazyLock::new(|| {
+        // language=PostgreSQL
+        format!(
+            r#"with locked as (
+                   select id, fence, version, balance, held, owner from wallet
+                   where id = $1 for update skip locked
+               ),
+               b as (
+                   select * from (values ($2::int8, $3::int8, $4::int8, $5::int8, $6::int8, $7::text,
+                                          $8::int8, $9::int8, $10::int8))
+                       as b(fence, read_fence, read_version, read_balance, read_held, owner,
+                            balance, held, version)
+               ),
+               moved as (
+                   update wallet w set balance = b.balance, version = b.version, fence = b.fence,
+                                       held = b.held, updated_at = now()
+                   from locked l, b
+                   where w.id = l.id and w.id = $1 and {MATCHES_AS_READ}
+                   returning w.id
+               )
+               select exists (select from locked) as locked, exists (select from moved) as moved"#
+        )
+    });
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     let mut committed = Committed::default();
     for w in &write.wallets {
-        let row = sqlx::query(
-            // language=PostgreSQL
-            r#"with locked as (
-                   select id from wallet where id = $1 for update skip locked
-               ),
-               moved as (
-                   update wallet w set balance = $4, version = $5, fence = $2, held = $10,
-                                       updated_at = now()
-                   from locked
-                   where w.id = locked.id and w.id = $1 and w.fence = $6 and w.version = $3
-                     and w.balance = $7 and w.held = $9 and w.owner is not distinct from $8
-                   returning w.id
-               )
-               select exists (select from locked) as locked, exists (select from moved) as moved"#,
-        )
-        .bind(w.id)
-        .bind(w.fence)
-        .bind(w.read_version)
-        .bind(w.balance)
-        .bind(w.version)
-        .bind(w.read_fence)
-        .bind(w.read_balance)
-        .bind(w.owner)
-        .bind(w.read_held)
-        .bind(w.held)
-        .fetch_one(&mut *tx)
-        .await?;
+        let row = sqlx::query(sqlx::AssertSqlSafe(WRITE_ONE.as_str()))
+            .bind(w.id)
+            .bind(w.fence)
+            .bind(w.read_fence)
+            .bind(w.read_version)
+            .bind(w.read_balance)
+            .bind(w.read_held)
+            .bind(w.owner)
+            .bind(w.balance)
+            .bind(w.held)
+            .bind(w.version)
+            .fetch_one(&mut *tx)
+            .await?;
         if row.try_get("moved")? {
             committed.moved.insert(w.id.to_owned());
         } else if !row.try_get::<bool, _>("locked")? {
             committed.busy.insert(w.id.to_owned());
+        }
+    }
+    if committed.moved.len() < write.wallets.len() {
+        // A wallet that did not match leaves its whole group unwritten (a job's wallets are one
+        // group or each their own; a job of one wallet is the common case).
+        let unmatched: HashSet<i32> =
+            write.wallets.iter().filter(|w| !committed.moved.contains(w.id)).map(|w| w.group).collect();
+        if write.wallets.iter().any(|w| committed.moved.contains(w.id) && unmatched.contains(&w.group)) {
+            tx.rollback().await?;
+            committed.moved.clear();
+            return Ok(committed);
         }
     }
     let moved = |wallet: &str| committed.moved.contains(wallet);
@@ -530,12 +626,12 @@ async fn commit_routed(
     if !entries.is_empty() {
         let mut insert = QueryBuilder::new(
             "insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence, reference, \
-             hold_id, created_at) ",
+             hold_id, transfer_id, refund_of, created_at) ",
         );
         insert.push_values(&entries, |mut row, e| {
             row.push_bind(e.id).push_bind(&e.wallet_id).push_bind(e.version).push_bind(e.kind);
             row.push_bind(e.amount).push_bind(e.balance).push_bind(e.fence).push_bind(&e.reference);
-            row.push_bind(e.hold_id).push_bind(created_at);
+            row.push_bind(e.hold_id).push_bind(e.transfer_id).push_bind(e.refund_of).push_bind(created_at);
         });
         insert.build().execute(&mut *tx).await?;
     }

@@ -491,8 +491,11 @@ fn group_write<'a>(batches: &[Batch<'a>], plans: &'a [Plan]) -> GroupWrite<'a> {
 pub(super) fn add_wallet<'a>(write: &mut GroupWrite<'a>, batch: &Batch<'a>, plan: &'a Plan) {
     let Batch { id, fence, held, ops } = *batch;
     let id = id.as_str();
+    // A batch is one wallet's, written on its own: a group of its own.
+    let group = write.wallets.len() as i32;
     write.wallets.push(WalletWrite {
         id,
+        group,
         fence,
         read_fence: held.fence,
         read_version: held.version,

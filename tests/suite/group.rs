@@ -39,8 +39,10 @@ fn payment(id: &WalletId, fence: i64, version: i64, amount: i64, balance: i64) -
 /// `fence`: a payment of 10.
 fn first_writes(ids: &[WalletId], fence: i64) -> Vec<WalletWrite<'_>> {
     ids.iter()
-        .map(|id| WalletWrite {
+        .enumerate()
+        .map(|(n, id)| WalletWrite {
             id: id.as_str(),
+            group: n as i32,
             fence,
             read_fence: 0,
             read_version: 1,
@@ -121,6 +123,41 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
 }
 
 #[tokio::test]
+async fn the_wallets_of_one_group_are_written_all_or_none() {
+    let env = TestEnv::new();
+    let (_schema, db) = env.database(2).await;
+    let ids = [wallet_with(&db, 100).await, wallet_with(&db, 100).await, wallet_with(&db, 100).await];
+    let mut conn = db.acquire().await.unwrap();
+    // A newer holder writes the second wallet first.
+    let newer_entry = payment(&ids[1], 6, 2, 10, 90);
+    let newer = GroupWrite {
+        wallets: first_writes(&ids[1..2], 6),
+        entries: vec![&newer_entry],
+        ..Default::default()
+    };
+    let now = chrono::Utc::now();
+    group::commit(&mut conn, Storage::OnePostgres, &newer, now, Duration::from_secs(60)).await.unwrap();
+
+    // The first two wallets are the legs of one movement, the third a group of its own: the stale
+    // second leg leaves the first unwritten too, and the third is written.
+    let entries: Vec<Entry> = ids.iter().map(|id| payment(id, 5, 2, 10, 90)).collect();
+    let mut wallets = first_writes(&ids, 5);
+    wallets[1].group = wallets[0].group;
+    let write = GroupWrite { wallets, entries: entries.iter().collect(), ..Default::default() };
+    let committed =
+        group::commit(&mut conn, Storage::OnePostgres, &write, now, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(committed.moved, [ids[2].as_str().to_owned()].into(), "{committed:?}");
+    assert!(committed.busy.is_empty(), "{committed:?}");
+    let pays: Vec<i64> = futures::future::join_all(ids.iter().map(|id| books(&db, id.as_str())))
+        .await
+        .into_iter()
+        .map(|books| books.pays)
+        .collect();
+    assert_eq!(pays, [0, 1, 1], "the first leg is not written without the second");
+    assert_eq!(books(&db, ids[0].as_str()).await.balance, 100);
+}
+
+#[tokio::test]
 async fn a_round_leaves_out_a_wallet_whose_row_another_statement_holds_and_writes_the_others() {
     let env = TestEnv::new();
     let (_schema, db) = env.database(2).await;
@@ -131,8 +168,10 @@ async fn a_round_leaves_out_a_wallet_whose_row_another_statement_holds_and_write
     let entries: Vec<Entry> = ids.iter().map(|id| payment(id, 5, 2, 10, 90)).collect();
     let wallets = ids
         .iter()
-        .map(|id| WalletWrite {
+        .enumerate()
+        .map(|(n, id)| WalletWrite {
             id: id.as_str(),
+            group: n as i32,
             fence: 5,
             read_fence: 0,
             read_version: 1,
@@ -272,6 +311,7 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                             entries.push(payment(id, fence, read.version + 1, 1, read.balance - 1));
                             wallets.push(WalletWrite {
                                 id: id.as_str(),
+                                group: wallets.len() as i32,
                                 fence,
                                 read_fence,
                                 read_version: read.version,
