@@ -4,9 +4,10 @@
 //! Each runs as one transaction of the caller's (see `crate::wallet::transfer`): [`lock_wallets`]
 //! locks every wallet it touches in id order (`FOR UPDATE`, bounded by a local `lock_timeout`), so
 //! two transactions over the same wallets never deadlock; what it reads is then the truth until
-//! commit, and [`write_wallets`] writes each row conditionally on its own lease's fence and the
-//! version read. The entries, the transfer row and the idempotent response are written in the same
-//! transaction, so a transfer is both legs and its record, or nothing.
+//! commit, and the rounds' one write ([`super::group::commit`]) writes each row conditionally on
+//! the state read and its own lease's fence, with the entries and the idempotent response. The
+//! transfer row goes in the same transaction, so a transfer is both legs and its record, or
+//! nothing.
 
 use super::group::FoundKey;
 use super::idempotency::{KeyRef, StoredResponse};
@@ -39,7 +40,7 @@ pub struct LockedWallet {
 /// the former on to the workers whose rows the transaction locks (`citus.propagate_set_commands`,
 /// see `crate::config`), where the waiting happens.
 ///
-/// With its rows locked here, a later write of several wallets ([`write_wallets`]) waits for no
+/// With its rows locked here, a later write of several wallets ([`super::group::commit`]) waits for no
 /// row lock, so it needs no other guard against deadlock. Citus would add one: by default it
 /// lets one statement writing several shards at a time touch a shard (a lock per shard on the
 /// coordinator, held to commit), which made every transfer wait for any other whose wallets
@@ -103,72 +104,6 @@ fn locked_rows(rows: &[sqlx::postgres::PgRow]) -> Result<HashMap<String, LockedW
             Ok((row.try_get("id")?, locked))
         })
         .collect()
-}
-
-/// One wallet's write: from the row as locked (`read_fence`, `read_version`) to `fence` (a lease's,
-/// above the row's; or the row's own, under Postgres alone), `version` and `balance`.
-#[derive(Debug, Clone, Copy)]
-pub struct WalletWrite<'a> {
-    pub id: &'a str,
-    pub fence: i64,
-    pub read_fence: i64,
-    pub read_version: i64,
-    pub balance: i64,
-    pub version: i64,
-}
-
-/// Writes `writes` in one statement; returns how many rows matched their fence and version. The
-/// caller locked the rows ([`lock_wallets`]), so fewer than all means a bug or a holder it did not
-/// know of: it must roll back.
-///
-/// `w.id = any($1)` repeats the join's condition for Citus, which picks the shards a statement
-/// goes to from conditions on the distribution column and cannot from a join with `unnest`: without
-/// it the statement went to every shard of `wallet`.
-pub async fn write_wallets(tx: &mut PgConnection, writes: &[WalletWrite<'_>]) -> Result<usize, StoreError> {
-    let written = sqlx::query(
-        // language=PostgreSQL
-        r#"update wallet w
-           set fence = c.fence, balance = c.balance, version = c.version, updated_at = now()
-           from unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[])
-               as c(id, fence, read_version, balance, version, read_fence)
-           where w.id = any($1) and w.id = c.id and w.fence = c.read_fence and c.fence >= c.read_fence
-             and w.version = c.read_version"#,
-    )
-    .bind(writes.iter().map(|w| w.id).collect::<Vec<_>>())
-    .bind(writes.iter().map(|w| w.fence).collect::<Vec<_>>())
-    .bind(writes.iter().map(|w| w.read_version).collect::<Vec<_>>())
-    .bind(writes.iter().map(|w| w.balance).collect::<Vec<_>>())
-    .bind(writes.iter().map(|w| w.version).collect::<Vec<_>>())
-    .bind(writes.iter().map(|w| w.read_fence).collect::<Vec<_>>())
-    .execute(tx)
-    .await?;
-    Ok(written.rows_affected() as usize)
-}
-
-/// Appends `entries` (each with its wallet, version, fence, links and time) to the ledger.
-pub async fn insert_entries(tx: &mut PgConnection, entries: &[&Entry]) -> Result<(), StoreError> {
-    sqlx::query(
-        // language=PostgreSQL
-        r#"insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence,
-                                     reference, transfer_id, refund_of, created_at)
-           select * from unnest($1::uuid[], $2::text[], $3::int8[], $4::text[], $5::int8[],
-                                $6::int8[], $7::int8[], $8::text[], $9::uuid[], $10::uuid[],
-                                $11::timestamptz[])"#,
-    )
-    .bind(entries.iter().map(|e| e.id).collect::<Vec<_>>())
-    .bind(entries.iter().map(|e| e.wallet_id.as_str()).collect::<Vec<_>>())
-    .bind(entries.iter().map(|e| e.version).collect::<Vec<_>>())
-    .bind(entries.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>())
-    .bind(entries.iter().map(|e| e.amount).collect::<Vec<_>>())
-    .bind(entries.iter().map(|e| e.balance).collect::<Vec<_>>())
-    .bind(entries.iter().map(|e| e.fence).collect::<Vec<_>>())
-    .bind(entries.iter().map(|e| e.reference.as_deref()).collect::<Vec<_>>())
-    .bind(entries.iter().map(|e| e.transfer_id).collect::<Vec<_>>())
-    .bind(entries.iter().map(|e| e.refund_of).collect::<Vec<_>>())
-    .bind(entries.iter().map(|e| e.created_at).collect::<Vec<_>>())
-    .execute(tx)
-    .await?;
-    Ok(())
 }
 
 /// Money from one wallet to another, as stored: the transfer and its two legs.
@@ -352,38 +287,6 @@ pub async fn find_key(tx: &mut PgConnection, at: KeyRef<'_>) -> Result<Option<Fo
         _ => None,
     };
     Ok(Some(FoundKey { fingerprint: row.try_get("fingerprint")?, response }))
-}
-
-/// Stores `response` for the key at `at`, pointing at `entry_id` when it reports moved money.
-/// Fails with a unique violation ([`StoreError::is_key_conflict`]) if another request stored the
-/// key since [`find_key`] looked: roll back and look again.
-pub async fn store_key(
-    tx: &mut PgConnection,
-    at: KeyRef<'_>,
-    fingerprint: &[u8],
-    response: &StoredResponse,
-    entry_id: Option<Uuid>,
-    retention: Duration,
-) -> Result<(), StoreError> {
-    sqlx::query(
-        // language=PostgreSQL
-        r#"insert into idempotency_key (wallet_id, caller, scope, key, fingerprint, status, content_type,
-                                        body, entry_id, expires_at)
-           values ($10, $1, $2, $3, $4, $5, $6, $7, $8, now() + make_interval(secs => $9))"#,
-    )
-    .bind(at.caller)
-    .bind(at.scope)
-    .bind(at.key)
-    .bind(fingerprint)
-    .bind(response.status as i16)
-    .bind(&response.content_type)
-    .bind(&response.body)
-    .bind(entry_id)
-    .bind(retention.as_secs_f64())
-    .bind(at.wallet)
-    .execute(tx)
-    .await?;
-    Ok(())
 }
 
 impl StoreError {

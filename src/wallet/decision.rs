@@ -19,7 +19,7 @@
 //! afterwards, whatever its clock says.
 
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
-use crate::domain::{FenceStanding, Funds, HoldStatus, capture_amount};
+use crate::domain::{Amount, FenceStanding, Funds, HoldStatus, capture_amount};
 use crate::idempotency::{Keyed, Prior};
 use crate::ledger::group::FoundKey;
 use crate::ledger::hold::Hold;
@@ -420,6 +420,74 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
     plan
 }
 
+/// One leg of a movement of money between wallets, against its wallet as its writer holds it:
+/// `amount` out of the wallet (`debit`) or into it, written under `fence`.
+#[derive(Debug, Clone, Copy)]
+pub struct Leg<'a> {
+    pub wallet: &'a WalletId,
+    pub funds: Funds,
+    pub version: i64,
+    pub fence: i64,
+    pub amount: Amount,
+    pub debit: bool,
+}
+
+impl Leg<'_> {
+    /// What the leg moves into its wallet: negative for a debit.
+    pub fn signed(&self) -> i64 {
+        if self.debit { -self.amount.get() } else { self.amount.get() }
+    }
+}
+
+/// What a movement's entries say of it besides their legs.
+#[derive(Debug, Clone, Copy)]
+pub struct Links<'a> {
+    /// The movement the entries are legs of (a transfer's id).
+    pub movement: Option<Uuid>,
+    pub reference: Option<&'a str>,
+    /// The `pay` entry a `refund` entry returns money for.
+    pub refund_of: Option<Uuid>,
+    pub now: DateTime<Utc>,
+}
+
+/// Decides a movement of money: each debit leg must be covered by its wallet's available balance
+/// (what no hold reserves), each credit held by its balance without overflow. The entries, one a
+/// leg, in the legs' order (`out` for a debit, `into` for a credit); or the first leg that
+/// cannot be, and why, and then nothing of the movement applies. A movement of two or more legs
+/// moves money between its wallets: its legs sum to zero, which the caller has checked.
+pub fn decide_legs(
+    legs: &[Leg<'_>],
+    (out, into): (EntryKind, EntryKind),
+    links: Links<'_>,
+) -> Result<Vec<Entry>, (usize, Refusal)> {
+    debug_assert!(legs.len() < 2 || legs.iter().map(Leg::signed).sum::<i64>() == 0);
+    legs.iter()
+        .enumerate()
+        .map(|(n, leg)| {
+            let (kind, balance) = if leg.debit {
+                (out, leg.funds.pay(leg.amount))
+            } else {
+                (into, leg.funds.deposit(leg.amount))
+            };
+            let balance = balance.map_err(|refusal| (n, refusal))?;
+            Ok(Entry {
+                id: ledger::new_entry_id(),
+                wallet_id: leg.wallet.as_str().to_owned(),
+                kind,
+                amount: leg.amount.get(),
+                balance,
+                version: leg.version + 1,
+                fence: leg.fence,
+                reference: links.reference.map(str::to_owned),
+                transfer_id: links.movement,
+                refund_of: links.refund_of,
+                hold_id: None,
+                created_at: links.now,
+            })
+        })
+        .collect()
+}
+
 fn settled(hold: Uuid, status: HoldStatus, captured: i64, capture_entry: Option<Uuid>) -> Settled {
     Settled { hold, status, captured, capture_entry }
 }
@@ -449,7 +517,7 @@ fn standing(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::{Amount, HoldLife};
+    use crate::domain::HoldLife;
     use crate::idempotency::{IdempotencyKey, Scope};
     use proptest::prelude::*;
 
@@ -669,8 +737,75 @@ mod tests {
         plan.entries.iter().map(|e| if e.kind.is_debit() { -e.amount } else { e.amount }).sum()
     }
 
+    /// Legs on distinct wallets that sum to zero: (balance, held, amount in or out).
+    fn movement() -> impl Strategy<Value = Vec<(i64, i64, i64)>> {
+        proptest::collection::vec((0..1_000_i64, 0..100_i64, 1..600_i64), 1..16)
+            .prop_flat_map(|debits| {
+                let total: i64 = debits.iter().map(|&(_, _, out)| out).sum();
+                (Just(debits), proptest::collection::vec((0..1_000_i64, 0..100_i64), 1..=4), Just(total))
+            })
+            .prop_map(|(debits, credits, total)| {
+                // The credits split the total between them; each wallet's held is within its balance.
+                let mut legs: Vec<(i64, i64, i64)> = debits
+                    .into_iter()
+                    .map(|(balance, held, out)| (balance, held.min(balance), -out))
+                    .collect();
+                let n = credits.len() as i64;
+                for (i, (balance, held)) in credits.into_iter().enumerate() {
+                    let share = total / n + if (i as i64) < total % n { 1 } else { 0 };
+                    if share > 0 {
+                        legs.push((balance, held.min(balance), share));
+                    }
+                }
+                legs
+            })
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn a_movement_conserves_money_or_names_the_leg_it_cannot_make_and_moves_nothing(
+            specs in movement(),
+        ) {
+            let ids: Vec<WalletId> = (0..specs.len()).map(|n| WalletId::parse(&format!("w{n}")).unwrap()).collect();
+            let legs: Vec<Leg<'_>> = specs
+                .iter()
+                .zip(&ids)
+                .map(|(&(balance, held, amount), wallet)| Leg {
+                    wallet,
+                    funds: Funds { balance, held },
+                    version: 3,
+                    fence: 7,
+                    amount: Amount::new(amount.abs()).unwrap(),
+                    debit: amount < 0,
+                })
+                .collect();
+            prop_assert_eq!(legs.iter().map(Leg::signed).sum::<i64>(), 0);
+            let links = Links { movement: Some(Uuid::now_v7()), reference: None, refund_of: None, now: Utc::now() };
+            match decide_legs(&legs, (EntryKind::TransferOut, EntryKind::TransferIn), links) {
+                Ok(entries) => {
+                    prop_assert_eq!(entries.len(), legs.len());
+                    let before: i64 = legs.iter().map(|leg| leg.funds.balance).sum();
+                    let after: i64 = entries.iter().map(|e| e.balance).sum();
+                    prop_assert_eq!(before, after, "money is conserved");
+                    for (leg, entry) in legs.iter().zip(&entries) {
+                        prop_assert_eq!(entry.balance - leg.funds.balance, leg.signed());
+                        prop_assert!(entry.balance - leg.funds.held >= 0, "no available balance below zero");
+                        prop_assert_eq!((entry.version, entry.fence), (4, 7));
+                        prop_assert_eq!(entry.kind.is_debit(), leg.debit);
+                    }
+                }
+                Err((n, refusal)) => {
+                    // The leg named is a debit its wallet's available balance does not cover, and
+                    // every leg before it could be made.
+                    let leg = legs[n];
+                    prop_assert!(leg.debit && leg.funds.available() < leg.amount.get());
+                    prop_assert_eq!(refusal, Refusal::InsufficientFunds { balance: leg.funds.balance, available: leg.funds.available() });
+                    prop_assert!(legs[..n].iter().all(|l| !l.debit || l.funds.available() >= l.amount.get()));
+                }
+            }
+        }
 
         #[test]
         fn a_decided_batch_conserves_money_keeps_what_is_held_and_decides_each_key_once(

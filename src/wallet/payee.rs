@@ -15,12 +15,16 @@
 use super::outage::{Path, count_path};
 use super::queue::{Lane, MAX_BATCH, MAX_HOLD, Queues, Waiting};
 use super::transfer::{
-    Attempt, Failure, Fences, ROW_LOCK_TIMEOUT, Side, TransferOutcome, Work, count_outcome, plan_transfer,
+    Attempt, Failure, Fences, ROW_LOCK_TIMEOUT, Side, TransferOutcome, Work, count_outcome, key_write,
+    plan_transfer,
 };
 use super::{Access, Between, Field, WalletError, WalletId, Wallets, lease_name};
 use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
-use crate::ledger::transfer::{self as store, LockedWallet, Transfer, WalletWrite};
+use crate::ledger::Entry;
+use crate::ledger::group::KeyWrite;
+use crate::ledger::idempotency::StoredResponse;
+use crate::ledger::transfer::{self as store, LockedWallet, Transfer};
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 use tokio::sync::oneshot;
@@ -291,6 +295,8 @@ impl Wallets {
         let now = crate::ledger::entry_time();
         let mut results = Vec::with_capacity(batch.len());
         let mut transfers: Vec<Transfer> = Vec::new();
+        // The response of each keyed transfer decided, and the entry it reports.
+        let mut responses: Vec<(&Queued, StoredResponse, Option<uuid::Uuid>)> = Vec::new();
         for queued in batch {
             let Between { parties, amount, reference } = &queued.between;
             let from =
@@ -326,38 +332,34 @@ impl Wallets {
                 transfers.push(transfer.clone());
             }
             if let Some(key) = &queued.key {
-                let entry = outcome.as_ref().ok().map(|t| t.from_entry.id);
-                super::transfer::store_response(
-                    &mut tx,
-                    key,
-                    &outcome,
-                    entry,
-                    self.keys.settings().retention,
-                )
-                .await?;
+                responses.push((
+                    queued,
+                    (key.render)(&outcome),
+                    outcome.as_ref().ok().map(|t| t.from_entry.id),
+                ));
             }
             results.push(outcome.map_err(WalletError::Refused));
         }
         if !transfers.is_empty() {
-            let writes: Vec<WalletWrite<'_>> = rows
-                .iter()
-                .filter(|(id, row)| locked[id.as_str()].version != row.version)
-                .map(|(id, row)| WalletWrite {
-                    id,
-                    fence: fence_of(id),
-                    read_fence: locked[id.as_str()].fence,
-                    read_version: locked[id.as_str()].version,
-                    balance: row.balance,
-                    version: row.version,
-                })
-                .collect();
-            if store::write_wallets(&mut tx, &writes).await? != writes.len() {
-                return Err(WalletError::LeaseLost.into());
-            }
             store::insert_transfers(&mut tx, &transfers.iter().collect::<Vec<_>>()).await?;
-            let legs: Vec<_> = transfers.iter().flat_map(|t| [&t.from_entry, &t.to_entry]).collect();
-            store::insert_entries(&mut tx, &legs).await?;
         }
+        let legs: Vec<&Entry> = transfers.iter().flat_map(|t| [&t.from_entry, &t.to_entry]).collect();
+        // Every key's response depends on the payee's write, so the payee is written first.
+        let keys: Vec<KeyWrite<'_>> = responses
+            .iter()
+            .flat_map(|(queued, response, entry)| {
+                key_write(payee, queued.key.as_ref(), Some(response), *entry)
+            })
+            .collect();
+        // Each row as the write finds it: as locked, but for the holds `release_if_short` released.
+        let as_found: HashMap<&str, LockedWallet> = locked
+            .iter()
+            .map(|(id, row)| (id.as_str(), LockedWallet { held: rows[id.as_str()].held, ..row.clone() }))
+            .collect();
+        let mut sides: Vec<Side<'_>> =
+            as_found.iter().map(|(id, row)| (wallets[id], row, fence_of(id))).collect();
+        sides.sort_by_key(|(id, _, _)| *id != payee);
+        self.write_locked(&mut tx, &sides, &legs, keys, now).await?;
         crate::failpoint::hit("before_commit");
         super::commit(tx).await?;
         crate::failpoint::hit("after_commit");

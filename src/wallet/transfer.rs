@@ -24,13 +24,16 @@
 //! transfer waits for it, as another replica would (bounded by the lease wait); the worker hands
 //! the lease over after its current batch, because the transfer marks it contended.
 
+use super::decision::{Leg, Links, decide_legs};
 use super::outage::{Path, count_one};
 use super::{Access, Amount, Field, Refusal, WalletError, WalletId, Wallets, lease_name};
 use crate::domain::{self, FenceStanding, Funds, Parties};
 use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
-use crate::ledger::transfer::{self as store, FoundTransfer, LockedWallet, Transfer, WalletWrite};
-use crate::ledger::{self, Entry, EntryKind, StoreError};
+use crate::ledger::group::{self as store_round, GroupWrite, KeyWrite, WalletWrite};
+use crate::ledger::idempotency::StoredResponse;
+use crate::ledger::transfer::{self as store, FoundTransfer, LockedWallet, Transfer};
+use crate::ledger::{Entry, EntryKind, StoreError};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use uuid::Uuid;
@@ -444,13 +447,15 @@ impl Wallets {
                 let outcome = amount.and_then(|amount| {
                     plan_transfer(from, to, amount, reference.clone(), refunds.map(|(id, _)| id), now)
                 });
+                let entries: Vec<&Entry> =
+                    outcome.as_ref().map(|t| vec![&t.from_entry, &t.to_entry]).unwrap_or_default();
                 if let Ok(transfer) = &outcome {
-                    write_transfer(&mut tx, transfer, [from, to]).await?;
+                    store::insert_transfers(&mut tx, &[transfer]).await?;
                 }
-                if let Some(key) = key {
-                    let entry = outcome.as_ref().ok().map(|t| t.from_entry.id);
-                    store_response(&mut tx, key, &outcome, entry, self.keys.settings().retention).await?;
-                }
+                let response = key.as_ref().map(|key| (key.render)(&outcome));
+                let keys =
+                    key_write(&parties.from, key.as_ref(), response.as_ref(), entries.first().map(|e| e.id));
+                self.write_locked(&mut tx, &[from, to], &entries, keys, now).await?;
                 outcome.map(|transfer| Done::Transfer(Box::new(transfer)))
             }
             Work::PaymentRefund { refund, key, .. } => {
@@ -460,43 +465,21 @@ impl Wallets {
                 else {
                     return Err(WalletError::PaymentNotFound.into());
                 };
-                let fence = fence_of(&refund.wallet);
+                let side: Side<'_> = (&refund.wallet, wallet, fence_of(&refund.wallet));
                 let outcome =
                     domain::refund_amount(refund.amount, payment.amount, refunded).and_then(|amount| {
-                        let balance = Funds { balance: wallet.balance, held: wallet.held }.deposit(amount)?;
-                        Ok(Entry {
-                            id: ledger::new_entry_id(),
-                            wallet_id: refund.wallet.as_str().to_owned(),
-                            kind: EntryKind::Refund,
-                            amount: amount.get(),
-                            balance,
-                            version: wallet.version + 1,
-                            fence,
-                            reference: None,
-                            transfer_id: None,
-                            refund_of: Some(payment.id),
-                            hold_id: None,
-                            created_at: now,
-                        })
+                        let links =
+                            Links { movement: None, reference: None, refund_of: Some(payment.id), now };
+                        let leg = leg_of(side, amount, false);
+                        let mut entries = decide_legs(&[leg], (EntryKind::Refund, EntryKind::Refund), links)
+                            .map_err(|(_, refusal)| refusal)?;
+                        Ok(entries.remove(0))
                     });
-                if let Ok(entry) = &outcome {
-                    let write = WalletWrite {
-                        id: &entry.wallet_id,
-                        fence,
-                        read_fence: wallet.fence,
-                        read_version: wallet.version,
-                        balance: entry.balance,
-                        version: entry.version,
-                    };
-                    if store::write_wallets(&mut tx, &[write]).await? != 1 {
-                        return Err(WalletError::LeaseLost.into());
-                    }
-                    store::insert_entries(&mut tx, &[entry]).await?;
-                }
-                if let Some(key) = key {
-                    let entry = outcome.as_ref().ok().map(|e| e.id);
-                    store_response(&mut tx, key, &outcome, entry, self.keys.settings().retention).await?;
-                }
+                let entries: Vec<&Entry> = outcome.as_ref().map(|entry| vec![entry]).unwrap_or_default();
+                let response = key.as_ref().map(|key| (key.render)(&outcome));
+                let keys =
+                    key_write(&refund.wallet, key.as_ref(), response.as_ref(), entries.first().map(|e| e.id));
+                self.write_locked(&mut tx, &[side], &entries, keys, now).await?;
                 outcome.map(Done::Entry)
             }
         };
@@ -536,8 +519,20 @@ pub(super) fn count_outcome<T>(kind: &'static str, result: &Result<T, WalletErro
     }
 }
 
+/// The leg of `amount` out of (`debit`) or into the wallet of `side`.
+pub(super) fn leg_of<'a>((wallet, row, fence): Side<'a>, amount: Amount, debit: bool) -> Leg<'a> {
+    Leg {
+        wallet,
+        funds: Funds { balance: row.balance, held: row.held },
+        version: row.version,
+        fence,
+        amount,
+        debit,
+    }
+}
+
 /// Decides a transfer of `amount` from `from` to `to` (each: its id, its locked row, its lease's
-/// fence): the payer's balance must cover it and the payee's must hold it.
+/// fence): a movement of two legs ([`decide_legs`]).
 pub(super) fn plan_transfer(
     from: Side<'_>,
     to: Side<'_>,
@@ -546,74 +541,93 @@ pub(super) fn plan_transfer(
     refund_of: Option<Uuid>,
     now: chrono::DateTime<chrono::Utc>,
 ) -> Result<Transfer, Refusal> {
-    let from_balance = Funds { balance: from.1.balance, held: from.1.held }.pay(amount)?;
-    let to_balance = Funds { balance: to.1.balance, held: to.1.held }.deposit(amount)?;
     let id = Uuid::new_v4();
-    let leg = |(wallet, row, fence): Side<'_>, kind, balance| Entry {
-        id: ledger::new_entry_id(),
-        wallet_id: wallet.as_str().to_owned(),
-        kind,
-        amount: amount.get(),
-        balance,
-        version: row.version + 1,
-        fence,
-        reference: reference.clone(),
-        transfer_id: Some(id),
-        refund_of: None,
-        hold_id: None,
-        created_at: now,
-    };
+    let links = Links { movement: Some(id), reference: reference.as_deref(), refund_of: None, now };
+    let legs = [leg_of(from, amount, true), leg_of(to, amount, false)];
+    let [from_entry, to_entry]: [Entry; 2] =
+        decide_legs(&legs, (EntryKind::TransferOut, EntryKind::TransferIn), links)
+            .map_err(|(_, refusal)| refusal)?
+            .try_into()
+            .expect("two legs, two entries");
     Ok(Transfer {
         id,
         from: from.0.as_str().to_owned(),
         to: to.0.as_str().to_owned(),
         amount: amount.get(),
-        reference: reference.clone(),
+        reference,
         refund_of,
-        from_entry: leg(from, EntryKind::TransferOut, from_balance),
-        to_entry: leg(to, EntryKind::TransferIn, to_balance),
+        from_entry,
+        to_entry,
         created_at: now,
     })
 }
 
-/// Writes both wallets (each conditional on its lease's fence and the version read), the transfer
-/// row and its legs.
-async fn write_transfer(
-    tx: &mut sqlx::PgConnection,
-    transfer: &Transfer,
-    sides: [Side<'_>; 2],
-) -> Result<(), Failure> {
-    let writes: Vec<WalletWrite<'_>> = sides
-        .iter()
-        .zip([&transfer.from_entry, &transfer.to_entry])
-        .map(|((wallet, row, fence), entry)| WalletWrite {
-            id: wallet.as_str(),
-            fence: *fence,
-            read_fence: row.fence,
-            read_version: row.version,
-            balance: entry.balance,
-            version: entry.version,
-        })
-        .collect();
-    if store::write_wallets(tx, &writes).await? != writes.len() {
-        return Err(WalletError::LeaseLost.into());
+/// The response to store for `key`, if the request had one, with the wallet whose write it
+/// depends on (`wallet`, which the write must name) and the entry it reports.
+pub(super) fn key_write<'a, T>(
+    wallet: &'a WalletId,
+    key: Option<&'a Keyed<T>>,
+    response: Option<&'a StoredResponse>,
+    entry_id: Option<Uuid>,
+) -> Vec<KeyWrite<'a>> {
+    match (key, response) {
+        (Some(key), Some(response)) => vec![KeyWrite {
+            wallet_id: wallet.as_str(),
+            at: key.at(),
+            fingerprint: &key.fingerprint,
+            response,
+            entry_id,
+        }],
+        _ => Vec::new(),
     }
-    store::insert_transfers(tx, &[transfer]).await?;
-    store::insert_entries(tx, &[&transfer.from_entry, &transfer.to_entry]).await?;
-    Ok(())
 }
 
-/// Stores the rendered `outcome` for `key`, in the transaction that moves the money.
-pub(super) async fn store_response<T>(
-    tx: &mut sqlx::PgConnection,
-    key: &Keyed<Result<T, Refusal>>,
-    outcome: &Result<T, Refusal>,
-    entry: Option<Uuid>,
-    retention: Duration,
-) -> Result<(), Failure> {
-    let response = (key.render)(outcome);
-    match store::store_key(tx, key.at(), &key.fingerprint, &response, entry, retention).await {
-        Err(err) if err.is_key_conflict() => Err(Failure::KeyConflict),
-        other => Ok(other?),
+impl Wallets {
+    /// Writes, in the caller's transaction, every wallet of `sides` (their rows locked by it) as
+    /// the last of `entries` on it leaves it, or as locked (a refusal's stored response depends on
+    /// a wallet written), with `entries` and `keys`: all or nothing, by the one write the rounds use
+    /// ([`store_round::commit`]), its compare-and-set included. Nothing to write, nothing written.
+    /// A wallet that does not match was written by someone who did not hold its row's lock: a
+    /// bug or a holder we did not know of, so the lease is lost and the caller rolls back. A key
+    /// stored meanwhile is [`Failure::KeyConflict`].
+    pub(super) async fn write_locked(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        sides: &[Side<'_>],
+        entries: &[&Entry],
+        keys: Vec<KeyWrite<'_>>,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), Failure> {
+        if entries.is_empty() && keys.is_empty() {
+            return Ok(());
+        }
+        let wallets = sides
+            .iter()
+            .map(|&(id, row, fence)| {
+                let last = entries.iter().rev().find(|entry| entry.wallet_id == id.as_str());
+                WalletWrite {
+                    id: id.as_str(),
+                    group: 0,
+                    fence,
+                    read_fence: row.fence,
+                    read_version: row.version,
+                    read_balance: row.balance,
+                    read_held: row.held,
+                    owner: row.owner.as_deref(),
+                    balance: last.map_or(row.balance, |entry| entry.balance),
+                    held: row.held,
+                    version: last.map_or(row.version, |entry| entry.version),
+                }
+            })
+            .collect();
+        let write = GroupWrite { wallets, entries: entries.to_vec(), keys, ..Default::default() };
+        let storage = self.storage.of(&self.db).await?;
+        let retention = self.keys.settings().retention;
+        match Box::pin(store_round::commit(tx, storage, &write, now, retention)).await {
+            Ok(committed) if committed.moved.len() == write.wallets.len() => Ok(()),
+            Ok(_) => Err(WalletError::LeaseLost.into()),
+            Err(err) if err.is_key_conflict() => Err(Failure::KeyConflict),
+            Err(err) => Err(err.into()),
+        }
     }
 }

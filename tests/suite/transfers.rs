@@ -1164,25 +1164,35 @@ async fn two_disjoint_pairs(db: &sqlx::PgPool) -> [String; 4] {
     [names(0), names(1), names(on_the_shard_of_dp0), names(last)]
 }
 
-/// Writes `pair` in `tx` as a transfer does (its rows locked in id order first), balances unchanged,
-/// and leaves `tx` open.
+/// Writes `pair` in `tx` as a transfer does (its rows locked in id order first, then the rounds'
+/// one write, of both rows), balances unchanged, and leaves `tx` open; how many rows it wrote.
 async fn write_pair(tx: &mut sqlx::PgConnection, pair: [&str; 2]) -> Result<usize, StoreError> {
+    use walletlock::ledger::group::{self, GroupWrite, WalletWrite};
     let locked = ledger::lock_wallets(&mut *tx, &pair, Duration::from_secs(1)).await?;
-    let writes: Vec<ledger::WalletWrite> = pair
+    let wallets: Vec<WalletWrite> = pair
         .iter()
         .map(|id| {
             let row = &locked[*id];
-            ledger::WalletWrite {
+            WalletWrite {
                 id,
+                group: 0,
                 fence: row.fence,
                 read_fence: row.fence,
                 read_version: row.version,
+                read_balance: row.balance,
+                read_held: row.held,
+                owner: row.owner.as_deref(),
                 balance: row.balance,
+                held: row.held,
                 version: row.version + 1,
             }
         })
         .collect();
-    ledger::write_wallets(&mut *tx, &writes).await
+    let storage = Storage::of(&mut *tx).await?;
+    let write = GroupWrite { wallets, ..Default::default() };
+    let committed =
+        group::commit(&mut *tx, storage, &write, chrono::Utc::now(), Duration::from_secs(60)).await?;
+    Ok(committed.moved.len())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
