@@ -39,6 +39,10 @@ pub enum Field {
     /// A page's cursor.
     Before,
     IdempotencyKey,
+    /// A movement's legs.
+    Legs,
+    /// A movement's id, in the path.
+    MovementId,
 }
 
 impl Field {
@@ -58,6 +62,8 @@ impl Field {
             Field::Limit => "limit",
             Field::Before => "before",
             Field::IdempotencyKey => "Idempotency-Key",
+            Field::Legs => "legs",
+            Field::MovementId => "movement_id",
         }
     }
 
@@ -75,6 +81,8 @@ impl Field {
             Field::Limit => "invalid_limit",
             Field::Before => "invalid_cursor",
             Field::IdempotencyKey => "invalid_idempotency_key",
+            Field::Legs => "invalid_legs",
+            Field::MovementId => "invalid_movement_id",
         }
     }
 }
@@ -390,6 +398,60 @@ impl Parties {
     }
 }
 
+/// The legs of a movement between wallets: 2 to 16, on as many distinct wallets, each an amount
+/// of 1 to 10^12 out of its wallet (negative) or into it (positive), summing to zero.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Legs(Vec<(WalletId, Amount, bool)>);
+
+impl Legs {
+    pub const MAX: usize = 16;
+    pub const RULE: &'static str = "2 to 16 legs on distinct wallets, each a whole amount from 1 to \
+                                    1000000000000 out (negative) or in (positive), summing to zero";
+
+    /// The legs `(wallet, amount)` of a movement, as a request lists them.
+    pub fn new(legs: Vec<(WalletId, i64)>) -> Result<Self, InvalidInput> {
+        let invalid = InvalidInput { field: Field::Legs, rule: Self::RULE };
+        if !(2..=Self::MAX).contains(&legs.len()) {
+            return Err(invalid);
+        }
+        let mut seen = std::collections::HashSet::new();
+        let mut sum: i128 = 0;
+        let mut checked = Vec::with_capacity(legs.len());
+        for (wallet, amount) in legs {
+            let magnitude = Amount::new(amount.checked_abs().unwrap_or(0)).map_err(|_| invalid.clone())?;
+            if !seen.insert(wallet.clone()) {
+                return Err(invalid);
+            }
+            sum += i128::from(amount);
+            checked.push((wallet, magnitude, amount < 0));
+        }
+        if sum != 0 {
+            return Err(invalid);
+        }
+        Ok(Self(checked))
+    }
+
+    /// Each leg: its wallet, its amount, and whether it takes money out of the wallet.
+    pub fn iter(&self) -> impl Iterator<Item = &(WalletId, Amount, bool)> {
+        self.0.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// A movement refused on its merits, and the leg (from 0, in the request's order) it was refused at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LegRefusal {
+    pub leg: usize,
+    pub refusal: Refusal,
+}
+
 /// How much a refund returns: `requested`, or without it all that is left, of a payment or
 /// transfer of `paid` whose refunds so far add up to `refunded`. The refunds of one payment never
 /// add up to more than it.
@@ -536,6 +598,34 @@ mod tests {
         assert_eq!(FenceStanding::of(8 + MAX_FENCE_STEP, 7), FenceStanding::Implausible);
         assert_eq!(FenceStanding::of(i64::MAX, 0), FenceStanding::Implausible, "no overflow");
         assert_eq!(FenceStanding::of(i64::MAX, i64::MAX - 1), FenceStanding::Above);
+    }
+
+    #[test]
+    fn a_movement_has_two_to_sixteen_legs_on_distinct_wallets_summing_to_zero() {
+        let legs = |spec: &[(&str, i64)]| {
+            Legs::new(spec.iter().map(|&(id, amount)| (WalletId::parse(id).unwrap(), amount)).collect())
+        };
+        assert!(legs(&[("a", -10), ("b", 10)]).is_ok());
+        assert!(legs(&[("a", -10), ("b", 7), ("c", 3)]).is_ok());
+        let sixteen: Vec<(String, i64)> =
+            (0..16).map(|n| (format!("w{n}"), if n == 0 { -15 } else { 1 })).collect();
+        let sixteen: Vec<(&str, i64)> = sixteen.iter().map(|(id, a)| (id.as_str(), *a)).collect();
+        assert!(legs(&sixteen).is_ok());
+        let seventeen: Vec<(String, i64)> =
+            (0..17).map(|n| (format!("w{n}"), if n == 0 { -16 } else { 1 })).collect();
+        let seventeen: Vec<(&str, i64)> = seventeen.iter().map(|(id, a)| (id.as_str(), *a)).collect();
+        for bad in [
+            vec![],
+            vec![("a", 0)],
+            vec![("a", -10), ("b", 9)],
+            vec![("a", -10), ("a", 10)],
+            vec![("a", 0), ("b", 0)],
+            vec![("a", i64::MIN), ("b", 1)],
+            vec![("a", -(Amount::MAX + 1)), ("b", Amount::MAX + 1)],
+            seventeen,
+        ] {
+            assert_eq!(legs(&bad).unwrap_err().field, Field::Legs, "{bad:?}");
+        }
     }
 
     #[test]

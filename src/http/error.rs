@@ -69,6 +69,11 @@ pub struct ProblemDocument {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false, minimum = 0, example = 700)]
     refundable: Option<i64>,
+    /// With a movement refused at one of its legs: the leg, from 0 in the request's order (its
+    /// `balance` and `available` are that leg's wallet's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, minimum = 0, maximum = 15, example = 1)]
+    leg: Option<usize>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -157,6 +162,7 @@ struct Problem {
     available: Option<i64>,
     held: Option<i64>,
     refundable: Option<i64>,
+    leg: Option<usize>,
     retry_after: bool,
 }
 
@@ -172,6 +178,7 @@ impl Problem {
             available: None,
             held: None,
             refundable: None,
+            leg: None,
             retry_after: false,
         }
     }
@@ -312,6 +319,26 @@ fn wallet_problem(err: &WalletError) -> Problem {
         WalletError::HoldNotFound => {
             Problem::new(S::NOT_FOUND, "hold_not_found", "Hold not found", "no hold has this id")
         }
+        WalletError::MovementNotFound => {
+            Problem::new(S::NOT_FOUND, "movement_not_found", "Movement not found", "no movement has this id")
+        }
+        WalletError::LegNotFound { leg } => {
+            let mut problem = Problem::new(
+                S::NOT_FOUND,
+                "wallet_not_found",
+                "Wallet not found",
+                format!("no wallet has the id of leg {leg} (or this caller may not move its money that way)"),
+            )
+            .with_field(Field::Legs);
+            problem.leg = Some(*leg);
+            problem
+        }
+        WalletError::LegRefused { leg, refusal } => {
+            let mut problem = wallet_problem(&WalletError::Refused(*refusal));
+            problem.detail = format!("leg {leg}: {}; nothing of the movement was applied", problem.detail);
+            problem.leg = Some(*leg);
+            problem
+        }
         WalletError::Refused(Refusal::InsufficientFunds { balance, available }) => {
             let detail = if balance == available {
                 format!("the balance of {balance} does not cover this payment")
@@ -435,6 +462,7 @@ impl ApiError {
             available: problem.available,
             held: problem.held,
             refundable: problem.refundable,
+            leg: problem.leg,
         };
         StoredResponse {
             status: problem.status.as_u16(),

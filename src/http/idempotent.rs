@@ -7,7 +7,8 @@ use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed as KeyedReque
 use crate::ledger::Entry;
 use crate::ledger::idempotency::StoredResponse;
 use crate::wallet::{
-    AlreadyExists, Moved, MovementOutcome, OpenOutcome, RefundOutcome, Refusal, TransferOutcome, WalletError,
+    AlreadyExists, LegRefusal, Moved, MovementOutcome, MovementRecordOutcome, OpenOutcome, RefundOutcome,
+    Refusal, TransferOutcome, WalletError,
 };
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -126,6 +127,32 @@ pub fn render_transfer(outcome: &TransferOutcome) -> StoredResponse {
         Ok(transfer) => json(StatusCode::OK, transfer),
         Err(refusal) => ApiError::Wallet(WalletError::Refused(*refusal)).render(),
     }
+}
+
+/// A movement of many legs' response: the movement (`201`), or the leg it was refused at.
+pub fn render_movement_record(outcome: &MovementRecordOutcome) -> StoredResponse {
+    match outcome {
+        Ok(movement) => json(StatusCode::CREATED, movement),
+        Err(LegRefusal { leg, refusal }) => {
+            ApiError::Wallet(WalletError::LegRefused { leg: *leg, refusal: *refusal }).render()
+        }
+    }
+}
+
+/// The live response for a movement of many legs, rendered exactly as a replay of it would be.
+pub fn movement_record_response(
+    result: Result<crate::ledger::transfer::MovementRecord, WalletError>,
+) -> Response {
+    let outcome: MovementRecordOutcome = match result {
+        Ok(movement) => Ok(movement),
+        Err(WalletError::LegRefused { leg, refusal }) => Err(LegRefusal { leg, refusal }),
+        Err(WalletError::AlreadyRan(prior)) => return prior_response(prior),
+        Err(err) => return ApiError::Wallet(err).into_response(),
+    };
+    if let Err(LegRefusal { refusal, .. }) = &outcome {
+        tracing::Span::current().record("outcome", refusal.code());
+    }
+    render_movement_record(&outcome).into_response()
 }
 
 /// A wallet creation's response: the wallet, or the conflict.

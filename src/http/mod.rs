@@ -7,6 +7,7 @@ mod extract;
 mod health;
 mod holds;
 mod idempotent;
+mod movements;
 mod openapi;
 mod probe;
 pub mod server;
@@ -73,6 +74,7 @@ pub fn router(ctx: ApiContext) -> Router {
         .merge(
             wallets::router()
                 .merge(transfers::router())
+                .merge(movements::router())
                 .merge(holds::router())
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token))
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), shed_when_full)),

@@ -5,7 +5,8 @@
 //! 1..=version with no gap; each entry's balance follows from the one before; fences never go down
 //! along the ledger, and the wallet's fence is at least the last one used.
 //! For every transfer: exactly two legs, a `transfer_out` of `from` and a `transfer_in` of `to`,
-//! each of the transfer's amount. Refunds never add up to more than what they refund (a payment,
+//! each of the transfer's amount. For every movement of many legs: every leg, one a wallet, summing
+//! to zero. Refunds never add up to more than what they refund (a payment,
 //! or a transfer), and a `refund` entry refunds a `pay` entry of its own wallet.
 //! For the whole system: money is conserved, so the balances add up to the opening balances plus
 //! deposits minus payments plus refunds of payments (transfers add nothing: their legs cancel).
@@ -52,7 +53,7 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
         // rest of this session, and checks those as on one Postgres.
         // With their keys and indexes (LIKE ... INCLUDING ALL), which the checks' joins use.
         let schema: String = sqlx::query_scalar("select current_schema()").fetch_one(&mut *conn).await?;
-        for table in ["wallet", "ledger_entry", "transfer", "hold", "idempotency_key"] {
+        for table in ["wallet", "ledger_entry", "transfer", "movement", "hold", "idempotency_key"] {
             let copy = format!(
                 r#"create temporary table {table} (like "{schema}".{table} including all) on commit drop;
                    insert into pg_temp.{table} select * from "{schema}".{table}"#
@@ -80,6 +81,7 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
     wallets(conn, &mut report).await?;
     chains(conn, &mut report).await?;
     transfers(conn, &mut report).await?;
+    movements(conn, &mut report).await?;
     refunds(conn, &mut report).await?;
     holds(conn, &mut report).await?;
     conservation(conn, &mut report).await?;
@@ -205,6 +207,38 @@ async fn transfers(conn: &mut PgConnection, report: &mut Report) -> Result<(), S
         report.problems.push(format!(
             "transfer {id}: {legs} ledger legs, {outs} matching transfer_out and {ins} matching transfer_in \
              (want exactly one of each, of its amount, on its wallets)"
+        ));
+    }
+    Ok(())
+}
+
+/// Each movement of many legs has as many legs as it says, one a wallet, its own wallet's among
+/// them, and they sum to zero.
+async fn movements(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
+    let rows = sqlx::query(concat!(
+        // language=PostgreSQL
+        "select m.id::text as id, m.legs::int8 as said, count(e.id) as legs,
+                coalesce(sum(",
+        signed_amount!(),
+        "), 0)::int8 as net
+         from movement m left join ledger_entry e on e.transfer_id = m.id
+         group by m.wallet_id, m.id, m.legs
+         having count(e.id) <> m.legs or coalesce(sum(",
+        signed_amount!(),
+        "), 0) <> 0
+             or count(distinct e.wallet_id) <> count(e.id)
+             or count(e.id) filter (where e.wallet_id = m.wallet_id) <> 1
+             or count(e.id) filter (where e.kind not in ('transfer_out', 'transfer_in')) <> 0
+         order by m.id"
+    ))
+    .fetch_all(&mut *conn)
+    .await?;
+    for m in rows {
+        let (id, said, legs, net): (String, i64, i64, i64) =
+            (m.try_get("id")?, m.try_get("said")?, m.try_get("legs")?, m.try_get("net")?);
+        report.problems.push(format!(
+            "movement {id}: {legs} ledger legs of the {said} it has, summing to {net} (want every leg, \
+             one a wallet, its first wallet's among them, summing to 0)"
         ));
     }
     Ok(())

@@ -33,11 +33,12 @@ pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
 /// not scoped to one wallet share one placement (migration 0010 says why). Tables already
 /// distributed are left as they are, so every `migrate` may run it; a table created by a later
 /// migration needs its line here.
-const DISTRIBUTION: [(&str, &str); 5] = [
+const DISTRIBUTION: [(&str, &str); 6] = [
     ("wallet", "id"),
     ("hold", "wallet_id"),
     ("ledger_entry", "wallet_id"),
     ("transfer", "from_wallet"),
+    ("movement", "wallet_id"),
     ("idempotency_key", "wallet_id"),
 ];
 
@@ -87,6 +88,7 @@ pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
         ),
         format!(r#"grant select, insert on "{schema}".ledger_entry to {role}"#),
         format!(r#"grant select, insert on "{schema}".transfer to {role}"#),
+        format!(r#"grant select, insert on "{schema}".movement to {role}"#),
         format!(r#"revoke update on "{schema}".hold from {role}"#),
         format!(
             r#"grant select, insert, update (status, captured, capture_entry, settled_at) on "{schema}".hold to {role}"#

@@ -295,3 +295,75 @@ impl StoreError {
         matches!(self, StoreError::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03"))
     }
 }
+
+/// Money between 2 to 16 wallets at once, as stored: the movement and its legs, in the order the
+/// request listed them (migration 0014).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct MovementRecord {
+    pub id: Uuid,
+    /// The caller's own note, or null.
+    #[schema(required = true, max_length = 256, example = "order-1001")]
+    pub reference: Option<String>,
+    /// One entry a leg: a `transfer_out` of each wallet it takes from, a `transfer_in` of each it
+    /// pays into, each with the wallet's balance after it.
+    pub legs: Vec<Entry>,
+    pub created_at: DateTime<Utc>,
+}
+
+/// Records `movement` (its legs go in with the wallets' write), with its first leg's wallet.
+pub async fn insert_movement(tx: &mut PgConnection, movement: &MovementRecord) -> Result<(), StoreError> {
+    let first = movement.legs.first().map(|leg| leg.wallet_id.as_str()).unwrap_or_default();
+    sqlx::query(
+        // language=PostgreSQL
+        "insert into movement (id, wallet_id, legs, reference, created_at) values ($1, $2, $3, $4, $5)",
+    )
+    .bind(movement.id)
+    .bind(first)
+    .bind(movement.legs.len() as i16)
+    .bind(&movement.reference)
+    .bind(movement.created_at)
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
+/// A movement, and the owners of its wallets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoundMovement {
+    pub movement: MovementRecord,
+    pub owners: Vec<Option<String>>,
+}
+
+/// The movement `id`, with its legs in the order it was made.
+pub async fn find_movement(conn: &mut PgConnection, id: Uuid) -> Result<Option<FoundMovement>, StoreError> {
+    // Statements of their own, as for a transfer (see `find_transfer`): its legs and wallets may
+    // be on several Citus workers.
+    let Some(row) = sqlx::query("select id, reference, created_at from movement where id = $1")
+        .bind(id)
+        .fetch_optional(&mut *conn)
+        .await?
+    else {
+        return Ok(None);
+    };
+    let legs: Vec<Entry> = sqlx::query_as(concat!(
+        // language=PostgreSQL
+        "select ",
+        entry_columns!(),
+        " from ledger_entry where transfer_id = $1 order by id"
+    ))
+    .bind(id)
+    .fetch_all(&mut *conn)
+    .await?;
+    let wallets: Vec<&str> = legs.iter().map(|leg| leg.wallet_id.as_str()).collect();
+    let owners: Vec<Option<String>> = sqlx::query_scalar("select owner from wallet where id = any($1)")
+        .bind(&wallets)
+        .fetch_all(&mut *conn)
+        .await?;
+    let movement = MovementRecord {
+        id: row.try_get("id")?,
+        reference: row.try_get("reference")?,
+        legs,
+        created_at: row.try_get("created_at")?,
+    };
+    Ok(Some(FoundMovement { movement, owners }))
+}

@@ -22,6 +22,16 @@ pub enum WalletError {
     PartyNotFound { field: Field },
     #[error("transfer not found")]
     TransferNotFound,
+    /// No movement has this id (or none of its wallets is one the caller may use).
+    #[error("movement not found")]
+    MovementNotFound,
+    /// A movement's leg names a wallet that does not exist, or that the caller may not take money
+    /// from (a debit) or pay into (a credit); `leg` counts from 0 in the request's order.
+    #[error("the wallet of leg {leg} does not exist")]
+    LegNotFound { leg: usize },
+    /// A movement refused at one of its legs; nothing of it was applied.
+    #[error("leg {leg}: {refusal}")]
+    LegRefused { leg: usize, refusal: Refusal },
     /// No `pay` entry of the wallet has this id.
     #[error("payment not found")]
     PaymentNotFound,
@@ -93,9 +103,12 @@ impl WalletError {
     pub(super) fn outcome(&self) -> &'static str {
         match self {
             WalletError::NotFound | WalletError::PartyNotFound { .. } => "not_found",
-            WalletError::TransferNotFound | WalletError::PaymentNotFound | WalletError::HoldNotFound => {
-                "not_found"
-            }
+            WalletError::TransferNotFound
+            | WalletError::PaymentNotFound
+            | WalletError::HoldNotFound
+            | WalletError::MovementNotFound
+            | WalletError::LegNotFound { .. } => "not_found",
+            WalletError::LegRefused { refusal, .. } => refusal.code(),
             WalletError::Exists => "exists",
             WalletError::Refused(refusal) => refusal.code(),
             WalletError::LockTimeout { .. } => "lock_timeout",
@@ -115,7 +128,13 @@ impl WalletError {
     /// Whether the outcome is stored for an idempotency key: deterministic refusals are (a retry
     /// would be refused the same way); failures that a retry might not meet are not.
     pub(super) fn is_stored(&self) -> bool {
-        matches!(self, WalletError::Refused(_) | WalletError::Exists | WalletError::KeyTakenOver)
+        matches!(
+            self,
+            WalletError::Refused(_)
+                | WalletError::LegRefused { .. }
+                | WalletError::Exists
+                | WalletError::KeyTakenOver
+        )
     }
 }
 

@@ -32,13 +32,14 @@ mod tutorial;
 mod unleased;
 
 pub use crate::domain::{
-    Access, Amount, Field, HoldLife, InvalidInput, Movement, Parties, Refusal, SameWallet, WalletId,
+    Access, Amount, Field, HoldLife, InvalidInput, LegRefusal, Legs, Movement, Parties, Refusal, SameWallet,
+    WalletId,
 };
 pub use error::{SharedError, WalletError};
 pub use instruments::describe_metrics;
 pub use outage::RedisOutage;
 pub use queue::{MAX_BATCH, MAX_HOLD};
-pub use transfer::{Between, Refund, RefundOutcome, TransferOutcome};
+pub use transfer::{Between, MovementRecordOutcome, Refund, RefundOutcome, TransferOutcome};
 pub use tutorial::raise_fence;
 
 use error::{commit, commit_failure};

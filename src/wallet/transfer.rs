@@ -27,12 +27,14 @@
 use super::decision::{Leg, Links, decide_legs};
 use super::outage::{Path, count_one};
 use super::{Access, Amount, Field, Refusal, WalletError, WalletId, Wallets, lease_name};
-use crate::domain::{self, FenceStanding, Funds, Parties};
+use crate::domain::{self, FenceStanding, Funds, LegRefusal, Legs, Parties};
 use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
 use crate::ledger::group::{self as store_round, GroupWrite, KeyWrite, WalletWrite};
 use crate::ledger::idempotency::StoredResponse;
-use crate::ledger::transfer::{self as store, FoundTransfer, LockedWallet, Transfer};
+use crate::ledger::transfer::{
+    self as store, FoundMovement, FoundTransfer, LockedWallet, MovementRecord, Transfer,
+};
 use crate::ledger::{Entry, EntryKind, StoreError};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -47,6 +49,9 @@ pub type TransferOutcome = Result<Transfer, Refusal>;
 
 /// How a refund of a payment ended, as stored for its idempotency key: its `refund` entry.
 pub type RefundOutcome = Result<Entry, Refusal>;
+
+/// How a movement of many legs ended, as stored for its idempotency key.
+pub type MovementRecordOutcome = Result<MovementRecord, LegRefusal>;
 
 /// A transfer to make.
 #[derive(Debug, Clone)]
@@ -79,6 +84,13 @@ pub(super) enum Work {
     },
     /// Money back into a wallet, for one of its payments.
     PaymentRefund { access: Access, refund: Refund, key: Option<Keyed<RefundOutcome>> },
+    /// Money between 2 to 16 wallets at once: every leg, or none.
+    Movement {
+        access: Access,
+        legs: Legs,
+        reference: Option<String>,
+        key: Option<Keyed<MovementRecordOutcome>>,
+    },
 }
 
 /// What a committed [`Work`] wrote.
@@ -86,13 +98,16 @@ pub(super) enum Work {
 pub(super) enum Done {
     Transfer(Box<Transfer>),
     Entry(Entry),
+    Movement(Box<MovementRecord>),
 }
 
 impl Done {
     pub(super) fn into_transfer(self) -> Result<Transfer, WalletError> {
         match self {
             Done::Transfer(transfer) => Ok(*transfer),
-            Done::Entry(_) => Err(WalletError::internal("a transfer wrote an entry alone")),
+            Done::Entry(_) | Done::Movement(_) => {
+                Err(WalletError::internal("a transfer wrote something else"))
+            }
         }
     }
 }
@@ -179,6 +194,7 @@ impl Work {
         match self {
             Work::Transfer { parties, .. } => vec![&parties.from, &parties.to],
             Work::PaymentRefund { refund, .. } => vec![&refund.wallet],
+            Work::Movement { legs, .. } => legs.iter().map(|(wallet, _, _)| wallet).collect(),
         }
     }
 
@@ -189,6 +205,11 @@ impl Work {
             Work::Transfer { refunds: Some(_), .. } => true,
             Work::Transfer { access, .. } => access.may_pay_into(owner),
             Work::PaymentRefund { access, .. } => access.may_use(owner),
+            // Money may leave only the caller's wallets, and go where its transfers may pay.
+            Work::Movement { access, legs, .. } => {
+                let debit = legs.iter().any(|(id, _, debit)| id == wallet && *debit);
+                if debit { access.may_use(owner) } else { access.may_pay_into(owner) }
+            }
         }
     }
 
@@ -200,6 +221,9 @@ impl Work {
                 field: if *wallet == parties.from { Field::From } else { Field::To },
             },
             Work::PaymentRefund { .. } => WalletError::NotFound,
+            Work::Movement { legs, .. } => {
+                WalletError::LegNotFound { leg: legs.iter().position(|(id, _, _)| id == wallet).unwrap_or(0) }
+            }
         }
     }
 
@@ -208,6 +232,7 @@ impl Work {
         let (at, fingerprint) = match self {
             Work::Transfer { key: Some(key), .. } => (key.at(), &key.fingerprint),
             Work::PaymentRefund { key: Some(key), .. } => (key.at(), &key.fingerprint),
+            Work::Movement { key: Some(key), .. } => (key.at(), &key.fingerprint),
             _ => return Ok(None),
         };
         Ok(store::find_key(tx, at).await?.map(|found| Prior::of(&found, fingerprint)))
@@ -219,6 +244,7 @@ impl Work {
             Work::Transfer { refunds: None, .. } => "transfer",
             Work::Transfer { refunds: Some(_), .. } => "transfer_refund",
             Work::PaymentRefund { .. } => "payment_refund",
+            Work::Movement { .. } => "movement",
         }
     }
 }
@@ -227,7 +253,7 @@ impl Work {
 pub(super) fn describe_metrics() {
     metrics::describe_counter!(
         "walletlock_transfers_total",
-        "Transfers, refunds of transfers and refunds of payments, by kind and outcome."
+        "Transfers, movements of many legs, refunds of transfers and refunds of payments, by kind and outcome."
     );
     metrics::describe_histogram!(
         crate::telemetry::metrics::PAYEE_BATCH,
@@ -238,7 +264,7 @@ pub(super) fn describe_metrics() {
         "Transfers a payee's worker sent on alone: their payer's lease was busy (or their key was twice in the batch)."
     );
     metrics::counter!("walletlock_payee_batch_alone_total").absolute(0);
-    for kind in ["transfer", "transfer_refund", "payment_refund"] {
+    for kind in ["transfer", "movement", "transfer_refund", "payment_refund"] {
         for outcome in ["accepted", "insufficient_funds", "lock_timeout", "lease_lost", "unavailable"] {
             metrics::counter!("walletlock_transfers_total", "kind" => kind, "outcome" => outcome).absolute(0);
         }
@@ -304,8 +330,36 @@ impl Wallets {
     ) -> Result<Entry, WalletError> {
         match self.run_work(Work::PaymentRefund { access: access.clone(), refund, key }).await? {
             Done::Entry(entry) => Ok(entry),
-            Done::Transfer(_) => Err(WalletError::internal("a payment refund wrote a transfer")),
+            Done::Transfer(_) | Done::Movement(_) => {
+                Err(WalletError::internal("a payment refund wrote something else"))
+            }
         }
+    }
+
+    /// Moves money between 2 to 16 wallets at once, under every wallet's lease, in one
+    /// transaction: every leg, or none. With a key, a key used before answers
+    /// [`WalletError::AlreadyRan`] and moves nothing; a new key's outcome is stored with the legs.
+    pub async fn move_between(
+        &self,
+        access: &Access,
+        legs: Legs,
+        reference: Option<String>,
+        key: Option<Keyed<MovementRecordOutcome>>,
+    ) -> Result<MovementRecord, WalletError> {
+        match self.run_work(Work::Movement { access: access.clone(), legs, reference, key }).await? {
+            Done::Movement(movement) => Ok(*movement),
+            _ => Err(WalletError::internal("a movement wrote something else")),
+        }
+    }
+
+    /// The movement `id`, if `access` may use one of its wallets.
+    pub async fn find_movement(&self, access: &Access, id: Uuid) -> Result<MovementRecord, WalletError> {
+        let mut conn = self.connection().await?;
+        store::find_movement(&mut conn, id)
+            .await?
+            .filter(|found: &FoundMovement| found.owners.iter().any(|owner| access.may_use(owner.as_deref())))
+            .map(|found| found.movement)
+            .ok_or(WalletError::MovementNotFound)
     }
 
     /// The transfer `id` and what has been refunded of it, if `access` may use one of its wallets.
@@ -430,7 +484,7 @@ impl Wallets {
         }
         let now = crate::ledger::entry_time();
         let fence_of = |id: &WalletId| fence_by_id.get(id.as_str()).copied().unwrap_or_default();
-        let outcome: Result<Done, Refusal> = match work {
+        let outcome: Result<Done, WalletError> = match work {
             Work::Transfer { parties, amount, reference, refunds, key, .. } => {
                 let amount = match refunds {
                     Some((original, paid)) => {
@@ -456,7 +510,7 @@ impl Wallets {
                 let keys =
                     key_write(&parties.from, key.as_ref(), response.as_ref(), entries.first().map(|e| e.id));
                 self.write_locked(&mut tx, &[from, to], &entries, keys, now).await?;
-                outcome.map(|transfer| Done::Transfer(Box::new(transfer)))
+                outcome.map(|transfer| Done::Transfer(Box::new(transfer))).map_err(WalletError::Refused)
             }
             Work::PaymentRefund { refund, key, .. } => {
                 let wallet = &locked[refund.wallet.as_str()];
@@ -480,13 +534,51 @@ impl Wallets {
                 let keys =
                     key_write(&refund.wallet, key.as_ref(), response.as_ref(), entries.first().map(|e| e.id));
                 self.write_locked(&mut tx, &[side], &entries, keys, now).await?;
-                outcome.map(Done::Entry)
+                outcome.map(Done::Entry).map_err(WalletError::Refused)
+            }
+            Work::Movement { legs, reference, key, .. } => {
+                for (wallet, amount, debit) in legs.iter() {
+                    if let (true, Some(row)) = (*debit, locked.get_mut(wallet.as_str())) {
+                        release_if_short(&mut tx, row, wallet, *amount, now).await?;
+                    }
+                }
+                let sides: Vec<Side<'_>> =
+                    legs.iter().map(|(id, _, _)| (id, &locked[id.as_str()], fence_of(id))).collect();
+                let decided: Vec<Leg<'_>> = sides
+                    .iter()
+                    .zip(legs.iter())
+                    .map(|(side, (_, amount, debit))| leg_of(*side, *amount, *debit))
+                    .collect();
+                let id = Uuid::new_v4();
+                let links =
+                    Links { movement: Some(id), reference: reference.as_deref(), refund_of: None, now };
+                let outcome: MovementRecordOutcome =
+                    decide_legs(&decided, (EntryKind::TransferOut, EntryKind::TransferIn), links)
+                        .map(|legs| MovementRecord {
+                            id,
+                            reference: reference.clone(),
+                            legs,
+                            created_at: now,
+                        })
+                        .map_err(|(leg, refusal)| LegRefusal { leg, refusal });
+                if let Ok(movement) = &outcome {
+                    store::insert_movement(&mut tx, movement).await?;
+                }
+                let entries: Vec<&Entry> =
+                    outcome.as_ref().map(|m| m.legs.iter().collect()).unwrap_or_default();
+                let response = key.as_ref().map(|key| (key.render)(&outcome));
+                let first = sides[0].0;
+                let keys = key_write(first, key.as_ref(), response.as_ref(), entries.first().map(|e| e.id));
+                self.write_locked(&mut tx, &sides, &entries, keys, now).await?;
+                outcome
+                    .map(|movement| Done::Movement(Box::new(movement)))
+                    .map_err(|LegRefusal { leg, refusal }| WalletError::LegRefused { leg, refusal })
             }
         };
         crate::failpoint::hit("before_commit");
         super::commit(tx).await?;
         crate::failpoint::hit("after_commit");
-        outcome.map_err(|refusal| WalletError::Refused(refusal).into())
+        outcome.map_err(Failure::Wallet)
     }
 }
 

@@ -21,6 +21,7 @@ mod idempotency;
 mod layers;
 mod lease;
 mod metrics;
+mod movements;
 mod notes;
 mod openapi;
 mod outage;

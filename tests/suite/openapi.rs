@@ -26,6 +26,8 @@ const ROUTES: &[(&str, &str, &[&str])] = &[
     ("post", "/transfers", POST_STATUSES),
     ("get", "/transfers/{id}", GET_STATUSES),
     ("post", "/transfers/{id}/refund", POST_STATUSES),
+    ("post", "/movements", &["201", "400", "401", "404", "409", "413", "415", "422", "503"]),
+    ("get", "/movements/{id}", GET_STATUSES),
     ("post", "/wallets/{id}/holds", &["201", "400", "401", "404", "409", "413", "415", "422", "503"]),
     ("get", "/holds/{id}", GET_STATUSES),
     ("post", "/holds/{id}/capture", POST_STATUSES),
@@ -91,7 +93,7 @@ async fn the_document_describes_every_route_and_status() {
             }
             let content = response["content"].as_object().unwrap();
             if status.starts_with(['4', '5'])
-                && (path.starts_with("/wallets") || path.starts_with("/transfers"))
+                && ["/wallets", "/transfers", "/movements"].iter().any(|prefix| path.starts_with(prefix))
             {
                 assert_eq!(
                     content["application/problem+json"]["schema"]["$ref"], "#/components/schemas/Problem",
@@ -127,11 +129,11 @@ async fn the_document_describes_every_route_and_status() {
         }
     }
 
-    // A bearer token on the /wallets, /transfers and /holds operations only.
+    // A bearer token on the /wallets, /transfers, /movements and /holds operations only.
     assert_eq!(doc["components"]["securitySchemes"]["bearer"], json!({ "type": "http", "scheme": "bearer" }));
     for (method, path, _) in ROUTES {
         let security = &operation(&doc, method, path)["security"];
-        if ["/wallets", "/transfers", "/holds"].iter().any(|api| path.starts_with(api)) {
+        if ["/wallets", "/transfers", "/movements", "/holds"].iter().any(|api| path.starts_with(api)) {
             assert_eq!(*security, json!([{ "bearer": [] }]), "{method} {path}");
             let unauthorized = &operation(&doc, method, path)["responses"]["401"];
             assert_eq!(unauthorized["headers"]["WWW-Authenticate"]["required"], true, "{method} {path}");
@@ -146,7 +148,7 @@ async fn the_document_describes_every_route_and_status() {
     for (method, path, _) in ROUTES.iter().filter(|(_, p, _)| p.contains("{id}")) {
         let id = parameter(operation(&doc, method, path), "id");
         assert_eq!(id["in"], "path");
-        if path.starts_with("/transfers") || path.starts_with("/holds") {
+        if ["/transfers", "/movements", "/holds"].iter().any(|prefix| path.starts_with(prefix)) {
             assert_eq!(id["schema"]["format"], "uuid", "{method} {path}");
         } else {
             assert_eq!(id["schema"]["pattern"], "^[A-Za-z0-9_-]{1,64}$", "{method} {path}");

@@ -1,0 +1,157 @@
+//! `/movements`: money between 2 to 16 wallets at once, every leg or none (a payment split
+//! between a merchant, a platform's fee and a tax wallet). A transfer is the two-leg case.
+
+use super::ApiContext;
+use super::error::described::{MOVEMENT_CONFLICT as CONFLICT, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
+use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
+use super::extract::{IdempotencyHeader, JsonBody};
+use super::idempotent::{self, Keyed, movement_record_response, render_movement_record};
+use crate::domain::{self, Access, Field, Legs};
+use crate::idempotency::Scope;
+use crate::ledger::transfer::MovementRecord;
+use crate::wallet::{InvalidInput, WalletId};
+use axum::{
+    Json,
+    extract::{Extension, FromRequestParts, State},
+    http::{Uri, request::Parts},
+    response::Response,
+};
+use serde::Deserialize;
+use utoipa::ToSchema;
+use utoipa_axum::{router::OpenApiRouter, routes};
+use uuid::Uuid;
+
+const UNAVAILABLE: &str = "`lock_timeout`, `dependency_unavailable`, `request_timeout`, `outcome_unknown`: \
+                           retry after `Retry-After`";
+
+/// The movement routes, each at the path and method of its `#[utoipa::path]`.
+pub fn router() -> OpenApiRouter<ApiContext> {
+    OpenApiRouter::default().routes(routes!(create_movement)).routes(routes!(get_movement))
+}
+
+/// The `{id}` segment of a movement route: a UUID.
+#[derive(Debug, utoipa::IntoParams)]
+#[into_params(names("id"), parameter_in = Path)]
+pub struct MovementPath(
+    /// The movement's id.
+    #[param(value_type = String, format = Uuid)]
+    pub Uuid,
+);
+
+impl<S: Send + Sync> FromRequestParts<S> for MovementPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        Ok(Self(super::extract::uuid_in_path(parts, state, Field::MovementId).await?))
+    }
+}
+
+/// One leg of a movement. Unknown fields are refused.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct NewLeg {
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "merchant")]
+    wallet_id: String,
+    /// Minor units: negative out of the wallet, positive into it; 1 to 10^12 either way.
+    #[schema(minimum = -1_000_000_000_000_i64, maximum = 1_000_000_000_000_i64, example = -1000)]
+    amount: i64,
+}
+
+/// Money between 2 to 16 wallets at once. Unknown fields are refused.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct NewMovement {
+    /// 2 to 16 legs on distinct wallets, summing to zero.
+    #[schema(min_items = 2, max_items = 16)]
+    legs: Vec<NewLeg>,
+    /// The caller's own note: at most 256 characters, no NUL.
+    #[schema(max_length = 256, pattern = "^[^\\x00]*$", example = "order-1001")]
+    reference: Option<String>,
+}
+
+/// Moves money between 2 to 16 wallets at once: every leg in one transaction, under every
+/// wallet's lease, or nothing. Money leaves only the caller's wallets and goes into wallets the
+/// caller may pay into (as a transfer's).
+#[utoipa::path(
+    post,
+    path = "/movements",
+    tag = "transfers",
+    security(("bearer" = [])),
+    params(IdempotencyHeader),
+    request_body(content = NewMovement, content_type = "application/json"),
+    responses(
+        (status = 201, description = "The movement, with one ledger entry a leg", body = MovementRecord,
+            headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
+            links(("GetMovement" = (operation_id = "get_movement", parameters(("id" = "$response.body#/id")))))),
+        (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`invalid_legs` (fewer than 2 or more than 16, a wallet twice, an amount of 0 or past \
+                           10^12, not summing to zero, a bad wallet id), `invalid_reference`, \
+                           `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`wallet_not_found` (with `leg`; also a wallet the caller may not take from or pay into)"),
+        (status = 409, description = CONFLICT, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        (status = 413, description = TOO_LARGE, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 415, description = NOT_JSON, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 422, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`insufficient_funds`, `balance_overflow` (with `leg` and that wallet's `balance`); \
+                           nothing applied; `idempotency_key_reused`",
+            headers(("Idempotent-Replayed" = String))),
+        (status = 503, description = UNAVAILABLE, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
+async fn create_movement(
+    State(ctx): State<ApiContext>,
+    Extension(access): Extension<Access>,
+    IdempotencyHeader(key): IdempotencyHeader,
+    uri: Uri,
+    body: JsonBody<NewMovement>,
+) -> Result<Response, ApiError> {
+    let NewMovement { legs, reference } = &body.value;
+    let legs = legs
+        .iter()
+        .map(|leg| {
+            let wallet = WalletId::parse(&leg.wallet_id)
+                .map_err(|_| InvalidInput { field: Field::Legs, rule: Legs::RULE })?;
+            Ok((wallet, leg.amount))
+        })
+        .collect::<Result<Vec<_>, InvalidInput>>()?;
+    let legs = Legs::new(legs)?;
+    if let Some((first, _, _)) = legs.iter().next() {
+        tracing::Span::current().record("wallet_id", first.as_str());
+    }
+    let reference = domain::reference(reference.clone())?;
+    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_movement_record);
+    Ok(movement_record_response(ctx.wallets.move_between(&access, legs, reference, key).await))
+}
+
+/// Reads a movement, with its legs.
+#[utoipa::path(
+    get,
+    path = "/movements/{id}",
+    tag = "transfers",
+    security(("bearer" = [])),
+    params(MovementPath),
+    responses(
+        (status = 200, description = "The movement", body = MovementRecord),
+        (status = 400, description = "`invalid_movement_id`", body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, description = "`movement_not_found` (also one none of whose wallets is the caller's)",
+            body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 503, description = "`dependency_unavailable`, `request_timeout`: retry after `Retry-After`",
+            body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
+async fn get_movement(
+    State(ctx): State<ApiContext>,
+    Extension(access): Extension<Access>,
+    MovementPath(id): MovementPath,
+) -> Result<Json<MovementRecord>, ApiError> {
+    Ok(Json(ctx.wallets.find_movement(&access, id).await?))
+}

@@ -1,0 +1,234 @@
+//! Movements of many legs (`POST /movements`): money between 2 to 16 wallets at once, every leg or
+//! none, under every wallet's lease, with the same keys, fences and books as a transfer.
+
+use crate::support::app::{TestApp, spawn_app};
+use crate::support::fleet::{Fleet, audit};
+use crate::support::load::open_wallets;
+use crate::support::{OTHER_TOKEN, TestEnv, api_client_with, books};
+use rand::seq::SliceRandom;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+fn legs(spec: &[(&str, i64)]) -> Value {
+    json!({ "legs": spec.iter().map(|(id, amount)| json!({ "wallet_id": id, "amount": amount })).collect::<Vec<_>>() })
+}
+
+async fn balances(db: &sqlx::PgPool, wallets: &[&str]) -> Vec<i64> {
+    let mut out = Vec::new();
+    for wallet in wallets {
+        out.push(books(db, wallet).await.balance);
+    }
+    out
+}
+
+async fn movement_rows(db: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("select count(*) from movement").fetch_one(db).await.unwrap()
+}
+
+async fn keyed(app: &TestApp, key: &str, body: &Value) -> reqwest::Response {
+    app.client.post(app.url("/movements")).header("idempotency-key", key).json(body).send().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_moves_every_leg_or_none_and_a_retry_with_its_key_replays_it() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    let wallets = ["payer", "merchant", "fee", "tax"];
+    app.open_wallet("payer", 10_000).await;
+    for wallet in &wallets[1..] {
+        app.open_wallet(wallet, 0).await;
+    }
+    let split = legs(&[("payer", -1_000), ("merchant", 850), ("fee", 100), ("tax", 50)]);
+    let made = keyed(&app, "split-1", &split).await;
+    assert_eq!(made.status(), 201);
+    let made: Value = made.json().await.unwrap();
+    let after: Vec<i64> =
+        made["legs"].as_array().unwrap().iter().map(|leg| leg["balance"].as_i64().unwrap()).collect();
+    assert_eq!(after, [9_000, 850, 100, 50], "each leg's entry, with its wallet's balance after it");
+    assert_eq!(made["legs"][0]["kind"], "transfer_out");
+    assert_eq!(made["legs"][3]["kind"], "transfer_in");
+    assert!(made["legs"].as_array().unwrap().iter().all(|leg| leg["transfer_id"] == made["id"]));
+
+    let replayed = keyed(&app, "split-1", &split).await;
+    assert_eq!(replayed.status(), 201);
+    assert_eq!(replayed.headers()["idempotent-replayed"], "true");
+    assert_eq!(replayed.json::<Value>().await.unwrap()["id"], made["id"], "the same movement, once");
+    assert_eq!(balances(&app.db, &wallets).await, [9_000, 850, 100, 50]);
+
+    let read = app.get(&format!("/movements/{}", made["id"].as_str().unwrap())).await;
+    assert_eq!(read.status(), 200);
+    let read: Value = read.json().await.unwrap();
+    let mut legs_read: Vec<i64> =
+        read["legs"].as_array().unwrap().iter().map(|leg| leg["amount"].as_i64().unwrap()).collect();
+    legs_read.sort_unstable();
+    assert_eq!(legs_read, [50, 100, 850, 1_000]);
+
+    // One leg that cannot be made refuses the whole movement, naming the leg.
+    let too_much = legs(&[("merchant", -100), ("payer", -10_000), ("tax", 10_100)]);
+    let refused = keyed(&app, "split-2", &too_much).await;
+    assert_eq!(refused.status(), 422);
+    let problem: Value = refused.json().await.unwrap();
+    assert_eq!((problem["code"].as_str(), problem["leg"].as_i64()), (Some("insufficient_funds"), Some(1)));
+    assert_eq!(problem["balance"], 9_000, "the balance of that leg's wallet");
+    assert_eq!(balances(&app.db, &wallets).await, [9_000, 850, 100, 50], "no leg applied");
+    let again = keyed(&app, "split-2", &too_much).await;
+    assert_eq!(again.status(), 422);
+    assert_eq!(again.headers()["idempotent-replayed"], "true", "the refusal is replayed too");
+
+    // A key is one request's, whichever route between wallets it was sent to.
+    let transfer = app
+        .client
+        .post(app.url("/transfers"))
+        .header("idempotency-key", "split-1")
+        .json(&json!({ "from": "payer", "to": "fee", "amount": 1 }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(transfer.status(), 422);
+    assert_eq!(transfer.json::<Value>().await.unwrap()["code"], "idempotency_key_reused");
+    assert_eq!(movement_rows(&app.db).await, 1);
+    let (ok, report) = audit(&app._schema.url);
+    assert!(ok, "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bad_movement_is_a_clear_4xx_and_changes_nothing() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    let wallets = ["ma", "mb", "mc"];
+    for wallet in &wallets {
+        app.open_wallet(wallet, 1_000).await;
+    }
+    // `tester` may pay into `other`'s wallets (the test token file grants it), not into `ops`'s.
+    for (token, wallet) in [(OTHER_TOKEN, "theirs"), ("ops-token-0123456789", "ops")] {
+        let opened = api_client_with(token)
+            .post(app.url("/wallets"))
+            .json(&json!({ "id": wallet, "balance": 1_000 }))
+            .send()
+            .await;
+        assert_eq!(opened.unwrap().status(), 201);
+    }
+    let seventeen: Vec<(String, i64)> =
+        (0..17).map(|n| (format!("w{n}"), if n == 0 { -16 } else { 1 })).collect();
+    let seventeen: Vec<(&str, i64)> = seventeen.iter().map(|(id, amount)| (id.as_str(), *amount)).collect();
+    let cases: Vec<(Value, u16, &str, Option<i64>)> = vec![
+        (legs(&[("ma", -10), ("mb", 9)]), 400, "invalid_legs", None),
+        (legs(&[("ma", -10), ("ma", 10)]), 400, "invalid_legs", None),
+        (legs(&[]), 400, "invalid_legs", None),
+        (legs(&[("ma", 0)]), 400, "invalid_legs", None),
+        (legs(&[("ma", -5)]), 400, "invalid_legs", None),
+        (legs(&seventeen), 400, "invalid_legs", None),
+        (legs(&[("ma", 0), ("mb", 0)]), 400, "invalid_legs", None),
+        (legs(&[("ma", -10), ("m/b", 10)]), 400, "invalid_legs", None),
+        (legs(&[("ma", -2_000_000_000_000), ("mb", 2_000_000_000_000)]), 400, "invalid_legs", None),
+        (
+            json!({ "legs": [{ "wallet_id": "ma", "amount": -1 }, { "wallet_id": "mb", "amount": 1, "x": 1 }] }),
+            400,
+            "invalid_body",
+            None,
+        ),
+        (
+            json!({ "legs": [{ "wallet_id": "ma", "amount": -1 }, { "wallet_id": "mb", "amount": 1 }], "reference": "a\u{0}b" }),
+            400,
+            "invalid_reference",
+            None,
+        ),
+        (legs(&[("ma", -10), ("nobody", 10)]), 404, "wallet_not_found", Some(1)),
+        (legs(&[("theirs", -10), ("ma", 10)]), 404, "wallet_not_found", Some(0)),
+        (legs(&[("ma", -10), ("ops", 10)]), 404, "wallet_not_found", Some(1)),
+        (legs(&[("ma", -10), ("theirs", 10)]), 201, "", None),
+        (legs(&[("mc", 5), ("ma", -10), ("mb", 5)]), 201, "", None),
+    ];
+    for (body, status, code, leg) in cases {
+        let response = app.post_json("/movements", body.clone()).await;
+        assert_eq!(response.status().as_u16(), status, "{body}");
+        if status == 201 {
+            continue;
+        }
+        let problem: Value = response.json().await.unwrap();
+        assert_eq!(problem["code"], code, "{body}: {problem}");
+        assert_eq!(problem["leg"].as_i64(), leg, "{body}: {problem}");
+    }
+    assert_eq!(balances(&app.db, &wallets).await, [980, 1_005, 1_005], "only the good movements moved money");
+    assert_eq!(balances(&app.db, &["theirs", "ops"]).await, [1_010, 1_000]);
+    assert_eq!(movement_rows(&app.db).await, 2);
+    let missing = app.get("/movements/00000000-0000-0000-0000-000000000000").await;
+    assert_eq!(missing.status(), 404);
+    assert_eq!(app.get("/movements/not-a-uuid").await.status(), 400);
+}
+
+/// How one keyed movement through the fleet ended: applied (201 or replayed), refused on its
+/// merits or for a busy wallet (nothing applied), or not known yet (retry with its key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    Applied,
+    NotApplied,
+    Unknown,
+}
+
+async fn send(fleet: &Fleet, key: &str, body: &Value) -> Ended {
+    let request = fleet.client.post(fleet.url("/movements")).header("idempotency-key", key).json(body);
+    let Ok(response) = request.timeout(Duration::from_secs(15)).send().await else { return Ended::Unknown };
+    let status = response.status().as_u16();
+    let problem: Value = response.json().await.unwrap_or(Value::Null);
+    match (status, problem["code"].as_str().unwrap_or("")) {
+        (201, _) => Ended::Applied,
+        (422, "insufficient_funds")
+        | (409, "lease_lost")
+        | (503, "lock_timeout" | "overloaded")
+        | (429, _) => Ended::NotApplied,
+        (409, "idempotency_key_in_flight")
+        | (503, "request_timeout" | "outcome_unknown")
+        | (502 | 504, _) => Ended::Unknown,
+        other => panic!("an answer the API does not give: {other:?} {problem}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn splits_whose_legs_overlap_in_every_order_never_deadlock_and_conserve_money() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 3, &[]).await;
+    let wallets = ["sa", "sb", "sc", "sd"];
+    let opening = 1_000;
+    open_wallets(&fleet, &wallets, opening).await;
+
+    // 12 clients, 10 splits each: one of the four wallets pays 2, split between two others, the
+    // three picked and ordered at random, so every order of overlapping legs meets every other.
+    let fleet = std::sync::Arc::new(fleet);
+    let clients: Vec<_> = (0..12)
+        .map(|client| {
+            let fleet = fleet.clone();
+            tokio::spawn(async move {
+                let mut sent = Vec::new();
+                for n in 0..10 {
+                    let mut order = wallets.to_vec();
+                    order.shuffle(&mut rand::rng());
+                    let body = legs(&[(order[0], -2), (order[1], 1), (order[2], 1)]);
+                    let key = format!("split-{client}-{n}");
+                    let ended = send(&fleet, &key, &body).await;
+                    sent.push((key, body, ended));
+                }
+                sent
+            })
+        })
+        .collect();
+    let mut sent = Vec::new();
+    for client in clients {
+        sent.extend(
+            tokio::time::timeout(Duration::from_secs(120), client).await.expect("no deadlock").unwrap(),
+        );
+    }
+    // Every unknown outcome is settled by its key: applied once, or not at all.
+    for (key, body, ended) in &mut sent {
+        while *ended == Ended::Unknown {
+            *ended = send(&fleet, key, body).await;
+        }
+    }
+    let applied = sent.iter().filter(|(_, _, ended)| *ended == Ended::Applied).count() as i64;
+    assert!(applied * 2 >= sent.len() as i64, "most splits applied: {applied} of {}", sent.len());
+    assert_eq!(movement_rows(&fleet.db).await, applied, "each split acknowledged is recorded once");
+    let total: i64 = balances(&fleet.db, &wallets).await.iter().sum();
+    assert_eq!(total, opening * wallets.len() as i64, "money is conserved");
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "{report}");
+}
