@@ -110,6 +110,7 @@ async fn under_citus_each_payment_is_one_transaction_on_the_worker_holding_its_w
             ("hold", "wallet_id"),
             ("idempotency_key", "wallet_id"),
             ("ledger_entry", "wallet_id"),
+            ("movement", "wallet_id"),
             ("transfer", "from_wallet"),
             ("wallet", "id")
         ],

@@ -5,7 +5,7 @@ use crate::support::app::{TestApp, spawn_app};
 use crate::support::fleet::{Fleet, audit};
 use crate::support::load::open_wallets;
 use crate::support::transfers::{
-    Outcome, TransferLoad, check_books, goes_through_at_once, settle, tally, transfer_one,
+    Outcome, TransferAttempt, TransferLoad, check_books, goes_through_at_once, settle, tally, transfer_one,
 };
 use crate::support::{OTHER_TOKEN, TestEnv, api_client_with, books};
 use reqwest::Response;
@@ -826,18 +826,22 @@ async fn transfers_continue_through_a_flushall_and_the_books_balance() {
     // Every lease, fence counter and note gone at once: the fences start over below what the rows
     // have seen, so each holder lifts its lease's fence past the row's before it writes.
     env.redis_cmd::<()>(&["FLUSHALL"]).await;
+    // Resuming is an outcome, not a time (the machine may be slow): each probe waits for its lease
+    // behind the load's clients on the same pair, so it is applied or refused as busy, and one of
+    // the first three is applied.
     let flushed_at = Instant::now();
     let mut probes = Vec::new();
-    let resumed = loop {
+    while !probes.iter().any(|probe: &TransferAttempt| matches!(probe.outcome, Outcome::Applied(_))) {
+        assert!(probes.len() < 3, "no transfer applied since the flush: {probes:?}");
         let probe = transfer_one(&fleet.client, &fleet.url(""), ("flush-a", "flush-b"), 1).await;
-        let applied = matches!(probe.outcome, Outcome::Applied(_));
+        assert!(
+            matches!(&probe.outcome, Outcome::Applied(_))
+                || matches!(&probe.outcome, Outcome::NotApplied(code) if code == "lock_timeout"),
+            "a probe after the flush: {probe:?}"
+        );
         probes.push(probe);
-        if applied {
-            break flushed_at.elapsed();
-        }
-        assert!(flushed_at.elapsed() < Duration::from_secs(5), "no transfer since the flush: {probes:?}");
-    };
-    assert!(resumed <= Duration::from_secs(2), "transfers resumed {resumed:?} after the flush");
+    }
+    let resumed = flushed_at.elapsed();
     tokio::time::sleep(Duration::from_millis(700)).await;
 
     let mut attempts = load.finish().await;
