@@ -4,9 +4,13 @@
 use crate::support::app::{TestApp, spawn_app};
 use crate::support::fleet::{Fleet, audit};
 use crate::support::load::open_wallets;
-use crate::support::{OTHER_TOKEN, TestEnv, api_client_with, books};
+use crate::support::movements::{
+    Outcome, SplitAttempt, SplitLoad, check_split_books, send_movement, settle_splits, tally_splits,
+};
+use crate::support::{OTHER_TOKEN, TestEnv, api_client_with, books, parse_metrics};
 use rand::seq::SliceRandom;
 use serde_json::{Value, json};
+use std::collections::HashSet;
 use std::time::Duration;
 
 fn legs(spec: &[(&str, i64)]) -> Value {
@@ -231,4 +235,201 @@ async fn splits_whose_legs_overlap_in_every_order_never_deadlock_and_conserve_mo
     assert_eq!(total, opening * wallets.len() as i64, "money is conserved");
     let (ok, report) = audit(&fleet.database_url);
     assert!(ok, "{report}");
+}
+
+/// The settings of the fault fleets: a one-second lease, and keys of dead replicas freed after two.
+const FAULT_SETTINGS: [(&str, &str); 2] = [("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s")];
+
+/// Enough that no wallet of the fault tests runs short: 12 clients x 15 splits of at most 50.
+const FAULT_OPENING: i64 = 10_000;
+
+/// What a split under the faults may end as once settled: applied, or refused with nothing
+/// applied (a wallet held by a dead or frozen replica is a bounded wait, then `lock_timeout`).
+fn assert_decided_on_merits(counts: &std::collections::BTreeMap<String, usize>) {
+    for code in counts.keys() {
+        assert!(
+            ["applied", "lock_timeout", "lease_lost"].contains(&code.as_str()),
+            "a split neither applied nor refused with nothing applied: {counts:?}"
+        );
+    }
+}
+
+fn opening_of<'a>(wallets: &[&'a str]) -> Vec<(&'a str, i64)> {
+    wallets.iter().map(|w| (*w, FAULT_OPENING)).collect()
+}
+
+async fn movement_ids(db: &sqlx::PgPool) -> HashSet<uuid::Uuid> {
+    let ids: Vec<uuid::Uuid> = sqlx::query_scalar("select id from movement").fetch_all(db).await.unwrap();
+    ids.into_iter().collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_under_the_split_load_loses_nothing_and_applies_nothing_twice() {
+    let env = TestEnv::new();
+    let mut fleet = Fleet::start(&env, 3, &FAULT_SETTINGS).await;
+    let wallets = ["ka", "kb", "kc", "kd", "ke"];
+    open_wallets(&fleet, &wallets, FAULT_OPENING).await;
+    let load = SplitLoad::each(&fleet, &wallets, 12, 10);
+
+    // Mid-load, replica-1 is SIGKILLed (by its pid) wherever it is, and comes back armed to stop
+    // itself right after its next commit, and is SIGKILLed there: a split committed whose answer
+    // never left.
+    let mid_load = || async { movement_rows(&fleet.db).await >= 12 };
+    crate::support::eventually("the load committed 12 splits", Duration::from_secs(20), mid_load).await;
+    fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", Some("after_commit:stop"));
+    fleet.replicas[0].start();
+    let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
+    let doomed = tokio::spawn(async move {
+        let legs = vec![("kc".to_owned(), -7), ("kd".to_owned(), 4), ("ke".to_owned(), 3)];
+        let key = "doomed-split".to_owned();
+        let outcome = send_movement(&client, &url, &legs, &key).await;
+        SplitAttempt { legs, key, outcome }
+    });
+    let pid = fleet.replicas[0].pid();
+    crate::support::eventually("replica-1 stopped after a commit", Duration::from_secs(10), || async {
+        crate::support::fleet::is_stopped(pid)
+    })
+    .await;
+    fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", None);
+    fleet.replicas[0].start();
+
+    let mut attempts = tokio::time::timeout(Duration::from_secs(60), load.done())
+        .await
+        .expect("12 clients sent 10 splits each within 60 s, through the kills");
+    attempts.push(doomed.await.unwrap());
+    let undecided: HashSet<String> =
+        attempts.iter().filter(|a| matches!(a.outcome, Outcome::Unknown(_))).map(|a| a.key.clone()).collect();
+    assert!(!undecided.is_empty(), "the kills left splits undecided: {:?}", tally_splits(&attempts));
+    let before_retries = movement_ids(&fleet.db).await;
+
+    // Each undecided split is settled by retrying it with its key: one committed before the kill
+    // is replayed (the same movement, not a second), one that was not is applied now, once.
+    settle_splits(&fleet, &mut attempts).await;
+    let replayed = attempts
+        .iter()
+        .filter(|a| undecided.contains(&a.key))
+        .filter(|a| matches!(a.outcome, Outcome::Applied(id) if before_retries.contains(&id)))
+        .count();
+    assert!(replayed >= 1, "the split committed at the kill was replayed by its key's retry");
+    let counts = tally_splits(&attempts);
+    eprintln!("12 clients, 10 splits each, replica-1 killed twice: {counts:?}; {replayed} replayed");
+    assert_decided_on_merits(&counts);
+    check_split_books(&fleet, &opening_of(&wallets), &attempts).await;
+}
+
+async fn versions(db: &sqlx::PgPool, wallets: &[&str]) -> Vec<i64> {
+    let mut out = Vec::new();
+    for wallet in wallets {
+        let version = sqlx::query_scalar("select version from wallet where id = $1").bind(wallet);
+        out.push(version.fetch_one(db).await.unwrap());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_holder_paused_past_its_leases_applies_nothing_when_it_wakes() {
+    let env = TestEnv::new();
+    let mut fleet = Fleet::start(&env, 3, &FAULT_SETTINGS).await;
+    let wallets = ["pa", "pb", "pc", "pd", "pe"];
+    open_wallets(&fleet, &wallets, FAULT_OPENING).await;
+    fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", Some("transfer_leases_held:stop"));
+    fleet.replicas[0].start();
+
+    // replica-1 stops itself (a GC pause, a frozen VM) holding the leases of all three legs, before
+    // its transaction: no row is locked, so only the fences can refuse its write when it wakes.
+    let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
+    let stale = tokio::spawn(async move {
+        let legs = vec![("pa".to_owned(), -40), ("pb".to_owned(), 30), ("pc".to_owned(), 10)];
+        send_movement(&client, &url, &legs, "stale-split").await
+    });
+    let pid = fleet.replicas[0].pid();
+    crate::support::eventually("replica-1 stopped holding the leases", Duration::from_secs(5), || async {
+        crate::support::fleet::is_stopped(pid)
+    })
+    .await;
+    let read = versions(&fleet.db, &wallets[..3]).await;
+
+    // The load through nginx to all three replicas: the paused holder's leases lapse (1 s), and
+    // the others' splits take them over and write every one of its three wallets.
+    let load = SplitLoad::each(&fleet, &wallets, 12, 10);
+    crate::support::eventually("pa, pb and pc written by the others", Duration::from_secs(10), || async {
+        let now = versions(&fleet.db, &wallets[..3]).await;
+        now.iter().zip(&read).all(|(now, read)| now > read)
+    })
+    .await;
+
+    // Woken, the stale holder is refused: 409 lease_lost, nothing moved.
+    fleet.replicas[0].signal(nix::sys::signal::Signal::SIGCONT);
+    let stale = stale.await.unwrap();
+    assert_eq!(
+        stale,
+        Outcome::NotApplied("lease_lost".into()),
+        "replica-1 logged:\n{}",
+        fleet.replicas[0].log()
+    );
+    let mut attempts = tokio::time::timeout(Duration::from_secs(60), load.done())
+        .await
+        .expect("12 clients sent 10 splits each within 60 s, through the pause");
+    settle_splits(&fleet, &mut attempts).await;
+    let counts = tally_splits(&attempts);
+    eprintln!("12 clients, 10 splits each, replica-1 paused past its leases: {counts:?}");
+    assert_decided_on_merits(&counts);
+    check_split_books(&fleet, &opening_of(&wallets), &attempts).await;
+}
+
+/// The movements the fleet applied under Postgres alone, as the replicas count them.
+async fn moved_under_postgres_alone(fleet: &Fleet) -> f64 {
+    let mut total = 0.0;
+    for replica in &fleet.replicas {
+        let scrape = fleet.client.get(replica.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        total += parse_metrics(&scrape)
+            .into_iter()
+            .filter(|(name, labels, _)| {
+                name == "walletlock_movements_by_path_total"
+                    && labels.get("path").map(String::as_str) == Some("postgres_only")
+            })
+            .map(|(_, _, value)| value)
+            .sum::<f64>();
+    }
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn splits_go_on_through_a_flushall_and_a_redis_outage_and_the_books_balance() {
+    let mut env = TestEnv::with_own_redis();
+    let fleet = Fleet::start(&env, 3, &FAULT_SETTINGS).await;
+    let wallets = ["fa", "fb", "fc", "fd", "fe"];
+    open_wallets(&fleet, &wallets, FAULT_OPENING).await;
+    let load = SplitLoad::each(&fleet, &wallets, 12, 15);
+    // Each fault strikes once the load has committed a few more splits since the last one.
+    let advanced = |since: i64| {
+        let db = fleet.db.clone();
+        move || {
+            let db = db.clone();
+            async move { movement_rows(&db).await >= since + 8 }
+        }
+    };
+    crate::support::eventually("splits before the faults", Duration::from_secs(20), advanced(0)).await;
+
+    // Every lease, fence counter and note gone at once: each holder lifts its fences past the rows'.
+    env.redis_cmd::<()>(&["FLUSHALL"]).await;
+    let flushed = movement_rows(&fleet.db).await;
+    crate::support::eventually("splits after the flush", Duration::from_secs(20), advanced(flushed)).await;
+
+    // Redis gone: splits go on under Postgres alone (row locks), then back on leases.
+    env.own_redis().kill();
+    let killed = movement_rows(&fleet.db).await;
+    crate::support::eventually("splits under Postgres alone", Duration::from_secs(20), advanced(killed))
+        .await;
+    assert!(moved_under_postgres_alone(&fleet).await > 0.0, "some splits moved under Postgres alone");
+    env.own_redis().start_again();
+
+    let mut attempts = tokio::time::timeout(Duration::from_secs(60), load.done())
+        .await
+        .expect("12 clients sent 15 splits each within 60 s, through the faults");
+    settle_splits(&fleet, &mut attempts).await;
+    let counts = tally_splits(&attempts);
+    eprintln!("12 clients, 15 splits each, through a FLUSHALL and a Redis outage: {counts:?}");
+    assert_decided_on_merits(&counts);
+    check_split_books(&fleet, &opening_of(&wallets), &attempts).await;
 }

@@ -751,12 +751,6 @@ async fn transfer_count_in(db: &sqlx::PgPool) -> i64 {
     sqlx::query_scalar("select count(*) from transfer").fetch_one(db).await.unwrap()
 }
 
-/// Whether the process is stopped (SIGSTOP): state `T` in /proc/<pid>/stat.
-fn is_stopped(pid: u32) -> bool {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_stalled_inside_a_transfer_frees_both_wallets_within_about_a_lease() {
     let env = TestEnv::new();
@@ -774,7 +768,7 @@ async fn a_replica_stalled_inside_a_transfer_frees_both_wallets_within_about_a_l
         );
     let pid = fleet.replicas[0].pid();
     crate::support::eventually("replica-1 stopped in its transfer", Duration::from_secs(5), || async {
-        is_stopped(pid)
+        crate::support::fleet::is_stopped(pid)
     })
     .await;
     let stalled_at = Instant::now();
@@ -877,7 +871,7 @@ async fn a_transfer_holder_paused_past_its_leases_applies_nothing_when_it_wakes(
         );
     let pid = fleet.replicas[0].pid();
     crate::support::eventually("replica-1 stopped holding both leases", Duration::from_secs(5), || async {
-        is_stopped(pid)
+        crate::support::fleet::is_stopped(pid)
     })
     .await;
     let paused_at = Instant::now();
@@ -962,7 +956,7 @@ async fn a_replica_killed_under_the_transfer_load_loses_nothing_and_applies_noth
     let doomed = tokio::spawn(async move { transfer_one(&client, &url, ("kc", "kd"), 7).await });
     let pid = fleet.replicas[0].pid();
     crate::support::eventually("replica-1 stopped after a commit", Duration::from_secs(10), || async {
-        is_stopped(pid)
+        crate::support::fleet::is_stopped(pid)
     })
     .await;
     fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", None);
@@ -1021,7 +1015,7 @@ async fn a_replica_paused_past_its_leases_under_the_transfer_load_is_refused_whe
     let stale = tokio::spawn(async move { transfer_one(&client, &url, ("pa", "pb"), 40).await });
     let pid = fleet.replicas[0].pid();
     crate::support::eventually("replica-1 stopped holding both leases", Duration::from_secs(5), || async {
-        is_stopped(pid)
+        crate::support::fleet::is_stopped(pid)
     })
     .await;
     let paused_at = Instant::now();

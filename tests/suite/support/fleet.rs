@@ -48,6 +48,12 @@ pub struct Replica {
     pub env: Vec<(String, String)>,
 }
 
+/// Whether process `pid` is stopped (by SIGSTOP, or by a failpoint's `stop`), as `/proc` says.
+pub fn is_stopped(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
+}
+
 impl Replica {
     pub fn pid(&self) -> u32 {
         self.process.as_ref().expect("running").pid()

@@ -43,7 +43,7 @@ impl Bank for Fleet {
 /// What a client learned from one payment or transfer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
-    /// 200: this ledger entry (a payment) or transfer.
+    /// 200 or 201: this ledger entry (a payment), transfer or movement.
     Applied(uuid::Uuid),
     /// A definite "nothing was applied" (insufficient funds, lock timeout, lease lost, ...).
     NotApplied(String),
@@ -87,7 +87,9 @@ pub async fn send_keyed(request: reqwest::RequestBuilder, key: &str) -> Outcome 
     let body: Value = response.json().await.unwrap_or(Value::Null);
     let code = body["code"].as_str().unwrap_or("").to_owned();
     match (status, code.as_str()) {
-        (200, _) => Outcome::Applied(body["id"].as_str().and_then(|id| id.parse().ok()).expect("an id")),
+        (200 | 201, _) => {
+            Outcome::Applied(body["id"].as_str().and_then(|id| id.parse().ok()).expect("an id"))
+        }
         (422, "insufficient_funds")
         | (409, "lease_lost")
         | (503, "lock_timeout" | "overloaded" | "dependency_unavailable")

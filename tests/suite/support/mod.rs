@@ -10,6 +10,7 @@ pub mod app;
 pub mod compose;
 pub mod fleet;
 pub mod load;
+pub mod movements;
 pub mod proxy;
 pub mod servers;
 pub mod tls;

@@ -200,36 +200,57 @@ pub async fn check_books(fleet: &Fleet, opening: &[(&str, i64)], attempts: &[Tra
         assert_eq!((from, to, *amount), (&attempt.from, &attempt.to, attempt.amount), "transfer {id}");
     }
 
-    // Each acknowledged transfer is in both ledgers exactly once: one leg out of `from`, one into
-    // `to`, of its amount.
-    let legs: Vec<(uuid::Uuid, String, String, i64)> = sqlx::query_as(
+    let moved: Vec<(uuid::Uuid, Vec<(String, i64)>)> = applied
+        .iter()
+        .map(|(id, a)| (*id, vec![(a.from.clone(), -a.amount), (a.to.clone(), a.amount)]))
+        .collect();
+    check_legs_and_balances(fleet, opening, &moved).await;
+}
+
+/// The bank check of movements between wallets (a transfer is one of two legs), after every
+/// outcome is settled: `applied` is each acknowledged movement's id and legs (wallet, signed
+/// amount), and the wallets of `opening` see no other movement. Each leg is in its wallet's ledger
+/// exactly once (a `transfer_out` or `transfer_in` carrying the movement's id), no entry of a
+/// movement no client was told of; every balance is its opening plus its legs, equals its ledger,
+/// is not negative; money is conserved; `walletlock audit` agrees.
+pub async fn check_legs_and_balances(
+    fleet: &Fleet,
+    opening: &[(&str, i64)],
+    applied: &[(uuid::Uuid, Vec<(String, i64)>)],
+) {
+    let wallets: Vec<String> = opening.iter().map(|(w, _)| w.to_string()).collect();
+    let entries: Vec<(uuid::Uuid, String, String, i64)> = sqlx::query_as(
         "select transfer_id, wallet_id, kind, amount from ledger_entry where wallet_id = any($1) and transfer_id is not null",
     )
     .bind(&wallets)
     .fetch_all(&fleet.db)
     .await
     .unwrap();
-    let mut legs_of: HashMap<uuid::Uuid, Vec<(String, String, i64)>> = HashMap::new();
-    for (transfer, wallet, kind, amount) in legs {
-        legs_of.entry(transfer).or_default().push((kind, wallet, amount));
+    let mut entries_of: HashMap<uuid::Uuid, Vec<(String, String, i64)>> = HashMap::new();
+    for (movement, wallet, kind, amount) in entries {
+        entries_of.entry(movement).or_default().push((kind, wallet, amount));
     }
-    for (id, attempt) in &applied {
-        let mut legs = legs_of.remove(id).unwrap_or_default();
-        legs.sort();
-        let want = vec![
-            ("transfer_in".to_owned(), attempt.to.clone(), attempt.amount),
-            ("transfer_out".to_owned(), attempt.from.clone(), attempt.amount),
-        ];
-        assert_eq!(legs, want, "transfer {id}: one leg in each ledger");
+    for (id, legs) in applied {
+        let mut found = entries_of.remove(id).unwrap_or_default();
+        found.sort();
+        let mut want: Vec<(String, String, i64)> = legs
+            .iter()
+            .map(|(wallet, signed)| {
+                let kind = if *signed < 0 { "transfer_out" } else { "transfer_in" };
+                (kind.to_owned(), wallet.clone(), signed.abs())
+            })
+            .collect();
+        want.sort();
+        assert_eq!(found, want, "movement {id}: each leg in its wallet's ledger once");
     }
-    assert!(legs_of.is_empty(), "legs of transfers no client was told of: {legs_of:?}");
+    assert!(entries_of.is_empty(), "legs of movements no client was told of: {entries_of:?}");
 
     let mut total = (0, 0);
     for (wallet, opening) in opening {
-        let sent: i64 = applied.iter().filter(|(_, a)| a.from == *wallet).map(|(_, a)| a.amount).sum();
-        let received: i64 = applied.iter().filter(|(_, a)| a.to == *wallet).map(|(_, a)| a.amount).sum();
+        let moved: i64 =
+            applied.iter().flat_map(|(_, legs)| legs).filter(|(w, _)| w == wallet).map(|(_, n)| n).sum();
         let books = super::books(&fleet.db, wallet).await;
-        assert_eq!(books.balance, opening - sent + received, "{wallet}: balance = opening - sent + received");
+        assert_eq!(books.balance, opening + moved, "{wallet}: balance = opening + its legs");
         assert_eq!(books.balance, books.ledger_sum, "{wallet}: balance = ledger");
         assert!(books.balance >= 0, "{wallet}: negative");
         total = (total.0 + opening, total.1 + books.balance);
