@@ -2,11 +2,12 @@
 
 use crate::app::Application;
 use crate::config::{DatabaseArgs, RedisArgs, ServeArgs};
+use crate::generated_docs;
 use crate::http::server::shutdown_signal;
 use crate::ledger::schema;
 use crate::telemetry::LogFormat;
 use crate::tutorial::{self, Demo, Sandbox};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use secrecy::ExposeSecret;
 use std::process::ExitCode;
 
@@ -17,7 +18,8 @@ use std::process::ExitCode;
     about = "Wallet replicas that never lose or double-apply a payment: a Redis lease per wallet, a fenced Postgres commit."
 )]
 pub struct Cli {
-    /// Log format: pretty for people, json for log collectors.
+    /// Log format: pretty for people, json for log collectors (one object per line; compose and
+    /// Kubernetes use it).
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "pretty", global = true)]
     pub log_format: LogFormat,
     #[command(subcommand)]
@@ -71,6 +73,19 @@ pub enum Command {
         database: DatabaseArgs,
         #[command(flatten)]
         redis: RedisArgs,
+    },
+    /// Print the settings table of docs/operating/settings.md (every environment variable of every
+    /// command, with its flag, default and help, as declared here).
+    Settings {
+        /// Put the table into docs/operating/settings.md instead (run from the repository's root).
+        #[arg(long)]
+        write: bool,
+    },
+    /// Print the table of docs/api/errors.md: every error code, its HTTP status and what it means.
+    ErrorCodes {
+        /// Put the table into docs/api/errors.md instead (run from the repository's root).
+        #[arg(long)]
+        write: bool,
     },
 }
 
@@ -176,5 +191,28 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Settings { write } => {
+            let table = generated_docs::settings_table(&Cli::command());
+            print_or_write(&generated_docs::SETTINGS, &table, write)
+        }
+        Command::ErrorCodes { write } => {
+            let table = crate::http::error::codes::markdown_table();
+            print_or_write(&generated_docs::ERROR_CODES, &table, write)
+        }
     }
+}
+
+/// A generated table: printed, or with `write` put into its page of docs/.
+fn print_or_write(
+    generated: &generated_docs::GeneratedTable,
+    table: &str,
+    write: bool,
+) -> anyhow::Result<ExitCode> {
+    if write {
+        generated.write(table)?;
+        println!("{} updated", generated.page);
+    } else {
+        print!("{table}");
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -1,35 +1,7 @@
 //! Settings: every option is a flag and an environment variable, listed with its default by
 //! `walletlock <command> --help`. An invalid value stops the process with one line naming it.
-//!
-//! | variable | default | meaning |
-//! |---|---|---|
-//! | `LISTEN_ADDR` | `127.0.0.1:8080` | where a replica listens |
-//! | `REPLICA_NAME` | `<hostname>-<port>` | sent as `X-Served-By` and in every log line |
-//! | `DATABASE_URL` | (required) | Postgres; secret, never logged; `sslmode=verify-full&sslrootcert=<file>` for verified TLS (a missing or empty `sslrootcert` file stops the process) |
-//! | `PG_POOL_SIZE` | `10` | connections per replica; replicas × this must stay under Postgres's `max_connections` |
-//! | `PG_ACQUIRE_TIMEOUT` | `1s` | wait for a pooled connection before answering 503 |
-//! | (fixed) | | each replica session: `idle_in_transaction_session_timeout` 2s, `statement_timeout` 5s, TCP keepalives after 5s idle (every 2s, 3 probes), `tcp_user_timeout` 10s (see `SESSION_BOUNDS`) |
-//! | `REDIS_URL` | `redis://127.0.0.1:6379` | Redis; secret (may hold a password), never logged; `rediss://`, `rediss+sentinel://`, `rediss+cluster://` for TLS, always verified |
-//! | `REDIS_TLS_CA_FILE` | (the system's roots) | with a TLS `REDIS_URL`: PEM file of the CAs that sign the servers' certificates |
-//! | `REDIS_TLS_CERT_FILE`, `REDIS_TLS_KEY_FILE` | | with a TLS `REDIS_URL`: the client certificate and key (PEM), for mutual TLS |
-//! | `REDIS_POOL_SIZE` | `16` | Redis connections per replica |
-//! | `REDIS_KEY_PREFIX` | `walletlock` | namespaces every lease key |
-//! | `REDIS_TIMEOUT` | `500ms` | bound on any single Redis call |
-//! | `LEASE_TTL` | `2s` | a lease's life without a refresh; at least 1ms |
-//! | `LEASE_WAIT` | `3s` | how long a payment waits for its wallet's lease before 503 `lock_timeout` |
-//! | `LEASE_NOTE_TTL` | `1h` | how long Redis keeps a wallet's last known state after its lease's release, so that its next payment need not read it from Postgres (checked by the commit's compare-and-set); `0s`: never kept |
-//! | `LEASE_STRATEGY` | `queue` | `queue`: per-wallet queues, wake-ups, group commit; `tutorial`: every request polls the lease every 5-15 ms (the benchmark's baseline) |
-//! | `REDIS_OUTAGE` | `postgres` | while Redis is unreachable: `postgres` moves money under Postgres alone (row locks), back to leases once Redis answers; `refuse` answers 503 |
-//! | `SHUTDOWN_GRACE` | `10s` | how long shutdown waits for open connections and payments in flight |
-//! | `REQUEST_TIMEOUT` | `8s` | bound on one request (503 past it); above `LEASE_WAIT`, below nginx's read timeout |
-//! | `MAX_IN_FLIGHT` | `256` | `/wallets` requests one replica handles at once; past it 503 `overloaded` at once, nothing read |
-//! | `WALLET_QUEUE_LIMIT` | `128` | movements one wallet may have queued on one replica; past it 503 `overloaded` |
-//! | `LISTEN_BACKLOG` | `4096` | the listening socket's accept queue (the kernel caps it at `net.core.somaxconn`) |
-//! | `IDEMPOTENCY_RETENTION` | `24h` | how long a stored response is replayed for its key |
-//! | `IDEMPOTENCY_STALE_AFTER` | `10s` | when an in-flight key counts as abandoned by a dead replica |
-//! | `API_TOKENS` | (one of the two required) | `caller:token` and `grant` entries (README, "Callers and their wallets"), comma-separated; secret, never logged |
-//! | `API_TOKENS_FILE` | | a file of `caller:token` and `grant` lines |
-//! | `LOG_FORMAT` | `pretty` | `pretty` or `json` |
+//! Each setting's help here is its documentation: `walletlock settings` prints the table of
+//! `docs/operating/settings.md` from these definitions (`crate::generated_docs`).
 
 use crate::lease::{
     Backoff, ClusterManager, LeaseClient, LeaseSettings, RedisPool, SentinelManager, Ttl, WakeSource,
@@ -53,10 +25,13 @@ fn secret(text: &str) -> Result<SecretString, String> {
 /// Postgres: where, and how many connections.
 #[derive(Debug, Clone, Args)]
 pub struct DatabaseArgs {
-    /// Postgres connection URL.
+    /// Postgres connection URL; secret, never logged. `?sslmode=verify-full&sslrootcert=<CA file>`
+    /// for verified TLS (docs/operating/tls.md): a certificate file it names that is missing,
+    /// unreadable or empty stops the process at startup.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_parser = secret)]
     pub database_url: SecretString,
-    /// Connections per replica. Replicas × pool size must stay under Postgres's max_connections.
+    /// Postgres connections per replica, opened when needed and kept. Replicas × pool size must
+    /// stay under Postgres's max_connections (docs/operating/scaling-out.md).
     #[arg(long, env = "PG_POOL_SIZE", default_value_t = 10)]
     pub pg_pool_size: u32,
     /// How long to wait for a pooled connection before answering 503.
@@ -180,7 +155,8 @@ pub struct RedisArgs {
     /// Sentinel fails over (the credentials are the data nodes'), or
     /// `redis+cluster://[user:password@]host:port,host:port` for a Redis Cluster (seed nodes).
     /// `rediss://`, `rediss+sentinel://` (Sentinels and data nodes) and `rediss+cluster://` are the
-    /// same over TLS, the server's certificate verified.
+    /// same over TLS, the server's certificate verified (docs/operating/tls.md). Secret (it may hold
+    /// a password), never logged.
     #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379", hide_env_values = true, value_parser = secret)]
     pub redis_url: SecretString,
     /// With a TLS REDIS_URL: PEM file of the certificate authorities that sign the Redis servers'
@@ -524,7 +500,8 @@ pub struct LeaseArgs {
     pub lease_strategy: Strategy,
     /// What payments do while Redis cannot be reached: `postgres` (move money under Postgres
     /// alone, each wallet's row locked in its transaction, until Redis answers again) or `refuse`
-    /// (503 `dependency_unavailable`). The `tutorial` strategy always refuses.
+    /// (503 `lock_timeout` or `dependency_unavailable`). The `tutorial` strategy always refuses
+    /// (docs/operating/redis-outages.md).
     #[arg(long, env = "REDIS_OUTAGE", value_enum, default_value = "postgres")]
     pub redis_outage: RedisOutage,
 }
@@ -569,19 +546,20 @@ pub struct ServeArgs {
     /// Address to listen on.
     #[arg(long, env = "LISTEN_ADDR", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
-    /// This replica's name, sent as X-Served-By (default: <hostname>-<port>).
+    /// This replica's name, sent as X-Served-By and in every log line (default: `<hostname>-<port>`).
     #[arg(long, env = "REPLICA_NAME")]
     pub replica_name: Option<String>,
     /// How long shutdown waits for open connections and payments in flight.
     #[arg(long, env = "SHUTDOWN_GRACE", default_value = "10s", value_parser = duration)]
     pub shutdown_grace: Duration,
     /// Bound on one request, from arrival to response (503 request_timeout past it). Keep it
-    /// above LEASE_WAIT and below nginx's proxy_read_timeout.
+    /// above LEASE_WAIT and below nginx's proxy_read_timeout (10 s).
     #[arg(long, env = "REQUEST_TIMEOUT", default_value = "8s", value_parser = duration)]
     pub request_timeout: Duration,
     /// How many `/wallets` requests this replica handles at once. One more is answered 503
-    /// `overloaded` (with Retry-After) before its body is read or anything else is done, so a
-    /// flood costs the replica a bounded amount of memory and work.
+    /// `overloaded` (with Retry-After) before its token or body is read or anything else is done,
+    /// so a flood costs the replica a bounded amount of memory and work
+    /// (docs/operating/overload.md).
     #[arg(long, env = "MAX_IN_FLIGHT", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_in_flight: u32,
     /// How many deposits and payments one wallet may have queued on this replica. One more is
@@ -599,11 +577,13 @@ pub struct ServeArgs {
     /// died), so a retry may take the key over. Keep it above REQUEST_TIMEOUT.
     #[arg(long, env = "IDEMPOTENCY_STALE_AFTER", default_value = "10s", value_parser = duration)]
     pub idempotency_stale_after: Duration,
-    /// API tokens: `caller:token` entries separated by commas (several per caller, to rotate).
+    /// API tokens: `caller:token` entries separated by commas (several per caller, to rotate), and
+    /// `grant` entries (docs/api/callers.md); `walletlock token` makes a token. This or
+    /// API_TOKENS_FILE is required. Secret, never logged.
     #[arg(long, env = "API_TOKENS", hide_env_values = true, value_parser = secret)]
     pub api_tokens: Option<SecretString>,
-    /// A file of API tokens, one `caller:token` per line (`#` comments). Used with or instead of
-    /// API_TOKENS.
+    /// A file of API tokens, one `caller:token` or `grant` entry per line (`#` comments). Used
+    /// with or instead of API_TOKENS.
     #[arg(long, env = "API_TOKENS_FILE")]
     pub api_tokens_file: Option<std::path::PathBuf>,
     #[command(flatten)]

@@ -28,12 +28,15 @@
 //!   drain; handlers call [`wallet`] and never write SQL. [`app`] builds one replica from its settings.
 //! - [`cli`] holds the `walletlock` subcommands, and [`tutorial`] the tutorial's experiments
 //!   (`walletlock demo`, with their own unguarded SQL), which the product does not import.
+//! - [`generated_docs`] prints the tables of `docs/` that come from the code (the settings, the
+//!   error codes), and checks that the pages hold them.
 
 pub mod app;
 pub mod cli;
 pub mod config;
 pub mod domain;
 pub mod failpoint;
+pub mod generated_docs;
 pub mod http;
 pub mod idempotency;
 pub mod lease;

@@ -2,7 +2,10 @@
 //!
 //! Each problem carries `type`, `title`, `status`, `detail` and a stable `code` that clients can
 //! match on. A 4xx explains what was wrong with the request; a 5xx says only what the caller can
-//! do (retry later) and logs the cause, so no internals reach the client.
+//! do (retry later) and logs the cause, so no internals reach the client. Every code, with its
+//! status, is listed once in [`codes`], which `docs/api/errors.md` is printed from.
+
+pub mod codes;
 
 use crate::idempotency::Prior;
 use crate::ledger::idempotency::StoredResponse;
@@ -12,6 +15,7 @@ use axum::{
     http::{HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
 };
+use codes::ErrorCode;
 use serde::Serialize;
 use std::time::Duration;
 
@@ -46,7 +50,7 @@ pub struct ProblemDocument {
     status: u16,
     /// What went wrong, for a person; for a 5xx only what the caller can do.
     detail: String,
-    /// Stable: what clients match on (the README's error table lists every code).
+    /// Stable: what clients match on (`docs/api/errors.md` lists every code).
     #[schema(pattern = "^[a-z_]+$", example = "insufficient_funds")]
     code: &'static str,
     /// With a `400` for a field that broke its rule: the field's name.
@@ -86,7 +90,7 @@ pub enum ApiError {
     SameWallet(#[from] SameWallet),
     /// The request could not be read: malformed JSON, a wrong type, a missing field.
     #[error("{detail}")]
-    BadRequest { code: &'static str, detail: String },
+    BadRequest { code: &'static ErrorCode, detail: String },
     #[error("{0}")]
     UnsupportedMediaType(String),
     #[error("the request body is larger than {limit} bytes")]
@@ -121,8 +125,8 @@ impl From<JsonRejection> for ApiError {
             ),
             _ => {
                 let code = match rejection {
-                    JsonRejection::JsonSyntaxError(_) => "malformed_json",
-                    _ => "invalid_body",
+                    JsonRejection::JsonSyntaxError(_) => &codes::MALFORMED_JSON,
+                    _ => &codes::INVALID_BODY,
                 };
                 ApiError::BadRequest { code, detail: rejection.body_text() }
             }
@@ -134,20 +138,20 @@ impl From<BytesRejection> for ApiError {
     fn from(rejection: BytesRejection) -> Self {
         match rejection.status() {
             StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge { limit: super::BODY_LIMIT },
-            _ => ApiError::BadRequest { code: "invalid_body", detail: rejection.body_text() },
+            _ => ApiError::BadRequest { code: &codes::INVALID_BODY, detail: rejection.body_text() },
         }
     }
 }
 
 impl From<PathRejection> for ApiError {
     fn from(rejection: PathRejection) -> Self {
-        ApiError::BadRequest { code: "invalid_path", detail: rejection.body_text() }
+        ApiError::BadRequest { code: &codes::INVALID_PATH, detail: rejection.body_text() }
     }
 }
 
 impl From<QueryRejection> for ApiError {
     fn from(rejection: QueryRejection) -> Self {
-        ApiError::BadRequest { code: "invalid_query", detail: rejection.body_text() }
+        ApiError::BadRequest { code: &codes::INVALID_QUERY, detail: rejection.body_text() }
     }
 }
 
@@ -167,7 +171,22 @@ struct Problem {
 }
 
 impl Problem {
-    fn new(status: StatusCode, code: &'static str, title: &'static str, detail: impl Into<String>) -> Self {
+    fn new(code: &'static ErrorCode, title: &'static str, detail: impl Into<String>) -> Self {
+        Self::with_code(code.status, code.code, title, detail)
+    }
+
+    /// A value that breaks `field`'s rule: a 400 with the field's own code (each of them listed in
+    /// [`codes`], as a test there checks).
+    fn invalid_field(field: Field, detail: impl Into<String>) -> Self {
+        Self::with_code(StatusCode::BAD_REQUEST, field.code(), "Invalid input", detail).with_field(field)
+    }
+
+    fn with_code(
+        status: StatusCode,
+        code: &'static str,
+        title: &'static str,
+        detail: impl Into<String>,
+    ) -> Self {
         Self {
             status,
             code,
@@ -201,47 +220,32 @@ impl Problem {
 
 impl ApiError {
     fn problem(&self) -> Problem {
-        use StatusCode as S;
         match self {
-            ApiError::InvalidInput(invalid) => {
-                Problem::new(S::BAD_REQUEST, invalid.field.code(), "Invalid input", invalid.to_string())
-                    .with_field(invalid.field)
-            }
+            ApiError::InvalidInput(invalid) => Problem::invalid_field(invalid.field, invalid.to_string()),
             ApiError::SameWallet(same) => {
-                Problem::new(S::BAD_REQUEST, "same_wallet", "Same wallet", same.to_string())
-                    .with_field(Field::To)
+                Problem::new(&codes::SAME_WALLET, "Same wallet", same.to_string()).with_field(Field::To)
             }
-            ApiError::BadRequest { code, detail } => {
-                Problem::new(S::BAD_REQUEST, code, "Bad request", detail.clone())
+            ApiError::BadRequest { code, detail } => Problem::new(code, "Bad request", detail.clone()),
+            ApiError::UnsupportedMediaType(detail) => {
+                Problem::new(&codes::UNSUPPORTED_MEDIA_TYPE, "Unsupported media type", detail.clone())
             }
-            ApiError::UnsupportedMediaType(detail) => Problem::new(
-                S::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                "Unsupported media type",
-                detail.clone(),
-            ),
             ApiError::PayloadTooLarge { .. } => {
-                Problem::new(S::PAYLOAD_TOO_LARGE, "payload_too_large", "Payload too large", self.to_string())
+                Problem::new(&codes::PAYLOAD_TOO_LARGE, "Payload too large", self.to_string())
             }
             ApiError::Unauthorized => Problem::new(
-                S::UNAUTHORIZED,
-                "unauthorized",
+                &codes::UNAUTHORIZED,
                 "Unauthorized",
                 "send Authorization: Bearer <token> with a token this service knows",
             ),
-            ApiError::RouteNotFound => Problem::new(S::NOT_FOUND, "not_found", "Not found", self.to_string()),
-            ApiError::MethodNotAllowed => Problem::new(
-                S::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
-                "Method not allowed",
-                self.to_string(),
-            ),
+            ApiError::RouteNotFound => Problem::new(&codes::NOT_FOUND, "Not found", self.to_string()),
+            ApiError::MethodNotAllowed => {
+                Problem::new(&codes::METHOD_NOT_ALLOWED, "Method not allowed", self.to_string())
+            }
             ApiError::Wallet(err) => wallet_problem(err),
             ApiError::IdempotencyKeyReused => reused(),
             ApiError::IdempotencyKeyInFlight => in_flight(),
             ApiError::Timeout(_) => Problem::new(
-                S::SERVICE_UNAVAILABLE,
-                "request_timeout",
+                &codes::REQUEST_TIMEOUT,
                 "Request timed out",
                 "the request did not complete in time; it is safe to retry with the same Idempotency-Key",
             )
@@ -256,8 +260,7 @@ impl ApiError {
 
 fn reused() -> Problem {
     Problem::new(
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "idempotency_key_reused",
+        &codes::IDEMPOTENCY_KEY_REUSED,
         "Idempotency key reused",
         "this Idempotency-Key was already used with a different method, path or body; nothing was applied",
     )
@@ -265,8 +268,7 @@ fn reused() -> Problem {
 
 fn in_flight() -> Problem {
     Problem::new(
-        StatusCode::CONFLICT,
-        "idempotency_key_in_flight",
+        &codes::IDEMPOTENCY_KEY_IN_FLIGHT,
         "Request in flight",
         "the first request with this Idempotency-Key is still running; retry shortly to get its response",
     )
@@ -275,57 +277,49 @@ fn in_flight() -> Problem {
 
 /// A request refused before any work because the replica or the wallet's queue was full.
 fn overloaded(detail: &'static str) -> Problem {
-    Problem::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", "Overloaded", detail).retry_later()
+    Problem::new(&codes::OVERLOADED, "Overloaded", detail).retry_later()
 }
 
 fn internal() -> Problem {
     Problem::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "internal_error",
+        &codes::INTERNAL_ERROR,
         "Internal error",
         "the server failed to handle the request; it has been logged",
     )
 }
 
 fn wallet_problem(err: &WalletError) -> Problem {
-    use StatusCode as S;
     match err {
         WalletError::NotFound => {
-            Problem::new(S::NOT_FOUND, "wallet_not_found", "Wallet not found", "no wallet has this id")
+            Problem::new(&codes::WALLET_NOT_FOUND, "Wallet not found", "no wallet has this id")
         }
         WalletError::PartyNotFound { field } => Problem::new(
-            S::NOT_FOUND,
-            "wallet_not_found",
+            &codes::WALLET_NOT_FOUND,
             "Wallet not found",
             format!("no wallet has the id given as `{}`", field.name()),
         )
         .with_field(*field),
         WalletError::TransferNotFound => {
-            Problem::new(S::NOT_FOUND, "transfer_not_found", "Transfer not found", "no transfer has this id")
+            Problem::new(&codes::TRANSFER_NOT_FOUND, "Transfer not found", "no transfer has this id")
         }
         WalletError::PaymentNotFound => Problem::new(
-            S::NOT_FOUND,
-            "payment_not_found",
+            &codes::PAYMENT_NOT_FOUND,
             "Payment not found",
             "this wallet has no payment with this id",
         )
         .with_field(Field::Payment),
-        WalletError::Exists => Problem::new(
-            S::CONFLICT,
-            "wallet_exists",
-            "Wallet exists",
-            "a wallet with this id already exists",
-        ),
+        WalletError::Exists => {
+            Problem::new(&codes::WALLET_EXISTS, "Wallet exists", "a wallet with this id already exists")
+        }
         WalletError::HoldNotFound => {
-            Problem::new(S::NOT_FOUND, "hold_not_found", "Hold not found", "no hold has this id")
+            Problem::new(&codes::HOLD_NOT_FOUND, "Hold not found", "no hold has this id")
         }
         WalletError::MovementNotFound => {
-            Problem::new(S::NOT_FOUND, "movement_not_found", "Movement not found", "no movement has this id")
+            Problem::new(&codes::MOVEMENT_NOT_FOUND, "Movement not found", "no movement has this id")
         }
         WalletError::LegNotFound { leg } => {
             let mut problem = Problem::new(
-                S::NOT_FOUND,
-                "wallet_not_found",
+                &codes::WALLET_NOT_FOUND,
                 "Wallet not found",
                 format!("no wallet has the id of leg {leg} (or this caller may not move its money that way)"),
             )
@@ -346,30 +340,26 @@ fn wallet_problem(err: &WalletError) -> Problem {
                 format!("the available {available} of the balance of {balance} does not cover this payment")
             };
             let mut problem =
-                Problem::new(S::UNPROCESSABLE_ENTITY, "insufficient_funds", "Insufficient funds", detail)
-                    .with_balance(*balance);
+                Problem::new(&codes::INSUFFICIENT_FUNDS, "Insufficient funds", detail).with_balance(*balance);
             problem.available = Some(*available);
             problem
         }
         WalletError::Refused(Refusal::HoldExpired) => Problem::new(
-            S::CONFLICT,
-            "hold_expired",
+            &codes::HOLD_EXPIRED,
             "Hold expired",
             "the hold passed its expiry before it was captured or voided; its amount is released",
         ),
         WalletError::Refused(Refusal::HoldCaptured) => Problem::new(
-            S::CONFLICT,
-            "hold_captured",
+            &codes::HOLD_CAPTURED,
             "Hold captured",
             "the hold was captured already; nothing changed",
         ),
         WalletError::Refused(Refusal::HoldVoided) => {
-            Problem::new(S::CONFLICT, "hold_voided", "Hold voided", "the hold was voided; nothing changed")
+            Problem::new(&codes::HOLD_VOIDED, "Hold voided", "the hold was voided; nothing changed")
         }
         WalletError::Refused(Refusal::CaptureExceedsHold { held }) => {
             let mut problem = Problem::new(
-                S::UNPROCESSABLE_ENTITY,
-                "capture_exceeds_hold",
+                &codes::CAPTURE_EXCEEDS_HOLD,
                 "Capture exceeds hold",
                 format!("the hold holds {held}; nothing was charged"),
             )
@@ -378,16 +368,14 @@ fn wallet_problem(err: &WalletError) -> Problem {
             problem
         }
         WalletError::Refused(Refusal::BalanceOverflow { balance }) => Problem::new(
-            S::UNPROCESSABLE_ENTITY,
-            "balance_overflow",
+            &codes::BALANCE_OVERFLOW,
             "Balance overflow",
             format!("the balance of {balance} cannot hold this deposit"),
         )
         .with_balance(*balance),
         WalletError::Refused(Refusal::RefundExceedsPayment { refundable }) => {
             let mut problem = Problem::new(
-                S::UNPROCESSABLE_ENTITY,
-                "refund_exceeds_payment",
+                &codes::REFUND_EXCEEDS_PAYMENT,
                 "Refund exceeds payment",
                 format!("only {refundable} is left to refund; nothing was applied"),
             );
@@ -395,8 +383,7 @@ fn wallet_problem(err: &WalletError) -> Problem {
             problem
         }
         WalletError::LockTimeout { .. } => Problem::new(
-            S::SERVICE_UNAVAILABLE,
-            "lock_timeout",
+            &codes::LOCK_TIMEOUT,
             "Wallet busy",
             "other payments held this wallet for the whole wait; nothing was applied, retry later",
         )
@@ -405,28 +392,24 @@ fn wallet_problem(err: &WalletError) -> Problem {
             "this wallet has as many payments waiting on this replica as it takes; nothing was applied, retry later",
         ),
         WalletError::LeaseLost => Problem::new(
-            S::CONFLICT,
-            "lease_lost",
+            &codes::LEASE_LOST,
             "Lease lost",
             "this replica lost the wallet's lease before committing; nothing was applied, it is safe to retry",
         ),
         WalletError::FenceExhausted(_) => Problem::new(
-            S::SERVICE_UNAVAILABLE,
-            "fence_exhausted",
+            &codes::FENCE_EXHAUSTED,
             "Wallet needs an operator",
             "this wallet's fencing token reached its largest value; nothing was applied, and nothing \
              can be until an operator resets it",
         ),
         WalletError::FenceImplausible { .. } => Problem::new(
-            S::SERVICE_UNAVAILABLE,
-            "fence_implausible",
+            &codes::FENCE_IMPLAUSIBLE,
             "Wallet needs an operator",
             "this wallet's fencing token in Redis was moved far past the wallet's; nothing was applied, \
              and nothing can be until an operator deletes the counter",
         ),
         WalletError::Unavailable { .. } => Problem::new(
-            S::SERVICE_UNAVAILABLE,
-            "dependency_unavailable",
+            &codes::DEPENDENCY_UNAVAILABLE,
             "Service unavailable",
             "a backing service did not answer in time; nothing was applied, retry later",
         )
@@ -436,8 +419,7 @@ fn wallet_problem(err: &WalletError) -> Problem {
         // The HTTP edge sends a replay as it was stored (`super::idempotent`); reaching here is a bug.
         WalletError::AlreadyRan(Prior::Replay(_)) => internal(),
         WalletError::OutcomeUnknown(_) => Problem::new(
-            S::SERVICE_UNAVAILABLE,
-            "outcome_unknown",
+            &codes::OUTCOME_UNKNOWN,
             "Outcome unknown",
             "the database connection failed while committing; the payment may have been applied: \
              retry with the same Idempotency-Key to learn its outcome",
@@ -498,7 +480,7 @@ impl IntoResponse for ApiError {
         // (a warning); anything else is a bug (an error). A shed request is neither: it comes in
         // floods, is counted (`walletlock_requests_shed_total`), and a line each would make the
         // flood cost work.
-        if problem.code == "overloaded" {
+        if problem.code == codes::OVERLOADED.code {
             tracing::debug!(code = problem.code, error = %SourceChain(&self), "request shed");
         } else if problem.status == StatusCode::SERVICE_UNAVAILABLE
             || problem.status == StatusCode::GATEWAY_TIMEOUT

@@ -99,7 +99,7 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyHeader {
             (None, _) => Ok(Self(None)),
             (Some(value), None) => Ok(Self(Some(IdempotencyKey::parse(value.as_bytes())?))),
             (Some(_), Some(_)) => Err(ApiError::BadRequest {
-                code: "invalid_idempotency_key",
+                code: &super::error::codes::INVALID_IDEMPOTENCY_KEY,
                 detail: "send one Idempotency-Key header, not several".into(),
             }),
         }

@@ -2,7 +2,7 @@
 //! through (request id, replica name, tracing, body limit, timeout, panic handling, drain).
 
 pub mod auth;
-mod error;
+pub mod error;
 mod extract;
 mod health;
 mod holds;
