@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# The Citus extension, for `deploy/local up --postgres citus` and the tests' Citus topology (README,
-# "Scaling out"): built from the vendored source (deploy/vendor, see its README) once per machine
+# The Citus extension, for `deploy/local up --postgres citus` and the tests' Citus topology
+# (docs/operating/citus.md): built from the vendored source (deploy/vendor, see its README) once per machine
 # into ~/.cache/walletlock/citus, and installed into the Postgres on this machine from that cache.
 # Sourced after deploy/lib.sh.
 

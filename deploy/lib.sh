@@ -101,7 +101,7 @@ wl_secret() {
 # under PREFIX and send the commands the lease layer sends: FCALL into the loaded library, never
 # EVAL, EVALSHA, SCRIPT or FUNCTION LOAD/DELETE (no code of its own, so no endless script), and the
 # commands the functions run (ACLs apply inside functions too, as the caller: which is why the
-# user may also send GET/SET/DEL/INCR/PEXPIRE on its fence keys directly; README, "Redis users").
+# user may also send GET/SET/DEL/INCR/PEXPIRE on its fence keys directly; docs/operating/redis-access.md).
 wl_redis_acl() {
   local file=$1 prefix=$2 app=$3 admin=$4
   mkdir -p "$(dirname "$file")"
@@ -383,7 +383,7 @@ wl_nginx_prepare() {
     for port in "$@"; do
       # One failed connection takes a replica out of rotation for 1 s (passive health check).
       # max_conns: above the replica's MAX_IN_FLIGHT (256), so the replica sheds first, and low
-      # enough that its connections' buffers stay within its memory (README, Overload).
+      # enough that its connections' buffers stay within its memory (docs/operating/overload.md).
       echo "    server 127.0.0.1:$port max_fails=1 fail_timeout=1s max_conns=$max_conns;"
     done
     echo "    keepalive 64;"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Draws deploy/grafana/walletlock-dashboard.json's panels from a live Prometheus, to a PNG.
 
-This is NOT Grafana: it is a rendering of the dashboard's own queries, for the README (no Docker
+This is NOT Grafana: it is a rendering of the dashboard's own queries, for docs/operating/observability.md (no Docker
 engine, so no Grafana, runs on the development machines). It reads the dashboard JSON, runs every
 panel's PromQL exprs against Prometheus's HTTP API (query_range) over a time window, and draws each
 panel where its gridPos puts it: time series as lines (stacked where the panel stacks), stat panels

@@ -144,7 +144,7 @@ fn serve_connection(connections: &TaskTracker, router: &Router, cut: &Cancellati
         // a 431 (over 100 header fields, or over `max_buf_size`), each with an empty body. It
         // offers no hook for that answer's body (`Server::on_error` in its h1 role builds a
         // bare head), so those stay bodiless. nginx's own limits catch all of them first but
-        // the header count, which it does not bound (README, Errors). Raising `max_headers`
+        // the header count, which it does not bound (docs/api/errors.md). Raising `max_headers`
         // to what nginx can pass (thousands) would allocate that many slots per request.
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder.timer(TokioTimer::new()).header_read_timeout(IDLE_TIMEOUT);

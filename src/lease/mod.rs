@@ -156,7 +156,7 @@ pub enum LeaseError {
     NotHeld { name: String },
     /// No fence above the one asked for exists: the store has seen 2^63-1, the largest fence a
     /// signed 64-bit integer holds. Nothing was changed; an operator must reset the store's fence
-    /// (README, "When a fence reaches the top").
+    /// (docs/operating/fence-resets.md).
     #[error("lease {name:?}: no fence above {seen} exists (the fence space is exhausted)")]
     FenceExhausted { name: String, seen: i64 },
     /// Redis did not answer, or answered with an error.
@@ -730,7 +730,7 @@ impl Lease {
         match self.client.run::<(i64, i64)>(&scripts::ADVANCE_FENCE, &keys, args).await? {
             (0, _) => Err(LeaseError::NotHeld { name: self.name.clone() }),
             (-1, _) => {
-                tracing::error!(lease = %self.name, seen, "no fence above the store's exists: an operator must reset the store's fence (README, \"When a fence reaches the top\")");
+                tracing::error!(lease = %self.name, seen, "no fence above the store's exists: an operator must reset the store's fence (docs/operating/fence-resets.md)");
                 Err(LeaseError::FenceExhausted { name: self.name.clone(), seen })
             }
             (_, fence) => {

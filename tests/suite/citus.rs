@@ -1,4 +1,4 @@
-//! The wallets spread over a Citus cluster (README, "Scaling out"): a coordinator and two workers
+//! The wallets spread over a Citus cluster (docs/operating/citus.md): a coordinator and two workers
 //! of the test's own, every table distributed by wallet. A payment is one transaction on the
 //! worker holding its wallet; a worker or the coordinator dying under load loses no acknowledged
 //! payment and applies none twice; a worker added under load takes its share of the wallets

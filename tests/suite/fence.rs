@@ -297,7 +297,7 @@ async fn a_fence_at_the_top_is_a_clear_error_and_the_documented_reset_frees_the_
     lease.release().await.expect("the lease is still held and released");
     assert_eq!(books(&db, id.as_str()).await.fence, i64::MAX, "nothing changed");
 
-    // The README's reset ("When a fence reaches the top"), as the tables' owner.
+    // The documented reset (docs/operating/fence-resets.md), as the tables' owner.
     let mut tx = db.begin().await.unwrap();
     for setting in [
         "set local citus.enable_unsafe_triggers = on",
@@ -387,7 +387,7 @@ async fn a_fence_counter_moved_far_past_the_row_is_refused_and_spends_none_of_it
     assert_eq!(books(&db, id.as_str()).await.fence, 2, "the row's fences are not spent");
 
     // Far past the row, short of the top: refused each time, until an operator deletes the counter
-    // (README, "When a fence counter is moved from outside").
+    // (docs/operating/fence-resets.md).
     let moved = 2 + MAX_FENCE_STEP;
     let _: () = env.redis_cmd(&["SET", &env.fence_key(&name), &moved.to_string()]).await;
     for attempt in 1..=2 {

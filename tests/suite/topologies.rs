@@ -59,8 +59,8 @@ pub async fn sentinel_failover_mid_load(mut sentinels: SentinelSet, env: TestEnv
     let old = sentinels.kill_primary();
     let killed_at = Instant::now();
     let mut attempts = Vec::new();
-    // Payments go on under Postgres alone until the Sentinels promote a replica (README, "When
-    // Redis is gone"), then on leases from the new primary.
+    // Payments go on under Postgres alone until the Sentinels promote a replica (docs/operating/
+    // redis-outages.md), then on leases from the new primary.
     let resumed = time_to_recover(&fleet, "t0", Duration::from_secs(20), &mut attempts).await;
     eventually("the Sentinels promote a replica", Duration::from_secs(20), || async {
         sentinels.current_primary() != old
