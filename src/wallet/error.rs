@@ -53,13 +53,13 @@ pub enum WalletError {
     #[error("the wallet's lease was lost before the commit; nothing was applied")]
     LeaseLost,
     /// The wallet's row has seen the largest fence there is: no lease can write it until an
-    /// operator resets its fence (README, "When a fence reaches the top").
+    /// operator resets its fence (docs/operating/fence-resets.md).
     #[error("the wallet's fence is at its top; an operator must reset it")]
     FenceExhausted(#[source] Arc<LeaseError>),
     /// The lease's fence is more than [`crate::domain::MAX_FENCE_STEP`] above the fence of the
     /// wallet's row: the wallet's fence counter in Redis was moved from outside. Nothing was
-    /// written, so the row keeps its fences; an operator deletes the counter (README, "When a
-    /// fence counter is moved from outside"), and the next lease lifts it above the row's.
+    /// written, so the row keeps its fences; an operator deletes the counter
+    /// (docs/operating/fence-resets.md), and the next lease lifts it above the row's.
     #[error("the lease's fence {fence} is implausibly far above the wallet's {seen}; nothing was applied")]
     FenceImplausible { fence: i64, seen: i64 },
     /// Redis or Postgres could not be reached in time.
