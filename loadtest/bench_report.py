@@ -229,6 +229,20 @@ def targets(rows):
         value = ((spread or {}).get("costs") or {}).get("per_unit", {}).get(key)
         target = f"spread: {name} per payment ≤ {bound}"
         out.append((target, "not measured" if value is None else f"{value:.2f}", None if value is None else value <= bound))
+    # Issue 33 (one movement model): transfers and splits against spread payments, in this run.
+    transfer, split = by.get("walletlock: transfer"), by.get("walletlock: split")
+    ratio("transfers/s ÷ spread payments/s ≥ 0.6", transfer, spread, 0.6)
+    ratio("3-leg splits/s ÷ spread payments/s ≥ 0.5", split, spread, 0.5)
+    for key, bound, name in (("statements", 2, "statements"), ("wal_flushes", 0.30, "WAL flushes")):
+        value = ((transfer or {}).get("costs") or {}).get("per_unit", {}).get(key)
+        target = f"transfer: {name} per transfer ≤ {bound}"
+        out.append((target, "not measured" if value is None else f"{value:.2f}", None if value is None else value <= bound))
+    if transfer and spread:
+        bound = 1.5 * spread["p99_ms"]
+        out.append((f"transfer p99 ≤ 1.5x spread p99 ({fmt_ms(bound)} ms)", f"{fmt_ms(transfer['p99_ms'])} ms",
+                    transfer["p99_ms"] <= bound))
+    else:
+        out.append(("transfer p99 ≤ 1.5x spread p99", "not measured", None))
     return out
 
 
@@ -309,16 +323,19 @@ def main():
          "LEASE_STRATEGY=tutorial (the tutorial's lock: every waiting request polls the lease "
          "every 5-15 ms). `Redis gone`: the same hot and spread runs with the replicas' Redis user "
          "switched off for the run, so every replica that pays is in a Redis outage and moves money "
-         "under Postgres alone (REDIS_OUTAGE=postgres, row locks; README, \"When Redis is gone\")."),
+         "under Postgres alone (REDIS_OUTAGE=postgres, row locks; docs/operating/redis-outages.md)."),
         ("`transfer`: `POST /transfers` of 1 to 100 from a payer picked at random among 9,900 "
          "wallets to one of 100 payees picked by a Zipf law (the k-th most popular paid 1/k as often "
          "as the first, so the first takes about a fifth of all transfers): both wallets' leases, "
          "both legs in one transaction. rps there is transfers answered per second, and its costs "
-         "are per accepted transfer; it has no raw-Postgres anchor (`-`)."),
+         "are per accepted transfer; it has no raw-Postgres anchor (`-`). `split`: `POST /movements` "
+         "of three legs, 2 to 100 out of a wallet picked at random among 10,000, a tenth (at least 1) "
+         "to a second and the rest to a third: every leg's lease, all three legs in one transaction; "
+         "rps there is splits answered per second, its costs per accepted split."),
         ("`Citus: spread`: the spread run on a second fleet (deploy/local up --postgres citus, 3 "
          "replicas) whose Postgres is a Citus coordinator and two workers, all on this machine: "
          "every wallet's rows on one worker, each payment one transaction routed by the coordinator "
-         "to that worker (README, \"Outgrowing one Postgres: Citus\"). Three Postgres servers share "
+         "to that worker (docs/operating/citus.md). Three Postgres servers share "
          "the same cores, so it is slower here; it shows the cost of the extra hop, not the gain of "
          "workers on machines of their own. Its ratio to anchor is to the one-Postgres pgbench "
          "anchor. Its WAL flushes and transactions are summed over the three nodes; its statements "

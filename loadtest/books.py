@@ -7,10 +7,11 @@
 
 The client's side is the k6 console log of the run (pay.js with ACK_LOG=1): one `WL {...}` line
 (a console message may hold several, one per line) per wallet it opened (with the balance the API
-acknowledged) and per deposit, payment, transfer, hold placed, capture or void, with its final
-outcome as the client saw it: 200 with the ledger entry's id (both legs', for a transfer; the pay
-entry, and what it charged, for a capture; none for a void), 201 with the hold's id and expiry for
-a hold placed, a refusal (nothing applied), or undecided.
+acknowledged) and per deposit, payment, transfer, split, hold placed, capture or void, with its
+final outcome as the client saw it: 200 with the ledger entry's id (both legs', for a transfer; the
+pay entry, and what it charged, for a capture; none for a void), 201 with the hold's id and expiry
+for a hold placed, 201 with every leg's wallet, signed amount and entry for a split (a movement of
+three legs), a refusal (nothing applied), or undecided.
 Undecided operations are settled first, the way a client would: by sending the same request with
 the same Idempotency-Key until the API decides it (a stored answer is replayed; a request that
 never ran runs now).
@@ -19,12 +20,13 @@ Then, for every wallet of the run, through the API (GET /wallets/{id} and every 
 GET /wallets/{id}/transactions):
 
   balance == opening balance + accepted deposits - accepted payments
-             + accepted transfers in - accepted transfers out          (what the client was told)
+             + accepted transfers in - accepted transfers out
+             + accepted split legs (each signed)                         (what the client was told)
   balance == the ledger's signed sum, and the ledger's entries chain 1..version
   balance >= 0
-  every accepted operation is in the ledger exactly once (its entry id, both legs of a transfer;
-  a payment's or a transfer's reference is its key), and the ledger holds no payment, deposit or
-  transfer leg the client was not told was accepted
+  every accepted operation is in the ledger exactly once (its entry id, both legs of a transfer,
+  every leg of a split; a payment's, a transfer's or a split's reference is its key), and the
+  ledger holds no payment, deposit, transfer or split leg the client was not told was accepted
 
 and, for a run with holds, where a capture counts as a payment of what it charged:
 
@@ -183,6 +185,12 @@ def settle(client, ops, deadline_s=60):
             if status == 200 and record["op"] == "void":
                 record.update(s=200, settled=True)
                 break
+            if status == 201 and record["op"] == "split":
+                signed = [(-1 if e["kind"] == "transfer_out" else 1) * e["amount"] for e in body["legs"]]
+                legs = [[e["wallet_id"], n, e["id"]] for e, n in zip(body["legs"], signed)]
+                record.update(s=201, legs=legs, settled=True)
+                charged += 1
+                break
             if status == 200 and record["op"] == "transfer":
                 record.update(s=200, entry=body["from_entry"]["id"], to_entry=body["to_entry"]["id"], settled=True)
                 charged += 1
@@ -240,8 +248,27 @@ def sign(kind):
     return -1 if kind in DEBITS else 1
 
 
+def wallets_of(record):
+    """The wallets an operation names: its own, and a transfer's payee or a split's other legs
+    (`to`: [[wallet, signed amount], ...], as sent)."""
+    to = record.get("to")
+    if isinstance(to, list):
+        return [wallet for wallet, _ in to]
+    return [record["w"]] + ([to] if to is not None else [])
+
+
+def accepted_split(record):
+    return record["op"] == "split" and record["s"] == 201
+
+
 def legs(record):
     """The ledger entries an accepted operation made, one per wallet: (wallet, leg)."""
+    if record["op"] == "split":
+        return [
+            (wallet, {"key": record["key"], "amount": abs(signed), "entry": entry,
+                      "op": "transfer_out" if signed < 0 else "transfer_in"})
+            for wallet, signed, entry in record["legs"]
+        ]
     if record["op"] != "transfer":
         return [(record["w"], record)]
     common = {"key": record["key"], "amount": record["amount"]}
@@ -418,8 +445,8 @@ def main():
     if not opened:
         raise SystemExit(f"books: no opened wallets in {args.acks}: was pay.js run with ACK_LOG=1?")
     for record in ops.values():
-        for wallet in (record["w"], record.get("to")):
-            if wallet is not None and wallet not in opened:
+        for wallet in wallets_of(record):
+            if wallet not in opened:
                 problems.append(f"operation {record['key']} on wallet {wallet}, which the run did not open")
 
     client = Client(args.base_url)
@@ -437,13 +464,12 @@ def main():
     refused = defaultdict(list)
     for record in ops.values():
         # A void charges nothing; a capture is a payment of what it charged.
-        if record["s"] == 200 and record["op"] != "void":
+        if (record["s"] == 200 and record["op"] != "void") or accepted_split(record):
             for wallet, leg in legs(record):
                 per_wallet[wallet].append(leg)
-        elif record["op"] in ("pay", "transfer"):
-            for wallet in (record["w"], record.get("to")):
-                if wallet is not None:
-                    refused[wallet].append((record["op"], record["key"]))
+        elif record["op"] in ("pay", "transfer", "split"):
+            for wallet in wallets_of(record):
+                refused[wallet].append((record["op"], record["key"]))
 
     totals = {"balance": 0, "expected": 0}
     lock = threading.Lock()
@@ -472,11 +498,12 @@ def main():
         return sum(1 for r in ops.values() if r["s"] == status and r["op"] == op)
 
     # A capture is a payment: accepted counts it.
-    accepted = count("pay") + count("transfer") + count("capture")
+    accepted = count("pay") + count("transfer") + count("split", 201) + count("capture")
     refusals = sum(1 for r in ops.values() if r["s"] not in (200, 201))
     print(
         f"books: {len(opened)} wallets, {len(ops)} operations ({count('pay')} payments, {count('transfer')} "
-        f"transfers and {count('deposit')} deposits accepted, {refusals} refused), {entries} ledger entries read "
+        f"transfers, {count('split', 201)} splits and {count('deposit')} deposits accepted, {refusals} refused), "
+        f"{entries} ledger entries read "
         "through the API "
         f"in {time.monotonic() - started:.1f} s"
     )

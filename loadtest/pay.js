@@ -16,6 +16,9 @@
 //   transfer   transfers of 1 to 100 (POST /transfers) from payers picked at random among 10,000
 //              wallets to PAYEES (100) merchants picked by a Zipf law (the k-th most popular is
 //              paid 1/k as often as the first): a few hot payees, a long tail, both legs booked
+//   split      movements of three legs (POST /movements): 2 to 100 out of a wallet picked at random
+//              among 10,000, a tenth (at least 1) to a second as a fee and the rest to a third, all
+//              three distinct, every leg or none
 //   holds      holds of 1 to 100 (POST /wallets/{id}/holds) on 10,000 wallets picked at random: a
 //              fifth placed for 1 s and left to expire, the rest placed for HOLD_EXPIRES_IN (30) s
 //              and at once captured in full, captured in part (1 to the amount) or voided, a
@@ -76,6 +79,7 @@ const PROFILES = {
   doubletap: { wallets: 1000, initial: 1000000000, vus: 32, p95_ms: 1000, p99_ms: 2000 },
   mixed: { wallets: 100, initial: 100, vus: 32, p95_ms: 1000, p99_ms: 2000 },
   transfer: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 2000, p99_ms: 3000 },
+  split: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 2000, p99_ms: 3000 },
   holds: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 2000, p99_ms: 3000 },
   read: { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 1000, p99_ms: 2000 },
   health: { wallets: 0, initial: 1, vus: 64, p95_ms: 1000, p99_ms: 2000 },
@@ -382,6 +386,25 @@ export function setup() {
 // voided.
 function describes(body, kind, wallet, amount, to) {
   if (body === null) return false;
+  if (kind === 'split') {
+    // `to`: the legs sent, [[wallet, signed amount], ...], each answered in order with its entry.
+    return (
+      typeof body.id === 'string' &&
+      Array.isArray(body.legs) &&
+      body.legs.length === to.length &&
+      body.legs.every(
+        (entry, n) =>
+          entry !== null &&
+          entry.wallet_id === to[n][0] &&
+          entry.kind === (to[n][1] < 0 ? 'transfer_out' : 'transfer_in') &&
+          entry.amount === Math.abs(to[n][1]) &&
+          entry.transfer_id === body.id &&
+          Number.isInteger(entry.balance) &&
+          entry.balance >= 0 &&
+          typeof entry.id === 'string',
+      )
+    );
+  }
   if (kind === 'hold') {
     return (
       body.wallet_id === wallet &&
@@ -450,7 +473,7 @@ function describes(body, kind, wallet, amount, to) {
 function classify(res, kind, wallet, amount, to) {
   const replay = res.headers['Idempotent-Replayed'] === 'true';
   if (replay) replayed.add(1);
-  const ok = kind === 'hold' ? 201 : 200;
+  const ok = kind === 'hold' || kind === 'split' ? 201 : 200;
   const errorCode = res.status === ok ? '' : code(res);
   let decided = null;
   let expected = true;
@@ -506,6 +529,7 @@ const MOVE_NAMES = {
   pay: 'POST /wallets/{id}/pay',
   deposit: 'POST /wallets/{id}/deposit',
   transfer: 'POST /transfers',
+  split: 'POST /movements',
   hold: 'POST /wallets/{id}/holds',
   capture: 'POST /holds/{id}/capture',
   void: 'POST /holds/{id}/void',
@@ -529,6 +553,17 @@ function transferRequest(from, to, amount, key) {
     url: `${BASE_URL}/transfers`,
     body: `{"from":"${from}","to":"${to}","amount":${amount},"reference":"${key}"}`,
     params: { headers: keyedHeaders(key), tags: { op: 'move', name: MOVE_NAMES.transfer } },
+  };
+}
+
+// `legs`: [[wallet, signed amount], ...].
+function splitRequest(legs, key) {
+  const body = legs.map(([wallet, amount]) => `{"wallet_id":"${wallet}","amount":${amount}}`).join(',');
+  return {
+    method: 'POST',
+    url: `${BASE_URL}/movements`,
+    body: `{"legs":[${body}],"reference":"${key}"}`,
+    params: { headers: keyedHeaders(key), tags: { op: 'move', name: MOVE_NAMES.split } },
   };
 }
 
@@ -583,6 +618,9 @@ function finish(kind, wallet, amount, key, request, outcome, to) {
       ack(`{"op":"capture","w":"${wallet}","hold":"${to}","amount":${amount},"key":"${key}","s":200,"entry":${entry}}`);
     } else if (kind === 'void') {
       ack(`{"op":"void","w":"${wallet}","hold":"${to}","amount":${amount},"key":"${key}","s":200}`);
+    } else if (kind === 'split') {
+      const legs = outcome.entry.legs.map((entry, n) => [to[n][0], to[n][1], entry.id]);
+      ack(`{"op":"split","w":"${wallet}","amount":${amount},"key":"${key}","s":201,"legs":${JSON.stringify(legs)}}`);
     } else if (kind === 'transfer') {
       const legs = `"entry":${JSON.stringify(outcome.entry.from_entry.id)},"to_entry":${JSON.stringify(outcome.entry.to_entry.id)}`;
       ack(`{"op":"transfer","w":"${wallet}","to":"${to}","amount":${amount},"key":"${key}","s":200,${legs}}`);
@@ -633,6 +671,25 @@ function transfer(runId) {
   const key = `${runId}-transfer-${__VU}-${__ITER}`;
   const request = transferRequest(from, to, amount, key);
   finish('transfer', from, amount, key, request, settle(request, 'transfer', from, amount, null, to), to);
+}
+
+// One split of 2 to 100 out of a wallet at random: a tenth (at least 1) to a second wallet, the
+// rest to a third.
+function split(runId) {
+  const payer = randomInt(0, WALLETS - 1);
+  const fee = (payer + randomInt(1, WALLETS - 1)) % WALLETS;
+  let merchant = (payer + randomInt(1, WALLETS - 2)) % WALLETS;
+  if (merchant === fee) merchant = (payer + WALLETS - 1) % WALLETS;
+  const amount = randomInt(2, 100);
+  const cut = Math.max(1, Math.floor(amount / 10));
+  const legs = [
+    [walletId(runId, payer), -amount],
+    [walletId(runId, merchant), amount - cut],
+    [walletId(runId, fee), cut],
+  ];
+  const key = `${runId}-split-${__VU}-${__ITER}`;
+  const request = splitRequest(legs, key);
+  finish('split', legs[0][0], amount, key, request, settle(request, 'split', legs[0][0], amount, null, legs), legs);
 }
 
 // One hold of 1 to 100 on a wallet at random: placed for 1 s and left to expire (HOLDS_LEFT), or
@@ -758,6 +815,9 @@ export default function (data) {
     }
     case 'transfer':
       transfer(runId);
+      break;
+    case 'split':
+      split(runId);
       break;
     case 'holds':
       holds(runId);

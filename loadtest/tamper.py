@@ -5,6 +5,8 @@
                                                            client saw accepted
     loadtest/tamper.py ACKS first-transfer                 "KEY FROM TO" of the first transfer the
                                                            client saw accepted
+    loadtest/tamper.py ACKS first-split                    "KEY PAYER" of the first split the
+                                                           client saw accepted
     loadtest/tamper.py ACKS first-capture                  "KEY WALLET HOLD" of the first capture
                                                            the client saw accepted (first-void: of
                                                            the first void)
@@ -38,6 +40,7 @@ import books
 FIRSTS = {
     "first-pay": ("pay", "payment", ("key", "w"), "KEY WALLET"),
     "first-transfer": ("transfer", "transfer", ("key", "w", "to"), "KEY FROM TO"),
+    "first-split": ("split", "split", ("key", "w"), "KEY PAYER"),
     "first-capture": ("capture", "capture", ("key", "w", "hold"), "KEY WALLET HOLD"),
     "first-void": ("void", "void", ("key", "w", "hold"), "KEY WALLET HOLD"),
 }
@@ -68,7 +71,8 @@ def main(argv=None):
     records = list(books.ack_records(args.acks))
     if args.mode in FIRSTS:
         op, name, fields, _ = FIRSTS[args.mode]
-        first = next((r for r in records if r["op"] == op and r["s"] == 200), None)
+        accepted = 201 if op == "split" else 200
+        first = next((r for r in records if r["op"] == op and r["s"] == accepted), None)
         if first is None:
             print(f"tamper.py: the record holds no accepted {name}", file=sys.stderr)
             return 1
@@ -79,8 +83,10 @@ def main(argv=None):
     elif args.mode == "refuse":
         for r in records:
             if r.get("key") == args.key:
-                del r["entry"]
+                r.pop("entry", None)
                 r.pop("to_entry", None)
+                if "legs" in r:
+                    r["to"] = [[wallet, amount] for wallet, amount, _ in r.pop("legs")]
                 r.update(s=503, code="lock_timeout")
     elif args.mode == "captured":
         for r in records:
