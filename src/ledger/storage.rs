@@ -50,4 +50,11 @@ impl KnownStorage {
             .await
             .copied()
     }
+
+    /// The storage of the database behind `conn`, asking on `conn` itself the first time: for a
+    /// caller holding a transaction, which must never wait for a second connection from the pool
+    /// (with the pool full of such callers, each would wait for the others' until it timed out).
+    pub async fn on(&self, conn: &mut PgConnection) -> Result<Storage, StoreError> {
+        self.0.get_or_try_init(|| async { Ok::<_, StoreError>(Storage::of(conn).await?) }).await.copied()
+    }
 }

@@ -713,7 +713,7 @@ impl Wallets {
             })
             .collect();
         let write = GroupWrite { wallets, entries: entries.to_vec(), keys, ..Default::default() };
-        let storage = self.storage.of(&self.db).await?;
+        let storage = self.storage.on(tx).await?;
         let retention = self.keys.settings().retention;
         match Box::pin(store_round::commit(tx, storage, &write, now, retention)).await {
             Ok(committed) if committed.moved.len() == write.wallets.len() => Ok(()),

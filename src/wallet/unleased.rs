@@ -341,7 +341,7 @@ impl Wallets {
         };
         let held = held(row);
         let retention = self.keys.settings().retention;
-        let storage = self.storage.of(&self.db).await?;
+        let storage = self.storage.on(&mut tx).await?;
         let batch = Batch { id, fence: held.fence, held: &held, ops };
         let mut results = Box::pin(decide_write_commit(tx, storage, &[batch], retention)).await?;
         results.pop().ok_or_else(|| WalletError::internal("a batch decided into nothing").into())

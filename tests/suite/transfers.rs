@@ -1213,3 +1213,36 @@ async fn a_transfer_in_flight_holds_up_no_transfer_between_two_other_wallets() {
     second.rollback().await.unwrap();
     first.rollback().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_never_waits_for_a_second_connection_while_it_holds_its_transaction() {
+    // One pooled connection: a transfer that held its transaction and asked the pool for another
+    // (to learn where the tables live, say) would wait for itself until the acquire timeout, and
+    // under load every transfer would wait for the others' (a bench run lost 343 transfers so).
+    let env = TestEnv::new();
+    let settings = [("PG_POOL_SIZE", "1"), ("PG_ACQUIRE_TIMEOUT", "2s")];
+    let mut fleet = Fleet::start(&env, 1, &settings).await;
+    let wallets = ["one-a", "one-b", "one-c", "one-d"];
+    open_wallets(&fleet, &wallets, 1_000).await;
+    // A fresh process, which has learnt nothing of the database yet, takes the transfers at once.
+    fleet.replicas[0].start();
+    let url = fleet.replicas[0].url("");
+    let pairs = [("one-a", "one-b"), ("one-c", "one-d"), ("one-b", "one-c"), ("one-d", "one-a")];
+    let sent: Vec<_> = pairs
+        .iter()
+        .map(|&pair| {
+            let (client, url) = (fleet.client.clone(), url.clone());
+            let pair = (pair.0.to_owned(), pair.1.to_owned());
+            tokio::spawn(async move { transfer_one(&client, &url, (&pair.0, &pair.1), 10).await })
+        })
+        .collect();
+    let mut attempts = Vec::new();
+    for transfer in sent {
+        attempts.push(transfer.await.unwrap());
+    }
+    for attempt in &attempts {
+        assert!(matches!(attempt.outcome, Outcome::Applied(_)), "{attempt:?}");
+    }
+    let opening: Vec<(&str, i64)> = wallets.iter().map(|w| (*w, 1_000)).collect();
+    check_books(&fleet, &opening, &attempts).await;
+}
