@@ -106,6 +106,34 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyHeader {
     }
 }
 
+/// Declares `$name`, the `{id}` segment of a route whose id is a UUID: its OpenAPI parameter
+/// (described as `$what`) and its extractor, which answers 400 with `$field`'s rule broken for
+/// anything but a UUID. One declaration per resource (holds, transfers, movements), one shape.
+macro_rules! uuid_path {
+    ($(#[$doc:meta])* $name:ident, $what:literal, $field:expr) => {
+        $(#[$doc])*
+        #[derive(Debug, utoipa::IntoParams)]
+        #[into_params(names("id"), parameter_in = Path)]
+        pub struct $name(
+            #[doc = $what]
+            #[param(value_type = String, format = Uuid)]
+            pub uuid::Uuid,
+        );
+
+        impl<S: Send + Sync> axum::extract::FromRequestParts<S> for $name {
+            type Rejection = $crate::http::error::ApiError;
+
+            async fn from_request_parts(
+                parts: &mut axum::http::request::Parts,
+                state: &S,
+            ) -> Result<Self, Self::Rejection> {
+                Ok(Self($crate::http::extract::uuid_in_path(parts, state, $field).await?))
+            }
+        }
+    };
+}
+pub(crate) use uuid_path;
+
 /// A `{id}` path segment that must be a UUID, else `field`'s rule is broken.
 pub async fn uuid_in_path<S: Send + Sync>(
     parts: &mut Parts,

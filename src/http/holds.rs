@@ -14,8 +14,8 @@ use crate::ledger::hold::Hold;
 use crate::wallet::{Amount, Movement, WalletId};
 use axum::{
     Json,
-    extract::{Extension, FromRequestParts, State},
-    http::{Uri, request::Parts},
+    extract::{Extension, State},
+    http::Uri,
     response::Response,
 };
 use serde::Deserialize;
@@ -37,22 +37,12 @@ pub fn router() -> OpenApiRouter<ApiContext> {
         .routes(routes!(void))
 }
 
-/// The `{id}` segment of a hold route: a UUID.
-#[derive(Debug, utoipa::IntoParams)]
-#[into_params(names("id"), parameter_in = Path)]
-pub struct HoldPath(
-    /// The hold's id.
-    #[param(value_type = String, format = Uuid)]
-    pub Uuid,
+super::extract::uuid_path!(
+    /// The `{id}` segment of a hold route: a UUID.
+    HoldPath,
+    "The hold's id.",
+    Field::HoldId
 );
-
-impl<S: Send + Sync> FromRequestParts<S> for HoldPath {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        Ok(Self(super::extract::uuid_in_path(parts, state, Field::HoldId).await?))
-    }
-}
 
 /// A hold to place. Unknown fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]

@@ -12,14 +12,13 @@ use crate::ledger::transfer::MovementRecord;
 use crate::wallet::{InvalidInput, WalletId};
 use axum::{
     Json,
-    extract::{Extension, FromRequestParts, State},
-    http::{Uri, request::Parts},
+    extract::{Extension, State},
+    http::Uri,
     response::Response,
 };
 use serde::Deserialize;
 use utoipa::ToSchema;
 use utoipa_axum::{router::OpenApiRouter, routes};
-use uuid::Uuid;
 
 const UNAVAILABLE: &str = "`lock_timeout`, `dependency_unavailable`, `request_timeout`, `outcome_unknown`: \
                            retry after `Retry-After`";
@@ -29,22 +28,12 @@ pub fn router() -> OpenApiRouter<ApiContext> {
     OpenApiRouter::default().routes(routes!(create_movement)).routes(routes!(get_movement))
 }
 
-/// The `{id}` segment of a movement route: a UUID.
-#[derive(Debug, utoipa::IntoParams)]
-#[into_params(names("id"), parameter_in = Path)]
-pub struct MovementPath(
-    /// The movement's id.
-    #[param(value_type = String, format = Uuid)]
-    pub Uuid,
+super::extract::uuid_path!(
+    /// The `{id}` segment of a movement route: a UUID.
+    MovementPath,
+    "The movement's id.",
+    Field::MovementId
 );
-
-impl<S: Send + Sync> FromRequestParts<S> for MovementPath {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        Ok(Self(super::extract::uuid_in_path(parts, state, Field::MovementId).await?))
-    }
-}
 
 /// One leg of a movement. Unknown fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]

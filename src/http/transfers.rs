@@ -13,8 +13,8 @@ use crate::ledger::transfer::Transfer;
 use crate::wallet::{Amount, Between, InvalidInput, Parties, Refund, WalletId};
 use axum::{
     Json,
-    extract::{Extension, FromRequestParts, State},
-    http::{Uri, request::Parts},
+    extract::{Extension, State},
+    http::Uri,
     response::Response,
 };
 use serde::{Deserialize, Serialize};
@@ -35,22 +35,12 @@ pub fn router() -> OpenApiRouter<ApiContext> {
         .routes(routes!(refund_payment))
 }
 
-/// The `{id}` segment of a transfer route: a UUID.
-#[derive(Debug, utoipa::IntoParams)]
-#[into_params(names("id"), parameter_in = Path)]
-pub struct TransferPath(
-    /// The transfer's id.
-    #[param(value_type = String, format = Uuid)]
-    pub Uuid,
+super::extract::uuid_path!(
+    /// The `{id}` segment of a transfer route: a UUID.
+    TransferPath,
+    "The transfer's id.",
+    Field::TransferId
 );
-
-impl<S: Send + Sync> FromRequestParts<S> for TransferPath {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        Ok(Self(super::extract::uuid_in_path(parts, state, Field::TransferId).await?))
-    }
-}
 
 /// Money from one wallet to another. Unknown fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]
