@@ -16,7 +16,8 @@
 //! - money between wallets: `transfer` (transfers and refunds, each under its wallets' leases);
 //! - outage: `outage` (when Redis cannot be reached), `unleased` (the rounds under Postgres alone);
 //! - the tutorial's strategy ([`Strategy::Tutorial`]): `tutorial`;
-//! - around them: `open` (opening and reading wallets), `error`, `instruments` (metrics).
+//! - around them: `service` (building the service, running movements to their end, draining),
+//!   `open` (opening and reading wallets), `error`, `instruments` (metrics).
 
 mod decision;
 mod error;
@@ -27,6 +28,7 @@ mod open;
 mod outage;
 mod payee;
 mod queue;
+mod service;
 mod transfer;
 mod tutorial;
 mod unleased;
@@ -44,16 +46,14 @@ pub use tutorial::raise_fence;
 
 use error::{commit, commit_failure};
 
-use crate::idempotency::{self, KeySettings, Keyed};
+use crate::idempotency::{self, Keyed};
 use crate::lease::LeaseClient;
 use crate::ledger::hold::Hold;
 use crate::ledger::storage::KnownStorage;
 use crate::ledger::{Entry, Wallet};
 use sqlx::PgPool;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio_util::task::TaskTracker;
-use tracing::Instrument;
 
 /// What a movement did: the ledger entry of a deposit or payment; the hold placed, captured (with
 /// its `pay` entry) or voided; the expired holds released.
@@ -143,68 +143,6 @@ pub struct Shared {
 }
 
 impl Wallets {
-    /// The service over `db` and `leases`, with the default key retention (see
-    /// [`Wallets::with_keys`]). Call within a Tokio runtime: it starts the replica's rounds.
-    pub fn new(db: PgPool, leases: LeaseClient) -> Self {
-        let in_flight = TaskTracker::new();
-        let storage = KnownStorage::default();
-        let keys = idempotency::Keys::new(db.clone(), KeySettings::default());
-        let (rounds, unleased) = start_rounds(&db, &leases, keys.settings().retention, &storage, &in_flight);
-        Self(Arc::new(Shared {
-            db,
-            leases,
-            strategy: Strategy::Queue,
-            queues: queue::Queues::default(),
-            payees: queue::Queues::default(),
-            queue_limit: DEFAULT_QUEUE_LIMIT,
-            rounds,
-            keys,
-            outage: Arc::new(outage::Outage::new(RedisOutage::Refuse)),
-            unleased,
-            storage,
-            in_flight,
-        }))
-    }
-
-    /// Bounds each wallet's queue on this replica at `limit` movements (at least 1).
-    pub fn with_queue_limit(mut self, limit: usize) -> Self {
-        Arc::make_mut(&mut self.0).queue_limit = limit.max(1);
-        self
-    }
-
-    /// What movements do while Redis cannot be reached (the default here: refuse). The lease
-    /// client should fail fast ([`crate::lease::LeaseSettings::fail_fast`]) with
-    /// [`RedisOutage::Postgres`], or each worker waits out its lease wait before going on.
-    pub fn with_redis_outage(mut self, policy: RedisOutage) -> Self {
-        Arc::make_mut(&mut self.0).outage = Arc::new(outage::Outage::new(policy));
-        self
-    }
-
-    /// What movements do while Redis cannot be reached, and whether this replica is in an outage
-    /// now (moving money under Postgres alone).
-    pub fn redis_outage(&self) -> (RedisOutage, bool) {
-        (self.outage.policy(), self.outage.is_active())
-    }
-
-    pub fn with_strategy(mut self, strategy: Strategy) -> Self {
-        Arc::make_mut(&mut self.0).strategy = strategy;
-        self
-    }
-
-    /// Stores movements' responses for `keys.retention`.
-    pub fn with_keys(mut self, keys: KeySettings) -> Self {
-        let service = Arc::make_mut(&mut self.0);
-        (service.rounds, service.unleased) =
-            start_rounds(&service.db, &service.leases, keys.retention, &service.storage, &service.in_flight);
-        service.keys = idempotency::Keys::new(service.db.clone(), keys);
-        self
-    }
-
-    /// Closes the Postgres pool: after [`Wallets::drain`], at shutdown.
-    pub async fn close(&self) {
-        self.db.close().await;
-    }
-
     /// Applies a movement for `access` under the wallet's lease with a fenced commit. With a key,
     /// the key is looked up first by the lease holder: a key used before answers
     /// [`WalletError::AlreadyRan`] and applies nothing; a new key's outcome is stored in the
@@ -237,55 +175,6 @@ impl Wallets {
         instruments::count_movement(kind, &result);
         result
     }
-
-    /// Runs `work` as its own task, so that it finishes (commit or roll back, release its lease,
-    /// store or give up its idempotency claim) even if the caller is dropped because the client
-    /// hung up. A claim whose outcome is not stored is given up, so a retry runs.
-    async fn run_to_end<T: Send + 'static>(
-        &self,
-        claim: Option<idempotency::Claim>,
-        work: impl Future<Output = Result<T, WalletError>> + Send + 'static,
-    ) -> Result<T, WalletError> {
-        let keys = self.keys.clone();
-        // The task logs and records timings into the request's span, even after the request ended.
-        let task = self.in_flight.spawn(
-            async move {
-                let outcome = work.await;
-                if let (Some(claim), Err(err)) = (&claim, &outcome)
-                    && !err.is_stored()
-                {
-                    keys.abandon(claim).await;
-                }
-                outcome
-            }
-            .instrument(tracing::Span::current()),
-        );
-        task.await.map_err(|join| WalletError::Internal(Arc::new(join)))?
-    }
-
-    /// Waits until every movement in progress has finished, up to `limit`. Call after the server
-    /// stopped taking requests.
-    pub async fn drain(&self, limit: Duration) -> bool {
-        self.in_flight.close();
-        tokio::time::timeout(limit, self.in_flight.wait()).await.is_ok()
-    }
-}
-
-/// Starts the replica's rounds, on leases and under Postgres alone, storing keys' responses for
-/// `retention`. The rounds give up a statement left unanswered for one lease TTL: by then the
-/// lease would have expired without its watchdog, and the wallet is better in another holder's
-/// hands.
-fn start_rounds(
-    db: &PgPool,
-    leases: &LeaseClient,
-    retention: Duration,
-    storage: &KnownStorage,
-    in_flight: &TaskTracker,
-) -> (group::Rounds, unleased::UnleasedRounds) {
-    let settings = group::RoundSettings { retention, answer_within: leases.settings().ttl.get() };
-    let rounds = group::Rounds::start(db.clone(), settings, storage.clone(), in_flight.clone());
-    let unleased = unleased::UnleasedRounds::start(db.clone(), retention, storage.clone(), in_flight.clone());
-    (rounds, unleased)
 }
 
 /// The lease that guards a wallet's balance.
