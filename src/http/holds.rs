@@ -7,7 +7,7 @@ use super::error::described::{
 };
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
-use super::idempotent::{self, HoldReceipt, Keyed, render_hold_placed, render_movement};
+use super::idempotent::{self, HoldReceipt, KeyedRequest, render_hold_placed, render_movement};
 use crate::domain::{self, Access, Field, HoldLife};
 use crate::idempotency::Scope;
 use crate::ledger::hold::Hold;
@@ -112,7 +112,7 @@ async fn place_hold(
         life,
         reference: domain::reference(reference.clone())?,
     };
-    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_hold_placed);
     let result = ctx.wallets.apply(&access, &id, movement, key).await;
     Ok(idempotent::movement_response(result, render_hold_placed))
@@ -192,7 +192,7 @@ async fn capture(
     body: JsonBody<Capture>,
 ) -> Result<Response, ApiError> {
     let amount = body.value.amount.map(Amount::new).transpose()?;
-    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     settle(&ctx, &access, hold, Movement::Capture { hold, amount }, keyed).await
 }
 
@@ -226,7 +226,7 @@ async fn void(
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
 ) -> Result<Response, ApiError> {
-    let keyed = Keyed { key, path: uri.path(), body: b"" };
+    let keyed = KeyedRequest { key, path: uri.path(), body: b"" };
     settle(&ctx, &access, hold, Movement::Void { hold }, keyed).await
 }
 
@@ -236,7 +236,7 @@ async fn settle(
     access: &Access,
     hold: Uuid,
     movement: Movement,
-    keyed: Keyed<'_>,
+    keyed: KeyedRequest<'_>,
 ) -> Result<Response, ApiError> {
     let wallet: WalletId = ctx.wallets.wallet_of_hold(access, hold).await?;
     tracing::Span::current().record("wallet_id", wallet.as_str());

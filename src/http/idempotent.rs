@@ -3,7 +3,7 @@
 
 use super::ApiContext;
 use super::error::ApiError;
-use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed as KeyedRequest, Prior, Scope};
+use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed, Prior, Scope};
 use crate::ledger::Entry;
 use crate::ledger::idempotency::StoredResponse;
 use crate::wallet::{
@@ -19,7 +19,7 @@ static IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-rep
 /// What identifies a request for its idempotency key: the key itself (if sent), and what "the
 /// same request" compares.
 #[derive(Debug)]
-pub struct Keyed<'a> {
+pub struct KeyedRequest<'a> {
     pub key: Option<IdempotencyKey>,
     pub path: &'a str,
     pub body: &'a [u8],
@@ -27,7 +27,11 @@ pub struct Keyed<'a> {
 
 /// For a POST with a key: claims it (`Ok(Some(claim))`), or answers at once with the stored
 /// response or a conflict (`Err(response)`). Without a key: `Ok(None)`.
-pub async fn begin(ctx: &ApiContext, scope: Scope, request: Keyed<'_>) -> Result<Option<Claim>, Response> {
+pub async fn begin(
+    ctx: &ApiContext,
+    scope: Scope,
+    request: KeyedRequest<'_>,
+) -> Result<Option<Claim>, Response> {
     let Some(key) = request.key else { return Ok(None) };
     let fingerprint = idempotency::fingerprint("POST", request.path, request.body);
     match ctx.wallets.begin_keyed(scope, key, fingerprint).await {
@@ -43,12 +47,12 @@ pub async fn begin(ctx: &ApiContext, scope: Scope, request: Keyed<'_>) -> Result
 /// lease holder to look up and store (see [`crate::idempotency::Keyed`]). Without a key: `None`.
 pub fn keyed<T>(
     scope: Scope,
-    request: Keyed<'_>,
+    request: KeyedRequest<'_>,
     render: fn(&T) -> StoredResponse,
-) -> Option<KeyedRequest<T>> {
+) -> Option<Keyed<T>> {
     let key = request.key?;
     let fingerprint = idempotency::fingerprint("POST", request.path, request.body);
-    Some(KeyedRequest { scope, key, fingerprint, render })
+    Some(Keyed { scope, key, fingerprint, render })
 }
 
 /// The answer to a request whose key was used before.

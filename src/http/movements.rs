@@ -5,7 +5,7 @@ use super::ApiContext;
 use super::error::described::{MOVEMENT_CONFLICT as CONFLICT, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody};
-use super::idempotent::{self, Keyed, movement_record_response, render_movement_record};
+use super::idempotent::{self, KeyedRequest, movement_record_response, render_movement_record};
 use crate::domain::{self, Access, Field, Legs};
 use crate::idempotency::Scope;
 use crate::ledger::transfer::MovementRecord;
@@ -113,7 +113,7 @@ async fn create_movement(
         tracing::Span::current().record("wallet_id", first.as_str());
     }
     let reference = domain::reference(reference.clone())?;
-    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_movement_record);
     Ok(movement_record_response(ctx.wallets.move_between(&access, legs, reference, key).await))
 }

@@ -4,7 +4,7 @@ use super::ApiContext;
 use super::error::described::{MOVEMENT_CONFLICT as CONFLICT, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
-use super::idempotent::{self, Keyed, render_entry, render_transfer};
+use super::idempotent::{self, KeyedRequest, render_entry, render_transfer};
 use crate::domain;
 use crate::domain::{Access, Field};
 use crate::idempotency::Scope;
@@ -105,7 +105,7 @@ async fn transfer(
     tracing::Span::current().record("wallet_id", parties.from.as_str());
     let between =
         Between { parties, amount: Amount::new(*amount)?, reference: domain::reference(reference.clone())? };
-    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_transfer);
     Ok(idempotent::transfer_response(ctx.wallets.transfer(&access, between, key).await))
 }
@@ -196,7 +196,7 @@ async fn refund_transfer(
     body: JsonBody<TransferRefund>,
 ) -> Result<Response, ApiError> {
     let amount = body.value.amount.map(Amount::new).transpose()?;
-    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_transfer);
     Ok(idempotent::transfer_response(ctx.wallets.refund_transfer(&access, id, amount, key).await))
 }
@@ -255,7 +255,7 @@ async fn refund_payment(
     let payment = Uuid::parse_str(&body.value.payment)
         .map_err(|_| InvalidInput { field: Field::Payment, rule: "the id of a pay entry (a UUID)" })?;
     let amount = body.value.amount.map(Amount::new).transpose()?;
-    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_entry);
     let refund = Refund { wallet: id, payment, amount };
     Ok(idempotent::entry_response(ctx.wallets.refund_payment(&access, refund, key).await))

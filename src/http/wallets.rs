@@ -4,7 +4,7 @@ use super::ApiContext;
 use super::error::described::{MOVEMENT_CONFLICT, MOVEMENT_UNAVAILABLE, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, QueryParams, WalletPath};
-use super::idempotent::{self, Keyed, render_movement, render_open};
+use super::idempotent::{self, KeyedRequest, render_movement, render_open};
 use crate::domain;
 use crate::domain::{Access, Field};
 use crate::idempotency::{Receipt, Scope};
@@ -99,10 +99,11 @@ async fn open_wallet(
     tracing::Span::current().record("wallet_id", id.as_str());
     let balance = domain::opening_balance(body.value.balance.unwrap_or(0))?;
     let scope = Scope::wallet_creation(&access.caller);
-    let claim = match idempotent::begin(&ctx, scope, Keyed { key, path: uri.path(), body: &body.raw }).await {
-        Ok(claim) => claim,
-        Err(answered) => return Ok(answered),
-    };
+    let claim =
+        match idempotent::begin(&ctx, scope, KeyedRequest { key, path: uri.path(), body: &body.raw }).await {
+            Ok(claim) => claim,
+            Err(answered) => return Ok(answered),
+        };
     let receipt = claim.map(|claim| Receipt { claim, render: render_open });
     let outcome = match ctx.wallets.open(&access.caller, &id, balance, receipt).await {
         Ok(wallet) => Ok(wallet),
@@ -189,7 +190,7 @@ async fn deposit(
     body: JsonBody<Deposit>,
 ) -> Result<Response, ApiError> {
     let movement = Movement::Deposit { amount: Amount::new(body.value.amount)? };
-    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     Ok(move_money(&ctx, &access, &id, movement, keyed).await)
 }
 
@@ -248,7 +249,7 @@ async fn pay(
 ) -> Result<Response, ApiError> {
     let Pay { amount, reference } = body.value;
     let movement = Movement::Pay { amount: Amount::new(amount)?, reference: domain::reference(reference)? };
-    let keyed = Keyed { key, path: uri.path(), body: &body.raw };
+    let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     Ok(move_money(&ctx, &access, &id, movement, keyed).await)
 }
 
@@ -258,7 +259,7 @@ async fn move_money(
     access: &Access,
     id: &WalletId,
     movement: Movement,
-    keyed: Keyed<'_>,
+    keyed: KeyedRequest<'_>,
 ) -> Response {
     let key = idempotent::keyed(Scope::wallet(&access.caller, id), keyed, render_movement);
     let result = ctx.wallets.apply(access, id, movement, key).await;

@@ -311,7 +311,7 @@ impl LeaseClient {
         yield_first: bool,
     ) -> Result<Lease, LeaseError> {
         let started = Instant::now();
-        let keys = Keys::new(&self.prefix, name);
+        let keys = LeaseKeys::new(&self.prefix, name);
         let token = Token::random();
         // Subscribed once this call first has to wait; then each busy answer waits for a release.
         let mut watch = None;
@@ -383,7 +383,7 @@ impl LeaseClient {
     }
 
     /// Subscribes to the lease's release channel, if this client has wake-ups.
-    async fn watch(&self, keys: &Keys) -> Option<wake::Watch> {
+    async fn watch(&self, keys: &LeaseKeys) -> Option<wake::Watch> {
         match &self.wakeups {
             Some(wakeups) => Some(wakeups.watch(&keys.channel).await),
             None => None,
@@ -400,7 +400,7 @@ impl LeaseClient {
         }
     }
 
-    async fn mark_contended(&self, keys: &Keys) -> Result<(), RedisFailure> {
+    async fn mark_contended(&self, keys: &LeaseKeys) -> Result<(), RedisFailure> {
         let mut set = redis::cmd("SET");
         set.arg(&keys.contended).arg("1").arg("PX").arg(self.settings.ttl.as_millis());
         self.query(&set).await
@@ -519,7 +519,7 @@ impl LeaseClient {
     pub async fn leave_note(&self, name: &str, note: &str) -> Result<bool, RedisFailure> {
         let Some(retention) = self.note_retention_ms() else { return Ok(false) };
         let mut set = redis::cmd("SET");
-        set.arg(Keys::new(&self.prefix, name).note).arg(note).arg("NX").arg("PX").arg(retention);
+        set.arg(LeaseKeys::new(&self.prefix, name).note).arg(note).arg("NX").arg("PX").arg(retention);
         Ok(self.query::<Option<String>>(&set).await?.is_some())
     }
 
@@ -532,7 +532,7 @@ impl LeaseClient {
     async fn release_token(
         &self,
         name: &str,
-        keys: &Keys,
+        keys: &LeaseKeys,
         token: &Token,
         note: Option<&str>,
     ) -> Result<Released, LeaseError> {
@@ -552,7 +552,7 @@ impl LeaseClient {
         }
     }
 
-    async fn refresh_token(&self, name: &str, keys: &Keys, token: &Token) -> Result<(), LeaseError> {
+    async fn refresh_token(&self, name: &str, keys: &LeaseKeys, token: &Token) -> Result<(), LeaseError> {
         let ttl = self.settings.ttl.as_millis();
         match self.run::<i64>(&scripts::REFRESH, &[&keys.lease], (&token.0, ttl)).await? {
             1 => Ok(()),
@@ -563,7 +563,7 @@ impl LeaseClient {
 
 /// The keys and the channel of one name; see the module doc for their layout.
 #[derive(Debug, Clone)]
-struct Keys {
+struct LeaseKeys {
     lease: String,
     fence: String,
     contended: String,
@@ -571,7 +571,7 @@ struct Keys {
     channel: String,
 }
 
-impl Keys {
+impl LeaseKeys {
     fn new(prefix: &str, name: &str) -> Self {
         let tag = format!("{{{prefix}:{name}}}");
         Self {
@@ -603,7 +603,7 @@ impl Token {
 pub struct Lease {
     client: LeaseClient,
     name: String,
-    keys: Keys,
+    keys: LeaseKeys,
     token: Token,
     /// Issued with the lease; higher than every fence issued for this name before, as long as
     /// Redis kept the counter (see [`Lease::advance_fence`] for when it did not).

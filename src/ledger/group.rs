@@ -315,7 +315,7 @@ pub struct Committed {
 
 /// An entry as the composite `entry_write` binds it.
 #[derive(sqlx::Encode)]
-struct EntryRow<'a> {
+struct EntryWriteRow<'a> {
     id: Uuid,
     wallet_id: &'a str,
     seq: i64,
@@ -329,9 +329,9 @@ struct EntryRow<'a> {
     refund_of: Option<Uuid>,
 }
 
-impl<'a> From<&'a Entry> for EntryRow<'a> {
+impl<'a> From<&'a Entry> for EntryWriteRow<'a> {
     fn from(e: &'a Entry) -> Self {
-        EntryRow {
+        EntryWriteRow {
             id: e.id,
             wallet_id: &e.wallet_id,
             seq: e.version,
@@ -360,7 +360,7 @@ struct PlacedRow<'a> {
 
 /// A key's response, as the composite `key_write` binds it.
 #[derive(sqlx::Encode)]
-struct KeyRow<'a> {
+struct KeyWriteRow<'a> {
     depends_on: &'a str,
     wallet_id: &'a str,
     caller: &'a str,
@@ -391,9 +391,9 @@ macro_rules! composite {
 }
 composite!(WalletWrite<'_>, "wallet_write");
 composite!(Settlement<'_>, "hold_settled");
-composite!(EntryRow<'_>, "entry_write");
+composite!(EntryWriteRow<'_>, "entry_write");
 composite!(PlacedRow<'_>, "hold_placed");
-composite!(KeyRow<'_>, "key_write");
+composite!(KeyWriteRow<'_>, "key_write");
 
 /// The compare-and-set of every wallet write, on one Postgres and under Citus alike: the row `l`
 /// as locked is exactly the state `b` was decided from.
@@ -488,7 +488,7 @@ pub async fn commit(
     } else {
         COMMIT.as_str()
     };
-    let entries: Vec<EntryRow<'_>> = write.entries.iter().map(|&e| e.into()).collect();
+    let entries: Vec<EntryWriteRow<'_>> = write.entries.iter().map(|&e| e.into()).collect();
     let placed: Vec<PlacedRow<'_>> = write
         .placed
         .iter()
@@ -501,7 +501,7 @@ pub async fn commit(
             fence: h.fence,
         })
         .collect();
-    let keys: Vec<KeyRow<'_>> = write.keys.iter().map(key_row).collect();
+    let keys: Vec<KeyWriteRow<'_>> = write.keys.iter().map(key_row).collect();
     let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
         .bind(&write.wallets)
         .bind(&entries)
@@ -524,8 +524,8 @@ pub async fn commit(
     Ok(committed)
 }
 
-fn key_row<'a>(k: &KeyWrite<'a>) -> KeyRow<'a> {
-    KeyRow {
+fn key_row<'a>(k: &KeyWrite<'a>) -> KeyWriteRow<'a> {
+    KeyWriteRow {
         depends_on: k.wallet_id,
         wallet_id: k.at.wallet,
         caller: k.at.caller,

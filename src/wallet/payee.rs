@@ -119,12 +119,12 @@ fn answer_batch(transfers: Vec<Queued>, outcome: Result<BatchResults, WalletErro
 }
 
 /// Transfers into `payee`, committed together by [`Wallets::commit_batch`].
-struct Batch<'a> {
+struct PayeeBatch<'a> {
     payee: &'a WalletId,
     transfers: &'a [Queued],
 }
 
-impl Attempt for Batch<'_> {
+impl Attempt for PayeeBatch<'_> {
     type Output = BatchResults;
 
     fn attempt(
@@ -201,7 +201,7 @@ impl Wallets {
                 queued.key.as_ref().is_none_or(|key| keys.insert((key.scope.clone(), key.key.clone())))
             });
             for transfers in [ready, later].into_iter().filter(|batch| !batch.is_empty()) {
-                let outcome = self.commit_unleased(&Batch { payee, transfers: &transfers }).await;
+                let outcome = self.commit_unleased(&PayeeBatch { payee, transfers: &transfers }).await;
                 answer_batch(transfers, outcome, Path::PostgresOnly);
             }
             if since.elapsed() >= MAX_HOLD || !self.outage.is_active() {
@@ -244,7 +244,7 @@ impl Wallets {
             crate::failpoint::hit("transfer_leases_held");
             let mut leases: Vec<&mut Lease> = payer_leases.iter_mut().collect();
             leases.push(lease);
-            let outcome = self.commit_retrying(&mut leases, &Batch { payee, transfers: &ready }).await;
+            let outcome = self.commit_retrying(&mut leases, &PayeeBatch { payee, transfers: &ready }).await;
             answer_batch(ready, outcome, Path::Lease);
         }
         lease::release_all(payer_leases).await;
