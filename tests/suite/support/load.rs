@@ -177,9 +177,14 @@ pub async fn settle(fleet: &impl Bank, attempts: &mut [Attempt]) {
 
 /// How many attempts ended each way, by code.
 pub fn tally(attempts: &[Attempt]) -> BTreeMap<String, usize> {
+    tally_outcomes(attempts.iter().map(|a| &a.outcome))
+}
+
+/// How many of `outcomes` ended each way: `applied`, a refusal's code, or `unknown ...`.
+pub fn tally_outcomes<'a>(outcomes: impl IntoIterator<Item = &'a Outcome>) -> BTreeMap<String, usize> {
     let mut tally = BTreeMap::new();
-    for attempt in attempts {
-        let label = match &attempt.outcome {
+    for outcome in outcomes {
+        let label = match outcome {
             Outcome::Applied(_) => "applied".to_owned(),
             Outcome::NotApplied(code) => code.clone(),
             Outcome::Unknown(what) => format!("unknown {what}"),

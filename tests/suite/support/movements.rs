@@ -101,16 +101,7 @@ pub async fn settle_splits(fleet: &Fleet, attempts: &mut [SplitAttempt]) {
 
 /// How many attempts ended each way, by code.
 pub fn tally_splits(attempts: &[SplitAttempt]) -> std::collections::BTreeMap<String, usize> {
-    let mut tally = std::collections::BTreeMap::new();
-    for attempt in attempts {
-        let label = match &attempt.outcome {
-            Outcome::Applied(_) => "applied".to_owned(),
-            Outcome::NotApplied(code) => code.clone(),
-            Outcome::Unknown(what) => format!("unknown {what}"),
-        };
-        *tally.entry(label).or_default() += 1;
-    }
-    tally
+    super::load::tally_outcomes(attempts.iter().map(|a| &a.outcome))
 }
 
 /// The bank check of splits, after [`settle_splits`]: `opening` is each wallet's opening balance,

@@ -155,16 +155,7 @@ pub async fn goes_through_at_once(fleet: &Fleet, (a, b): (&str, &str)) {
 
 /// How many attempts ended each way, by code.
 pub fn tally(attempts: &[TransferAttempt]) -> std::collections::BTreeMap<String, usize> {
-    let mut tally = std::collections::BTreeMap::new();
-    for attempt in attempts {
-        let label = match &attempt.outcome {
-            Outcome::Applied(_) => "applied".to_owned(),
-            Outcome::NotApplied(code) => code.clone(),
-            Outcome::Unknown(what) => format!("unknown {what}"),
-        };
-        *tally.entry(label).or_default() += 1;
-    }
-    tally
+    super::load::tally_outcomes(attempts.iter().map(|a| &a.outcome))
 }
 
 /// The bank check, after [`settle`]: `opening` is each wallet's opening balance, and the wallets
