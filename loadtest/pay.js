@@ -150,6 +150,7 @@ const HOLD_EXPIRES_IN = positiveInt('HOLD_EXPIRES_IN', 30);
 if (HOLD_EXPIRES_IN > 604800) throw new Error(`HOLD_EXPIRES_IN must be at most 604800 (7 days), not ${HOLD_EXPIRES_IN}`);
 // transfer: wallets 0..PAYEES-1 are the payees, the rest the payers (so never one wallet twice).
 const PAYEES = positiveInt('PAYEES', 100);
+if (SCENARIO === 'split' && WALLETS < 3) throw new Error(`a split needs 3 wallets, not WALLETS=${WALLETS}`);
 if (SCENARIO === 'transfer' && PAYEES >= WALLETS) throw new Error(`PAYEES (${PAYEES}) must be fewer than WALLETS (${WALLETS})`);
 // The Zipf law's cumulative weights (payee k, from 1, weighs 1/k), for picking a payee by bisection.
 const PAYEE_CDF = (() => {
@@ -673,13 +674,20 @@ function transfer(runId) {
   finish('transfer', from, amount, key, request, settle(request, 'transfer', from, amount, null, to), to);
 }
 
+// `count` distinct wallet numbers, picked at random.
+function distinctWallets(count) {
+  const picked = [];
+  while (picked.length < count) {
+    const n = randomInt(0, WALLETS - 1);
+    if (!picked.includes(n)) picked.push(n);
+  }
+  return picked;
+}
+
 // One split of 2 to 100 out of a wallet at random: a tenth (at least 1) to a second wallet, the
 // rest to a third.
 function split(runId) {
-  const payer = randomInt(0, WALLETS - 1);
-  const fee = (payer + randomInt(1, WALLETS - 1)) % WALLETS;
-  let merchant = (payer + randomInt(1, WALLETS - 2)) % WALLETS;
-  if (merchant === fee) merchant = (payer + WALLETS - 1) % WALLETS;
+  const [payer, merchant, fee] = distinctWallets(3);
   const amount = randomInt(2, 100);
   const cut = Math.max(1, Math.floor(amount / 10));
   const legs = [
