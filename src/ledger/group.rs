@@ -13,8 +13,9 @@
 //!    movements need their amount (see `crate::wallet::batch`).
 //! 2. [`commit`] writes every wallet of the round with its own compare-and-set, `UPDATE ... SET
 //!    fence = $ours ... WHERE fence = $read AND version = $read AND balance = $read ...`, inserts
-//!    the ledger entries, the holds placed and settled and the stored idempotent responses of the
-//!    wallets that matched, and nothing of those that did not. One autocommit statement: one WAL flush for the round, and
+//!    the ledger entries, the holds placed and settled, the transfers and movements made and the
+//!    stored idempotent responses of the wallets that matched (a movement's wallets are one group:
+//!    all of them match, or none is written), and nothing of those that did not. One autocommit statement: one WAL flush for the round, and
 //!    no transaction left open between statements, so a replica that stalls or is cut off
 //!    mid-round holds no row lock. A key stored before fails it whole on the key's primary key,
 //!    nothing written: the round reads the keys then, and writes again.
@@ -36,6 +37,7 @@
 use super::hold::Hold;
 use super::idempotency::{KeyRef, StoredResponse};
 use super::storage::Storage;
+use super::transfer::{MovementRecord, Transfer};
 use super::{Entry, StoreError, WalletRead};
 use crate::domain::FenceStanding;
 use chrono::{DateTime, Utc};
@@ -299,6 +301,9 @@ pub struct GroupWrite<'a> {
     /// Holds placed (each with its wallet, amount, expiry, reference and fence).
     pub placed: Vec<&'a Hold>,
     pub settled: Vec<Settlement<'a>>,
+    /// Transfers and movements of many legs made (each written with its first wallet's write).
+    pub transfers: Vec<&'a Transfer>,
+    pub movements: Vec<&'a MovementRecord>,
 }
 
 /// What a [`commit`] did, by wallet id.
@@ -358,6 +363,51 @@ struct PlacedRow<'a> {
     fence: i64,
 }
 
+/// A transfer, as the composite `transfer_write` binds it (migration 0015).
+#[derive(sqlx::Encode)]
+struct TransferWriteRow<'a> {
+    id: Uuid,
+    from_wallet: &'a str,
+    to_wallet: &'a str,
+    amount: i64,
+    reference: Option<&'a str>,
+    refund_of: Option<Uuid>,
+}
+
+/// A movement of many legs, as the composite `movement_write` binds it: it lives with its first
+/// leg's wallet.
+#[derive(sqlx::Encode)]
+struct MovementWriteRow<'a> {
+    id: Uuid,
+    wallet_id: &'a str,
+    legs: i16,
+    reference: Option<&'a str>,
+}
+
+impl<'a> From<&'a Transfer> for TransferWriteRow<'a> {
+    fn from(t: &'a Transfer) -> Self {
+        TransferWriteRow {
+            id: t.id,
+            from_wallet: &t.from,
+            to_wallet: &t.to,
+            amount: t.amount,
+            reference: t.reference.as_deref(),
+            refund_of: t.refund_of,
+        }
+    }
+}
+
+impl<'a> From<&'a MovementRecord> for MovementWriteRow<'a> {
+    fn from(m: &'a MovementRecord) -> Self {
+        MovementWriteRow {
+            id: m.id,
+            wallet_id: m.legs.first().map(|leg| leg.wallet_id.as_str()).unwrap_or_default(),
+            legs: m.legs.len() as i16,
+            reference: m.reference.as_deref(),
+        }
+    }
+}
+
 /// A key's response, as the composite `key_write` binds it.
 #[derive(sqlx::Encode)]
 struct KeyWriteRow<'a> {
@@ -394,6 +444,8 @@ composite!(Settlement<'_>, "hold_settled");
 composite!(EntryWriteRow<'_>, "entry_write");
 composite!(PlacedRow<'_>, "hold_placed");
 composite!(KeyWriteRow<'_>, "key_write");
+composite!(TransferWriteRow<'_>, "transfer_write");
+composite!(MovementWriteRow<'_>, "movement_write");
 
 /// The compare-and-set of every wallet write, on one Postgres and under Citus alike: the row `l`
 /// as locked is exactly the state `b` was decided from.
@@ -401,10 +453,11 @@ const MATCHES_AS_READ: &str = "l.fence = b.read_fence and l.version = b.read_ver
      and l.balance = b.read_balance and l.held = b.read_held and l.owner is not distinct from b.owner";
 
 /// [`commit`]'s statement on one Postgres: the wallets' compare-and-set, then whatever the wallets
-/// that matched bring. `{holds}` is the holds' two CTEs, or nothing for a round without holds
-/// (nearly every round): Postgres plans, opens and locks every relation a statement names, whether
-/// or not a row goes there (with them, 10 relation locks a round; without, 6).
-fn commit_statement(with_holds: bool) -> String {
+/// that matched bring. `{holds}` is the holds' two CTEs and `{movements}` the transfers' and
+/// movements', each or nothing for a round without them (nearly every round has neither):
+/// Postgres plans, opens and locks every relation a statement names, whether or not a row goes
+/// there (with holds, 10 relation locks a round; without, 6).
+fn commit_statement(with_holds: bool, with_movements: bool) -> String {
     // language=PostgreSQL
     let holds = r#"
            placed as (
@@ -419,6 +472,22 @@ fn commit_statement(with_holds: bool) -> String {
                from unnest($4::hold_settled[]) as s
                where h.id = s.id and h.wallet_id = s.wallet_id
                  and s.wallet_id in (select id from moved)
+           ),"#;
+    // A movement's wallets are one group, written all or none: its first wallet stands for it.
+    // language=PostgreSQL
+    let movements = r#"
+           transfers as (
+               insert into transfer (id, from_wallet, to_wallet, amount, reference, refund_of,
+                                     created_at)
+               select t.id, t.from_wallet, t.to_wallet, t.amount, t.reference, t.refund_of, $6
+               from unnest($8::transfer_write[]) as t
+               where t.from_wallet in (select id from moved)
+           ),
+           movements as (
+               insert into movement (id, wallet_id, legs, reference, created_at)
+               select m.id, m.wallet_id, m.legs, m.reference, $6
+               from unnest($9::movement_write[]) as m
+               where m.wallet_id in (select id from moved)
            ),"#;
     // language=PostgreSQL
     format!(
@@ -440,7 +509,7 @@ fn commit_statement(with_holds: bool) -> String {
                from b
                where w.id = b.id and b.grp in (select grp from matched)
                returning w.id
-           ),{holds}
+           ),{holds}{movements}
            entries as (
                insert into ledger_entry
                    (id, wallet_id, seq, kind, amount, balance_after, fence, reference, hold_id,
@@ -462,11 +531,15 @@ fn commit_statement(with_holds: bool) -> String {
            union all
            select b.id, false from b where b.id not in (select id from locked)"#,
         holds = if with_holds { holds } else { "" },
+        movements = if with_movements { movements } else { "" },
     )
 }
 
-static COMMIT: LazyLock<String> = LazyLock::new(|| commit_statement(true));
-static COMMIT_WITHOUT_HOLDS: LazyLock<String> = LazyLock::new(|| commit_statement(false));
+/// [`commit_statement`] of each kind of round, by `with_holds + 2 * with_movements`.
+static COMMITS: LazyLock<[String; 4]> = LazyLock::new(|| {
+    [(false, false), (true, false), (false, true), (true, true)]
+        .map(|(holds, movements)| commit_statement(holds, movements))
+});
 
 /// Writes a round in one statement (see the module doc).
 ///
@@ -483,11 +556,9 @@ pub async fn commit(
     if storage == Storage::Citus {
         return Box::pin(commit_routed(conn, write, created_at, retention)).await;
     }
-    let statement = if write.placed.is_empty() && write.settled.is_empty() {
-        COMMIT_WITHOUT_HOLDS.as_str()
-    } else {
-        COMMIT.as_str()
-    };
+    let with_holds = !(write.placed.is_empty() && write.settled.is_empty());
+    let with_movements = !(write.transfers.is_empty() && write.movements.is_empty());
+    let statement = COMMITS[usize::from(with_holds) + 2 * usize::from(with_movements)].as_str();
     let entries: Vec<EntryWriteRow<'_>> = write.entries.iter().map(|&e| e.into()).collect();
     let placed: Vec<PlacedRow<'_>> = write
         .placed
@@ -502,6 +573,8 @@ pub async fn commit(
         })
         .collect();
     let keys: Vec<KeyWriteRow<'_>> = write.keys.iter().map(key_row).collect();
+    let transfers: Vec<TransferWriteRow<'_>> = write.transfers.iter().map(|&t| t.into()).collect();
+    let movements: Vec<MovementWriteRow<'_>> = write.movements.iter().map(|&m| m.into()).collect();
     let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
         .bind(&write.wallets)
         .bind(&entries)
@@ -510,6 +583,8 @@ pub async fn commit(
         .bind(&keys)
         .bind(created_at)
         .bind(retention.as_secs_f64())
+        .bind(&transfers)
+        .bind(&movements)
         .fetch_all(conn)
         .await?;
     let mut committed = Committed::default();
@@ -666,6 +741,28 @@ async fn commit_routed(
         .bind(&wallets)
         .execute(&mut *tx)
         .await?;
+    }
+    let transfers: Vec<&Transfer> = write.transfers.iter().copied().filter(|t| moved(&t.from)).collect();
+    if !transfers.is_empty() {
+        let mut insert = QueryBuilder::new(
+            "insert into transfer (id, from_wallet, to_wallet, amount, reference, refund_of, created_at) ",
+        );
+        insert.push_values(&transfers, |mut row, t| {
+            row.push_bind(t.id).push_bind(&t.from).push_bind(&t.to).push_bind(t.amount);
+            row.push_bind(&t.reference).push_bind(t.refund_of).push_bind(created_at);
+        });
+        insert.build().execute(&mut *tx).await?;
+    }
+    let movements: Vec<MovementWriteRow<'_>> =
+        write.movements.iter().map(|&m| MovementWriteRow::from(m)).filter(|m| moved(m.wallet_id)).collect();
+    if !movements.is_empty() {
+        let mut insert =
+            QueryBuilder::new("insert into movement (id, wallet_id, legs, reference, created_at) ");
+        insert.push_values(&movements, |mut row, m| {
+            row.push_bind(m.id).push_bind(m.wallet_id).push_bind(m.legs).push_bind(m.reference);
+            row.push_bind(created_at);
+        });
+        insert.build().execute(&mut *tx).await?;
     }
     let keys: Vec<&KeyWrite> = write.keys.iter().filter(|k| moved(k.wallet_id)).collect();
     if !keys.is_empty() {

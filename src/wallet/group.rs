@@ -1,7 +1,8 @@
 //! Rounds: the group commit across the wallets whose leases this replica holds.
 //!
 //! Every wallet's worker ([`super::queue`]) that holds its lease and has movements queued hands
-//! them to the replica's rounds as a [`Job`]. A round takes every job waiting (up to
+//! them to the replica's rounds as a [`Job`]; a transfer or a movement of many legs, under the
+//! leases of all its wallets, comes as a [`LegsJob`], whose wallets are written all or none. A round takes every job waiting (up to
 //! [`MAX_ROUND_OPS`] movements) and runs them together in two statements at most
 //! ([`crate::ledger::group`]): one reads the wallets just leased and looks up the round's
 //! idempotency keys, one writes every wallet conditionally on its own fence and version, with the
@@ -20,7 +21,8 @@
 //! Under Citus ([`crate::ledger::storage`]) a round is one wallet, so that it runs on the one node
 //! holding it, and up to `CITUS_CONCURRENT_ROUNDS` rounds run at once.
 
-use super::decision::{self, Batch, FoundKeys, Held, Known, Op, Plan};
+use super::decision::{self, Batch, FoundKeys, Held, Known, LegsOp, LegsPlan, LegsWallet, Op, Plan};
+use super::transfer::Done;
 use super::{Moved, WalletError, WalletId};
 use crate::ledger::group::{
     self as store, GroupWrite, HoldsToRead, KeyWrite, ReadOutcome, Settlement, ToRead, WalletWrite,
@@ -81,6 +83,56 @@ pub enum JobOutcome {
 
 type JobWithReply = (Job, oneshot::Sender<JobOutcome>);
 
+/// Movements between wallets for a round (transfers, movements of many legs), from the holder of
+/// every one of their wallets' leases: `wallets` each with its lease's fence. They are read by the
+/// round, decided together ([`decision::decide_between`]) and written as one group: every wallet
+/// or none.
+#[derive(Debug)]
+pub struct LegsJob {
+    pub wallets: Vec<(WalletId, i64)>,
+    pub ops: Vec<LegsOp>,
+}
+
+/// How a [`LegsJob`] ended.
+#[derive(Debug)]
+pub enum LegsOutcome {
+    /// Each movement's result.
+    Done(Vec<Result<Done, WalletError>>),
+    /// The row of `wallet` has seen a fence at least as high as its lease's: nothing ran.
+    FenceBehind { wallet: WalletId, seen: i64, ops: Vec<LegsOp> },
+    /// A wallet's row was not as read when written (only a lost lease lets that happen), or
+    /// another statement was writing it right then (`busy`): nothing ran, the ops come back.
+    Again { busy: bool, ops: Vec<LegsOp> },
+}
+
+type LegsJobWithReply = (LegsJob, oneshot::Sender<LegsOutcome>);
+
+/// What the rounds are handed.
+enum Submitted {
+    Wallet(JobWithReply),
+    Legs(LegsJobWithReply),
+}
+
+impl Submitted {
+    fn ops(&self) -> usize {
+        match self {
+            Submitted::Wallet((job, _)) => job.ops.len(),
+            Submitted::Legs((job, _)) => job.ops.len(),
+        }
+    }
+
+    fn fail(self, err: &WalletError) {
+        match self {
+            Submitted::Wallet((job, reply)) => {
+                let _ = reply.send(failed(job.ops.len(), err));
+            }
+            Submitted::Legs((job, reply)) => {
+                let _ = reply.send(LegsOutcome::Done(job.ops.iter().map(|_| Err(err.clone())).collect()));
+            }
+        }
+    }
+}
+
 /// How the rounds write.
 #[derive(Debug, Clone, Copy)]
 pub struct RoundSettings {
@@ -99,7 +151,7 @@ pub struct RoundSettings {
 /// The replica's rounds. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Rounds {
-    jobs: mpsc::UnboundedSender<JobWithReply>,
+    jobs: mpsc::UnboundedSender<Submitted>,
 }
 
 impl Rounds {
@@ -115,12 +167,23 @@ impl Rounds {
     pub async fn run(&self, job: Job) -> JobOutcome {
         let (reply, outcome) = oneshot::channel();
         let ops = job.ops.len();
-        if self.jobs.send((job, reply)).is_err() {
+        if self.jobs.send(Submitted::Wallet((job, reply))).is_err() {
             return failed(ops, &WalletError::internal("the replica's rounds stopped"));
         }
         outcome
             .await
             .unwrap_or_else(|_| failed(ops, &WalletError::internal("a round ended without answering")))
+    }
+
+    /// Runs `job` (movements between wallets) in the next round and waits for its outcome.
+    pub async fn run_legs(&self, job: LegsJob) -> LegsOutcome {
+        let (reply, outcome) = oneshot::channel();
+        let ops = job.ops.len();
+        let failed = |why| LegsOutcome::Done((0..ops).map(|_| Err(WalletError::internal(why))).collect());
+        if self.jobs.send(Submitted::Legs((job, reply))).is_err() {
+            return failed("the replica's rounds stopped");
+        }
+        outcome.await.unwrap_or_else(|_| failed("a round ended without answering"))
     }
 }
 
@@ -152,7 +215,7 @@ async fn gather(
     settings: RoundSettings,
     storage: KnownStorage,
     tracker: TaskTracker,
-    mut queued: mpsc::UnboundedReceiver<JobWithReply>,
+    mut queued: mpsc::UnboundedReceiver<Submitted>,
 ) {
     let (lane_back, mut lanes) =
         mpsc::channel::<RoundConnection>(CONCURRENT_ROUNDS.max(CITUS_CONCURRENT_ROUNDS));
@@ -178,8 +241,7 @@ async fn gather(
         let storage = match Box::pin(storage.of(&db)).await {
             Ok(storage) => storage,
             Err(err) => {
-                let (job, reply) = first;
-                let _ = reply.send(failed(job.ops.len(), &err.into()));
+                first.fail(&err.into());
                 continue;
             }
         };
@@ -193,19 +255,17 @@ async fn gather(
             Ok(Some(lane)) => lane,
             Ok(None) => return,
             Err(_elapsed) => {
-                let (job, reply) = first;
-                let err = WalletError::from(sqlx::Error::PoolTimedOut);
-                let _ = reply.send(failed(job.ops.len(), &err));
+                first.fail(&WalletError::from(sqlx::Error::PoolTimedOut));
                 continue;
             }
         };
         // Everything that queued meanwhile joins this round, on one Postgres; under Citus a round
         // is one wallet, a transaction on the node holding it.
-        let mut ops = first.0.ops.len();
+        let mut ops = first.ops();
         let mut round = vec![first];
         while ops < MAX_ROUND_OPS && storage == Storage::OnePostgres {
             let Ok(next) = queued.try_recv() else { break };
-            ops += next.0.ops.len();
+            ops += next.ops();
             round.push(next);
         }
         let (db, lane_back) = (db.clone(), lane_back.clone());
@@ -229,25 +289,57 @@ impl Ready {
     }
 }
 
+/// A [`LegsJob`] in a round, once its wallets are read (`None`: no such wallet).
+struct LegsReady {
+    job: LegsJob,
+    held: Vec<Option<Held>>,
+    reply: oneshot::Sender<LegsOutcome>,
+}
+
+impl LegsReady {
+    fn wallets(&self) -> Vec<LegsWallet<'_>> {
+        self.job
+            .wallets
+            .iter()
+            .zip(&self.held)
+            .map(|((id, fence), held)| LegsWallet { id, fence: *fence, held: held.as_ref() })
+            .collect()
+    }
+}
+
+/// The jobs of a round, as they go from read to written.
+#[derive(Default)]
+struct RoundJobs {
+    pending: Vec<JobWithReply>,
+    ready: Vec<Ready>,
+    legs_pending: Vec<LegsJobWithReply>,
+    legs_ready: Vec<LegsReady>,
+}
+
 /// Runs one round on `lane`'s connection; the lane to keep for the next round.
 async fn run_round(
     db: &PgPool,
     lane: RoundConnection,
     settings: RoundSettings,
     storage: Storage,
-    round: Vec<JobWithReply>,
+    round: Vec<Submitted>,
 ) -> RoundConnection {
     metrics::histogram!(crate::telemetry::metrics::ROUND_WALLETS).record(round.len() as f64);
     let kept = lane.is_some();
     let fresh = lane.as_ref().is_some_and(|lane| lane.answered.elapsed() < LANE_FRESH);
+    let mut jobs = RoundJobs::default();
+    for submitted in round {
+        match submitted {
+            Submitted::Wallet(job) => jobs.pending.push(job),
+            Submitted::Legs(job) => jobs.legs_pending.push(job),
+        }
+    }
     // The statements' futures are boxed: sqlx's are kilobytes each, and unboxed they made every
     // round's task 15 KB, copied whole at each spawn and poll transition.
     let mut conn = match Box::pin(connect(db, lane)).await {
         Ok(conn) => conn,
-        Err(err) => return answer_all(round, Vec::new(), &err.into()),
+        Err(err) => return answer_all(jobs, &err.into()),
     };
-    let mut pending = round;
-    let mut ready: Vec<Ready> = Vec::new();
     // A key stored before (by a request this round did not look it up for, or by another holder
     // between our read and our write) fails the write whole; the second read finds it and
     // replays it.
@@ -257,15 +349,16 @@ async fn run_round(
     loop {
         let now = round_time();
         let look_up_keys = !(first_attempt && fresh);
-        let hold_ids: Vec<Uuid> = pending
+        let hold_ids: Vec<Uuid> = jobs
+            .pending
             .iter()
             .map(|(job, _)| job)
-            .chain(ready.iter().map(|r| &r.job))
+            .chain(jobs.ready.iter().map(|r| &r.job))
             .flat_map(|job| job.ops.iter().filter_map(Op::settles))
             .collect();
         let expired: Vec<&str> = expired_of.iter().map(String::as_str).collect();
         let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired, now };
-        let reading = Box::pin(read(&mut conn, &mut pending, &mut ready, look_up_keys, holds));
+        let reading = Box::pin(read(&mut conn, &mut jobs, look_up_keys, holds));
         let (mut found, gave_up) = match answered_within(settings.answer_within, reading).await {
             Some(found) => (found, false),
             None => (Err(WalletError::from(unanswered(settings.answer_within))), true),
@@ -277,29 +370,49 @@ async fn run_round(
             conn.close_on_drop();
             conn = match Box::pin(connect(db, None)).await {
                 Ok(fresh) => fresh,
-                Err(err) => return answer_all(pending, ready, &err.into()),
+                Err(err) => return answer_all(jobs, &err.into()),
             };
-            found = Box::pin(read(&mut conn, &mut pending, &mut ready, true, holds)).await;
+            found = Box::pin(read(&mut conn, &mut jobs, true, holds)).await;
         }
         let (keys, held_holds) = match found {
             Ok(found) => found,
             Err(err) => {
                 conn.close_on_drop();
-                return answer_all(pending, ready, &err);
+                return answer_all(jobs, &err);
             }
         };
-        let batches: Vec<Batch<'_>> = ready.iter().map(Ready::batch).collect();
+        let batches: Vec<Batch<'_>> = jobs.ready.iter().map(Ready::batch).collect();
         let known = Known { keys: &keys, holds: &held_holds, expired_read: &expired_of, now };
-        let plans = match decision::decide_round(&batches, known) {
-            Ok(plans) => plans,
-            Err(short) => {
-                // Nothing is written yet: read those wallets' expired holds, and decide again.
-                expired_of.extend(short);
-                first_attempt = false;
-                continue;
+        let plans = decision::decide_round(&batches, known);
+        let legs_wallets: Vec<Vec<LegsWallet<'_>>> = jobs.legs_ready.iter().map(LegsReady::wallets).collect();
+        let legs_plans: Vec<Result<LegsPlan, Vec<String>>> = legs_wallets
+            .iter()
+            .zip(&jobs.legs_ready)
+            .map(|(wallets, r)| decision::decide_between(wallets, &r.job.ops, known))
+            .collect();
+        let short: Vec<String> = plans
+            .as_ref()
+            .err()
+            .into_iter()
+            .flatten()
+            .chain(legs_plans.iter().filter_map(|plan| plan.as_ref().err()).flatten())
+            .cloned()
+            .collect();
+        if !short.is_empty() {
+            // Nothing is written yet: read those wallets' expired holds, and decide again.
+            expired_of.extend(short);
+            first_attempt = false;
+            continue;
+        }
+        let plans = plans.expect("no wallet short");
+        let legs_plans: Vec<LegsPlan> =
+            legs_plans.into_iter().map(|plan| plan.expect("no wallet short")).collect();
+        let mut write = group_write(&batches, &plans);
+        for ((wallets, plan), r) in legs_wallets.iter().zip(&legs_plans).zip(&jobs.legs_ready) {
+            if plan.runs() {
+                add_legs(&mut write, wallets, &r.job.ops, plan);
             }
-        };
-        let write = group_write(&batches, &plans);
+        }
         let written = if write.wallets.is_empty() {
             Ok(Default::default())
         } else {
@@ -311,6 +424,9 @@ async fn run_round(
             crate::failpoint::hit("after_commit");
             written
         };
+        drop(write);
+        drop(batches);
+        drop(legs_wallets);
         match written {
             Err(err) if err.is_key_conflict() && first_attempt => {
                 first_attempt = false;
@@ -319,14 +435,18 @@ async fn run_round(
             Err(err) => {
                 conn.close_on_drop();
                 let err = super::commit_failure(err);
-                for (r, plan) in ready.into_iter().zip(plans) {
+                for (r, plan) in jobs.ready.into_iter().zip(plans) {
                     let results = plan.results(if plan.runs() { Err(&err) } else { Ok(true) });
                     let _ = r.reply.send(JobOutcome::Done { held: None, results });
+                }
+                for (r, plan) in jobs.legs_ready.into_iter().zip(legs_plans) {
+                    let results = plan.results(if plan.runs() { Err(&err) } else { Ok(true) });
+                    let _ = r.reply.send(LegsOutcome::Done(results));
                 }
                 return None;
             }
             Ok(committed) => {
-                for (r, plan) in ready.into_iter().zip(plans) {
+                for (r, plan) in jobs.ready.into_iter().zip(plans) {
                     let id = r.job.id.as_str();
                     if plan.runs() && committed.busy.contains(id) {
                         // Another statement is writing the row right now: nothing was written,
@@ -352,6 +472,19 @@ async fn run_round(
                     let results = plan.results(Ok(matched));
                     let held = if matched { Some(plan.after) } else { None };
                     let _ = r.reply.send(JobOutcome::Done { held, results });
+                }
+                for (r, plan) in jobs.legs_ready.into_iter().zip(legs_plans) {
+                    let present = || r.job.wallets.iter().zip(&r.held).filter(|(_, held)| held.is_some());
+                    if plan.runs() && present().any(|((id, _), _)| committed.busy.contains(id.as_str())) {
+                        metrics::counter!("walletlock_wallet_busy_total").increment(1);
+                        let _ = r.reply.send(LegsOutcome::Again { busy: true, ops: r.job.ops });
+                        continue;
+                    }
+                    if plan.runs() && !present().all(|((id, _), _)| committed.moved.contains(id.as_str())) {
+                        let _ = r.reply.send(LegsOutcome::Again { busy: false, ops: r.job.ops });
+                        continue;
+                    }
+                    let _ = r.reply.send(LegsOutcome::Done(plan.results(Ok(true))));
                 }
                 return Some(Kept { conn, answered: Instant::now() });
             }
@@ -401,36 +534,49 @@ async fn connect(db: &PgPool, lane: RoundConnection) -> Result<PoolConnection<Po
 }
 
 /// Answers every job of a round that failed before writing anything.
-fn answer_all(pending: Vec<JobWithReply>, ready: Vec<Ready>, err: &WalletError) -> RoundConnection {
-    for (job, reply) in pending {
-        let _ = reply.send(failed(job.ops.len(), err));
+fn answer_all(jobs: RoundJobs, err: &WalletError) -> RoundConnection {
+    for job in jobs.pending {
+        Submitted::Wallet(job).fail(err);
     }
-    fail(ready, err);
+    for job in jobs.legs_pending {
+        Submitted::Legs(job).fail(err);
+    }
+    for r in jobs.ready {
+        let _ = r.reply.send(failed(r.job.ops.len(), err));
+    }
+    for r in jobs.legs_ready {
+        Submitted::Legs((r.job, r.reply)).fail(err);
+    }
     None
 }
 
-/// The round's read: reads the wallets of `pending` not yet held (moving them to `ready`, or
-/// answering those not found or whose fence is behind), looks up the keys of every ready job and
-/// reads `holds`. With every wallet held, no hold to read and `look_up_keys` false, reads nothing:
-/// the write checks the keys.
+/// The round's read: reads the wallets of the pending jobs not yet held (moving them to the ready
+/// ones, or answering those not found or whose fence is behind), looks up the keys of every ready
+/// job and reads `holds`. With every wallet held, no hold to read and `look_up_keys` false, reads
+/// nothing: the write checks the keys.
 async fn read(
     conn: &mut sqlx::PgConnection,
-    pending: &mut Vec<JobWithReply>,
-    ready: &mut Vec<Ready>,
+    jobs: &mut RoundJobs,
     look_up_keys: bool,
     holds: HoldsToRead<'_>,
 ) -> Result<(FoundKeys, HashMap<Uuid, Hold>), WalletError> {
-    let to_read: Vec<ToRead<'_>> = pending
+    let to_read: Vec<ToRead<'_>> = jobs
+        .pending
         .iter()
         .filter(|(job, _)| job.held.is_none())
         .map(|(job, _)| ToRead { id: job.id.as_str(), fence: job.fence })
+        .chain(jobs.legs_pending.iter().flat_map(|(job, _)| {
+            job.wallets.iter().map(|(id, fence)| ToRead { id: id.as_str(), fence: *fence })
+        }))
         .collect();
+    let wallet_jobs = jobs.pending.iter().map(|(job, _)| job).chain(jobs.ready.iter().map(|r| &r.job));
+    let legs_jobs =
+        jobs.legs_pending.iter().map(|(job, _)| job).chain(jobs.legs_ready.iter().map(|r| &r.job));
     let keys: Vec<KeyRef<'_>> = if look_up_keys || !to_read.is_empty() || !holds.is_empty() {
-        pending
-            .iter()
-            .map(|(job, _)| job)
-            .chain(ready.iter().map(|r| &r.job))
+        wallet_jobs
+            .clone()
             .flat_map(|job| job.ops.iter().filter_map(|op| op.key.as_ref().map(|key| key.at())))
+            .chain(legs_jobs.clone().flat_map(|job| job.ops.iter().filter_map(LegsOp::key_at)))
             .collect()
     } else {
         Vec::new()
@@ -438,26 +584,19 @@ async fn read(
     let mut found = if to_read.is_empty() && keys.is_empty() && holds.is_empty() {
         store::Found::default()
     } else {
-        let round: Vec<&str> = pending
-            .iter()
-            .map(|(job, _)| &job.id)
-            .chain(ready.iter().map(|r| &r.job.id))
-            .map(WalletId::as_str)
+        // Every wallet the round names, and the wallets its keys are stored with.
+        let round: Vec<&str> = wallet_jobs
+            .map(|job| job.id.as_str())
+            .chain(legs_jobs.flat_map(|job| job.wallets.iter().map(|(id, _)| id.as_str())))
+            .chain(keys.iter().map(|key| key.wallet))
             .collect();
         store::read(conn, &to_read, &round, &keys, holds).await.map_err(WalletError::from)?
     };
-    for (job, reply) in pending.drain(..) {
+    for (job, reply) in jobs.pending.drain(..) {
         let held = match job.held {
             Some(held) => held,
             None => match found.wallets.get(job.id.as_str()) {
-                Some(ReadOutcome::Ready { wallet, held, fence, owner }) => Held {
-                    balance: wallet.balance,
-                    held: *held,
-                    version: wallet.version,
-                    fence: *fence,
-                    owner: owner.clone(),
-                    from_note: false,
-                },
+                Some(ready @ ReadOutcome::Ready { .. }) => held_as_read(ready),
                 Some(ReadOutcome::FenceBehind { seen }) => {
                     let _ = reply.send(JobOutcome::FenceBehind { seen: *seen, ops: job.ops });
                     continue;
@@ -473,9 +612,48 @@ async fn read(
                 }
             },
         };
-        ready.push(Ready { job: Job { held: Some(held.clone()), ..job }, held, reply });
+        jobs.ready.push(Ready { job: Job { held: Some(held.clone()), ..job }, held, reply });
+    }
+    'legs: for (job, reply) in jobs.legs_pending.drain(..) {
+        let mut held = Vec::with_capacity(job.wallets.len());
+        for (id, fence) in &job.wallets {
+            held.push(match found.wallets.get(id.as_str()) {
+                Some(ready @ ReadOutcome::Ready { .. }) => Some(held_as_read(ready)),
+                Some(ReadOutcome::FenceBehind { seen }) => {
+                    let _ = reply.send(LegsOutcome::FenceBehind {
+                        wallet: id.clone(),
+                        seen: *seen,
+                        ops: job.ops,
+                    });
+                    continue 'legs;
+                }
+                Some(ReadOutcome::FenceImplausible { seen }) => {
+                    let err = WalletError::fence_implausible(id, *fence, *seen);
+                    Submitted::Legs((job, reply)).fail(&err);
+                    continue 'legs;
+                }
+                // A missing wallet is the answer of the movements that name it, decided with the rest.
+                Some(ReadOutcome::NotFound) | None => None,
+            });
+        }
+        jobs.legs_ready.push(LegsReady { job, held, reply });
     }
     Ok((std::mem::take(&mut found.keys), std::mem::take(&mut found.holds)))
+}
+
+/// The wallet as the round's read found it ready (any other outcome is not read).
+fn held_as_read(ready: &ReadOutcome) -> Held {
+    let ReadOutcome::Ready { wallet, held, fence, owner } = ready else {
+        unreachable!("only a wallet found ready is held")
+    };
+    Held {
+        balance: wallet.balance,
+        held: *held,
+        version: wallet.version,
+        fence: *fence,
+        owner: owner.clone(),
+        from_note: false,
+    }
 }
 
 /// What the round writes: every wallet with an op that runs, its entries, its keys' responses.
@@ -485,6 +663,52 @@ fn group_write<'a>(batches: &[Batch<'a>], plans: &'a [Plan]) -> GroupWrite<'a> {
         add_wallet(&mut write, batch, plan);
     }
     write
+}
+
+/// Adds to `write` the write of a [`LegsJob`]'s wallets (`wallets`, as read) as `plan` decided
+/// them: one group, so every wallet of it is written or none.
+fn add_legs<'a>(
+    write: &mut GroupWrite<'a>,
+    wallets: &[LegsWallet<'a>],
+    ops: &'a [LegsOp],
+    plan: &'a LegsPlan,
+) {
+    let group = write.wallets.len() as i32;
+    let mut first: Option<&'a str> = None;
+    for (wallet, after) in wallets.iter().zip(&plan.after) {
+        let (Some(held), Some(after)) = (wallet.held, after) else { continue };
+        let id = wallet.id.as_str();
+        first.get_or_insert(id);
+        write.wallets.push(WalletWrite {
+            id,
+            group,
+            fence: wallet.fence,
+            read_fence: held.fence,
+            read_version: held.version,
+            read_balance: held.balance,
+            read_held: held.held,
+            owner: held.owner.as_deref(),
+            balance: after.balance,
+            held: after.held,
+            version: after.version,
+        });
+    }
+    let Some(first) = first else { return };
+    write.entries.extend(plan.entries.iter());
+    write.settled.extend(plan.settled.iter().map(|(n, s)| Settlement {
+        hold: s.hold,
+        wallet_id: wallets[*n].id.as_str(),
+        status: s.status,
+        captured: s.captured,
+        capture_entry: s.capture_entry,
+    }));
+    write.transfers.extend(plan.transfers.iter());
+    write.movements.extend(plan.movements.iter());
+    // Every wallet of the group is written or none: each key's response depends on the first.
+    for (op, response, entry_id) in &plan.responses {
+        let (Some(at), Some(fingerprint)) = (ops[*op].key_at(), ops[*op].fingerprint()) else { continue };
+        write.keys.push(KeyWrite { wallet_id: first, at, fingerprint, response, entry_id: *entry_id });
+    }
 }
 
 /// Adds to `write` the write of `batch`'s wallet as `plan` decided it.
@@ -524,12 +748,6 @@ pub(super) fn add_wallet<'a>(write: &mut GroupWrite<'a>, batch: &Batch<'a>, plan
             response,
             entry_id: plan.entry_of(*op).map(|entry| entry.id),
         });
-    }
-}
-
-fn fail(ready: Vec<Ready>, err: &WalletError) {
-    for r in ready {
-        let _ = r.reply.send(failed(r.job.ops.len(), err));
     }
 }
 

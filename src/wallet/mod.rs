@@ -12,8 +12,10 @@
 //! - queueing and rounds: `queue` (each wallet's requests behind one worker, which holds the
 //!   lease), `group` (the rounds that write every worker's batch, many wallets per statement),
 //!   `payee` (transfers queued by the wallet they pay into);
-//! - the decision: `decision` (every movement of a round decided, with no I/O), `holds`;
-//! - money between wallets: `transfer` (transfers and refunds, each under its wallets' leases);
+//! - the decision: `decision` (every movement of a round decided, with no I/O: a wallet's batch,
+//!   and in `decision::legs` the movements between wallets), `holds`;
+//! - money between wallets: `transfer` (transfers, movements and refunds, each under its wallets'
+//!   leases; on one Postgres transfers and movements ride the rounds);
 //! - outage: `outage` (when Redis cannot be reached), `unleased` (the rounds under Postgres alone);
 //! - the tutorial's strategy ([`Strategy::Tutorial`]): `tutorial`;
 //! - around them: `service` (building the service, running movements to their end, draining),

@@ -8,12 +8,15 @@
 //!
 //! For each batch it asks for each payer's lease once, without waiting: it holds the payee's lease
 //! already, which may come after a payer's in the order [`crate::lease::LeaseClient::acquire_all`]
-//! keeps, and a holder that does not wait closes no cycle. The transfers whose payers it got are
-//! committed in one transaction (see [`Wallets::commit_batch`]); the others take the path of a
-//! transfer alone (both leases in order, one transaction), once the batch's leases are released.
+//! keeps, and a holder that does not wait closes no cycle. The transfers whose payers it got ride
+//! the replica's rounds as one job (on one Postgres; under Citus and under Postgres alone they are
+//! one transaction, [`Wallets::commit_batch`]); the others take the path of a transfer alone (both
+//! leases in order), once the batch's leases are released.
 
+use super::decision::{LegsOp, wallets_of};
 use super::outage::{Path, count_path};
 use super::queue::{Lane, MAX_BATCH, MAX_HOLD, Queues, Waiting};
+use super::transfer::Done;
 use super::transfer::{
     Attempt, Failure, Fences, ROW_LOCK_TIMEOUT, Side, TransferOutcome, Work, count_outcome, key_write,
     plan_transfer,
@@ -24,6 +27,7 @@ use crate::lease::{self, Lease};
 use crate::ledger::Entry;
 use crate::ledger::group::KeyWrite;
 use crate::ledger::idempotency::StoredResponse;
+use crate::ledger::storage::Storage;
 use crate::ledger::transfer::{self as store, LockedWallet, Transfer};
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
@@ -55,6 +59,12 @@ impl Queued {
     fn answer(self, result: Result<Transfer, WalletError>) {
         count_outcome("transfer", &result);
         let _ = self.reply.send(result);
+    }
+
+    /// The same transfer, as the rounds decide it, and where its answer goes.
+    fn into_op(self) -> (LegsOp, oneshot::Sender<Result<Transfer, WalletError>>) {
+        let Between { parties, amount, reference } = self.between;
+        (LegsOp::Transfer { access: self.access, parties, amount, reference, key: self.key }, self.reply)
     }
 
     /// The same transfer, as a transaction of its own under both leases.
@@ -115,6 +125,25 @@ fn answer_batch(transfers: Vec<Queued>, outcome: Result<BatchResults, WalletErro
                 queued.answer(Err(err.clone()));
             }
         }
+    }
+}
+
+/// Answers each transfer of a batch, by where its answer goes, as [`answer_batch`] does.
+fn answer_each(
+    replies: Vec<oneshot::Sender<Result<Transfer, WalletError>>>,
+    outcome: Result<BatchResults, WalletError>,
+    path: Path,
+) {
+    let results = match outcome {
+        Ok(results) => {
+            count_path(path, &results);
+            results
+        }
+        Err(err) => replies.iter().map(|_| Err(err.clone())).collect(),
+    };
+    for (reply, result) in replies.into_iter().zip(results) {
+        count_outcome("transfer", &result);
+        let _ = reply.send(result);
     }
 }
 
@@ -244,8 +273,24 @@ impl Wallets {
             crate::failpoint::hit("transfer_leases_held");
             let mut leases: Vec<&mut Lease> = payer_leases.iter_mut().collect();
             leases.push(lease);
-            let outcome = self.commit_retrying(&mut leases, &PayeeBatch { payee, transfers: &ready }).await;
-            answer_batch(ready, outcome, Path::Lease);
+            match self.storage.of(&self.db).await {
+                // On one Postgres the batch rides the replica's rounds, as one group of wallets.
+                Ok(Storage::OnePostgres) => {
+                    let (ops, replies): (Vec<LegsOp>, Vec<_>) =
+                        ready.into_iter().map(Queued::into_op).unzip();
+                    let wallets = wallets_of(&ops);
+                    let outcome = self.run_between(&mut leases, wallets, ops).await.map(|results| {
+                        results.into_iter().map(|result| result.and_then(Done::into_transfer)).collect()
+                    });
+                    answer_each(replies, outcome, Path::Lease);
+                }
+                Ok(_) => {
+                    let outcome =
+                        self.commit_retrying(&mut leases, &PayeeBatch { payee, transfers: &ready }).await;
+                    answer_batch(ready, outcome, Path::Lease);
+                }
+                Err(err) => answer_batch(ready, Err(err.into()), Path::Lease),
+            }
         }
         lease::release_all(payer_leases).await;
         metrics::counter!("walletlock_payee_batch_alone_total").increment(alone.len() as u64);

@@ -1,14 +1,18 @@
-//! Money between wallets, and back: transfers, refunds of transfers, and refunds of payments.
+//! Money between wallets, and back: transfers, movements of many legs, refunds of transfers, and
+//! refunds of payments.
 //!
-//! Each runs on its own path, beside the per-wallet queues and rounds that carry deposits and
-//! payments: take the leases of every wallet whose balance changes (both, for a transfer) through
+//! Each takes the leases of every wallet whose balance changes (both, for a transfer) through
 //! [`crate::lease::LeaseClient::acquire_all`], which takes them one at a time in wallet-id order with
-//! a bounded wait each, so concurrent A→B and B→A transfers (and longer cycles) never deadlock;
-//! then one Postgres transaction locks the wallet rows in id order (bounded by
-//! [`ROW_LOCK_TIMEOUT`]), checks that each row's fence is below its lease's, looks up the
-//! idempotency key, decides, and writes each wallet conditionally on its own lease's fence and the
-//! version read, with the ledger entries, the transfer row and the stored response. A stale holder
-//! of either lease writes nothing.
+//! a bounded wait each, so concurrent A→B and B→A transfers (and longer cycles) never deadlock.
+//! Then, on one Postgres, a transfer or a movement rides the replica's rounds
+//! ([`Wallets::run_between`], [`group::LegsJob`]): read, decided with everything else of the round
+//! ([`super::decision::decide_between`]) and written by the round's one statement, every wallet
+//! conditionally on its own lease's fence and the state read, all of them or none. A refund (which
+//! sums the refunds before it), and every one of them under Citus, commits in a transaction of
+//! its own instead: it locks the wallet rows in id order (bounded by [`ROW_LOCK_TIMEOUT`]), checks
+//! that each row's fence is below its lease's, looks up the idempotency key, decides with the same
+//! [`decide_legs`], and writes with the rounds' write ([`Wallets::write_locked`]). A stale holder of
+//! any lease writes nothing either way.
 //!
 //! A refund runs under the lease of every wallet whose money moves (the payer's, for a payment;
 //! both, for a transfer) and sums the refunds so far in the same transaction, with those wallet
@@ -24,7 +28,8 @@
 //! transfer waits for it, as another replica would (bounded by the lease wait); the worker hands
 //! the lease over after its current batch, because the transfer marks it contended.
 
-use super::decision::{Leg, Links, decide_legs};
+use super::decision::{Leg, LegsOp, Links, decide_legs};
+use super::group;
 use super::outage::{Path, count_one};
 use super::{Access, Amount, Field, Refusal, WalletError, WalletId, Wallets, lease_name};
 use crate::domain::{self, FenceStanding, Funds, LegRefusal, Legs, Parties};
@@ -32,6 +37,7 @@ use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
 use crate::ledger::group::{self as store_round, GroupWrite, KeyWrite, WalletWrite};
 use crate::ledger::idempotency::StoredResponse;
+use crate::ledger::storage::Storage;
 use crate::ledger::transfer::{
     self as store, FoundMovement, FoundTransfer, LockedWallet, MovementRecord, Transfer,
 };
@@ -94,7 +100,7 @@ pub(super) enum Work {
 }
 
 /// What a committed [`Work`] wrote.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) enum Done {
     Transfer(Box<Transfer>),
     Entry(Entry),
@@ -236,6 +242,25 @@ impl Work {
             _ => return Ok(None),
         };
         Ok(store::find_key(tx, at).await?.map(|found| Prior::of(&found, fingerprint)))
+    }
+
+    /// Whether this is a movement between wallets the rounds decide (a refund is not).
+    fn rides_rounds(&self) -> bool {
+        matches!(self, Work::Transfer { refunds: None, amount: Some(_), .. } | Work::Movement { .. })
+    }
+
+    /// This work as the rounds decide it, if it is a movement between wallets (see
+    /// [`Work::rides_rounds`]).
+    fn into_between(self) -> Option<LegsOp> {
+        match self {
+            Work::Transfer { access, parties, amount: Some(amount), reference, refunds: None, key } => {
+                Some(LegsOp::Transfer { access, parties, amount, reference, key })
+            }
+            Work::Movement { access, legs, reference, key } => {
+                Some(LegsOp::Movement { access, legs, reference, key })
+            }
+            _ => None,
+        }
     }
 
     /// The metric's `kind` label.
@@ -402,10 +427,78 @@ impl Wallets {
         crate::failpoint::hit("transfer_leases_held");
         let started = std::time::Instant::now();
         let mut held: Vec<&mut Lease> = leases.iter_mut().collect();
-        let result = self.commit_retrying(&mut held, &work).await.inspect(|_| count_one(Path::Lease));
+        let result = match self.storage.of(&self.db).await {
+            // On one Postgres a transfer or movement rides the replica's rounds; a refund, which
+            // sums the refunds before it, and every movement under Citus commit on their own.
+            Ok(Storage::OnePostgres) if work.rides_rounds() => {
+                let wallets = work.wallets().into_iter().cloned().collect();
+                let op = work.into_between().expect("between");
+                self.run_between(&mut held, wallets, vec![op]).await.and_then(|results| {
+                    results.into_iter().next().unwrap_or_else(|| Err(WalletError::internal("no result")))
+                })
+            }
+            Ok(_) => self.commit_retrying(&mut held, &work).await,
+            Err(err) => Err(err.into()),
+        }
+        .inspect(|_| count_one(Path::Lease));
         tracing::Span::current().record("db_ms", started.elapsed().as_secs_f64() * 1e3);
         lease::release_all(leases).await;
         result
+    }
+
+    /// Runs `ops`, movements between `wallets` whose every lease is in `leases`, in the replica's
+    /// rounds until they are written (see [`group::LegsJob`]); tries again after a fence lifted
+    /// (once per wallet), after a row found busy (for up to [`ROW_LOCK_TIMEOUT`]), and once after
+    /// a row found not as read.
+    pub(super) async fn run_between(
+        &self,
+        leases: &mut [&mut Lease],
+        wallets: Vec<WalletId>,
+        mut ops: Vec<LegsOp>,
+    ) -> Result<Vec<Result<Done, WalletError>>, WalletError> {
+        let mut resynced: HashSet<WalletId> = HashSet::new();
+        let mut read_again = false;
+        let busy_until = std::time::Instant::now() + ROW_LOCK_TIMEOUT;
+        loop {
+            if leases.iter().any(|lease| lease.is_lost()) {
+                return Err(WalletError::LeaseLost);
+            }
+            let fence_of = |id: &WalletId| {
+                let name = lease_name(id);
+                leases
+                    .iter()
+                    .find(|lease| lease.name() == name)
+                    .map(|lease| lease.fence())
+                    .unwrap_or_default()
+            };
+            let job = group::LegsJob {
+                wallets: wallets.iter().map(|id| (id.clone(), fence_of(id))).collect(),
+                ops,
+            };
+            match self.rounds.run_legs(job).await {
+                group::LegsOutcome::Done(results) => return Ok(results),
+                group::LegsOutcome::FenceBehind { wallet, seen, ops: back } => {
+                    lift_fence(leases, &mut resynced, wallet, seen).await?;
+                    ops = back;
+                }
+                group::LegsOutcome::Again { busy: true, ops: back } => {
+                    if std::time::Instant::now() >= busy_until {
+                        return Err(WalletError::LockTimeout { waited: ROW_LOCK_TIMEOUT });
+                    }
+                    tokio::time::sleep(group::BUSY_PAUSE).await;
+                    ops = back;
+                }
+                // A row not as the round read it, under our lease: only a holder we did not know
+                // of writes so. Read once more; a second time, the lease is not ours.
+                group::LegsOutcome::Again { busy: false, .. } if read_again => {
+                    return Err(WalletError::LeaseLost);
+                }
+                group::LegsOutcome::Again { busy: false, ops: back } => {
+                    read_again = true;
+                    ops = back;
+                }
+            }
+        }
     }
 
     /// Runs `attempt` (one transaction) under `leases`, given each lease's fence by name, until it
@@ -427,16 +520,7 @@ impl Wallets {
                 Ok(done) => return Ok(done),
                 Err(Failure::Wallet(err)) => return Err(err),
                 Err(Failure::FenceBehind { wallet, seen }) => {
-                    // After one lift our fence is above every fence the row has seen, unless
-                    // another holder raised the fence meanwhile, which only a lost lease lets happen.
-                    let name = lease_name(&wallet);
-                    let Some(lease) = leases.iter_mut().find(|lease| lease.name() == name) else {
-                        return Err(WalletError::internal("a fence behind for a wallet without a lease"));
-                    };
-                    if !resynced.insert(wallet) {
-                        return Err(WalletError::LeaseLost);
-                    }
-                    lease.advance_fence(seen).await?;
+                    lift_fence(leases, &mut resynced, wallet, seen).await?;
                 }
                 Err(Failure::KeyConflict) if !looked_again => looked_again = true,
                 Err(Failure::KeyConflict) => {
@@ -580,6 +664,27 @@ impl Wallets {
         crate::failpoint::hit("after_commit");
         outcome.map_err(Failure::Wallet)
     }
+}
+
+/// Lifts the fence of `wallet`'s lease (among `leases`) above `seen`, the fence its row has seen.
+/// After one lift a lease's fence is above every fence the row has seen, unless another holder
+/// raised it meanwhile, which only a lost lease lets happen: a second lift for one wallet
+/// (`resynced` holds those lifted) is [`WalletError::LeaseLost`].
+async fn lift_fence(
+    leases: &mut [&mut Lease],
+    resynced: &mut HashSet<WalletId>,
+    wallet: WalletId,
+    seen: i64,
+) -> Result<(), WalletError> {
+    let name = lease_name(&wallet);
+    let Some(lease) = leases.iter_mut().find(|lease| lease.name() == name) else {
+        return Err(WalletError::internal("a fence behind for a wallet without a lease"));
+    };
+    if !resynced.insert(wallet) {
+        return Err(WalletError::LeaseLost);
+    }
+    lease.advance_fence(seen).await?;
+    Ok(())
 }
 
 pub(super) type Side<'a> = (&'a WalletId, &'a LockedWallet, i64);

@@ -18,6 +18,10 @@
 //! settled `expired` by that payment's own write, and no capture on any replica can charge it
 //! afterwards, whatever its clock says.
 
+mod legs;
+
+pub use legs::{LegsOp, LegsPlan, LegsWallet, decide_between, wallets_of};
+
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
 use crate::domain::{Amount, FenceStanding, Funds, HoldStatus, capture_amount};
 use crate::idempotency::{Keyed, Prior};
