@@ -18,6 +18,20 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
 }
 
+/// A free port for a Redis Cluster node, whose cluster bus listens 10,000 above it: that one must
+/// exist (a node on a port above 55535 exits at start, after it briefly listened) and be free
+/// too. Any free port would do otherwise, and the kernel hands out ports up to 60999.
+pub fn free_cluster_port() -> u16 {
+    loop {
+        let port = free_port();
+        let bus_free =
+            port.checked_add(10_000).is_some_and(|bus| TcpListener::bind(("127.0.0.1", bus)).is_ok());
+        if bus_free {
+            return port;
+        }
+    }
+}
+
 /// Polls `ready` every few milliseconds until it holds, or panics with `what` after `limit`.
 pub fn wait_until(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;
@@ -546,7 +560,7 @@ impl ClusterSet {
         let replica_env = tls.map(TestCa::replica_env).unwrap_or_default();
         let mut nodes = Vec::new();
         for _ in 0..6 {
-            let port = free_port();
+            let port = free_cluster_port();
             let child = redis_server(port, dir.path())
                 .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
                 // Replicas sync at once (not after the default 5 s), so a failover finds them ready.
@@ -568,7 +582,12 @@ impl ClusterSet {
             .args(["--cluster-replicas", "1", "--cluster-yes"])
             .output()
             .expect("redis-cli --cluster create");
-        assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
+        assert!(
+            out.status.success(),
+            "cluster create: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
         let set = Self { _dir: dir, nodes, cli_tls, replica_env };
         wait_until("the cluster is ok", Duration::from_secs(30), || {
             set.nodes
