@@ -131,26 +131,6 @@ pub struct Transfer {
     pub created_at: DateTime<Utc>,
 }
 
-/// Records `transfers` in one statement (before their legs, which reference them).
-pub async fn insert_transfers(tx: &mut PgConnection, transfers: &[&Transfer]) -> Result<(), StoreError> {
-    sqlx::query(
-        // language=PostgreSQL
-        r#"insert into transfer (id, from_wallet, to_wallet, amount, reference, refund_of, created_at)
-           select * from unnest($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[],
-                                $6::uuid[], $7::timestamptz[])"#,
-    )
-    .bind(transfers.iter().map(|t| t.id).collect::<Vec<_>>())
-    .bind(transfers.iter().map(|t| t.from.as_str()).collect::<Vec<_>>())
-    .bind(transfers.iter().map(|t| t.to.as_str()).collect::<Vec<_>>())
-    .bind(transfers.iter().map(|t| t.amount).collect::<Vec<_>>())
-    .bind(transfers.iter().map(|t| t.reference.as_deref()).collect::<Vec<_>>())
-    .bind(transfers.iter().map(|t| t.refund_of).collect::<Vec<_>>())
-    .bind(transfers.iter().map(|t| t.created_at).collect::<Vec<_>>())
-    .execute(tx)
-    .await?;
-    Ok(())
-}
-
 /// A transfer, how much of it has been refunded so far, and the owners of its two wallets.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FoundTransfer {
@@ -308,23 +288,6 @@ pub struct MovementRecord {
     /// pays into, each with the wallet's balance after it.
     pub legs: Vec<Entry>,
     pub created_at: DateTime<Utc>,
-}
-
-/// Records `movement` (its legs go in with the wallets' write), with its first leg's wallet.
-pub async fn insert_movement(tx: &mut PgConnection, movement: &MovementRecord) -> Result<(), StoreError> {
-    let first = movement.legs.first().map(|leg| leg.wallet_id.as_str()).unwrap_or_default();
-    sqlx::query(
-        // language=PostgreSQL
-        "insert into movement (id, wallet_id, legs, reference, created_at) values ($1, $2, $3, $4, $5)",
-    )
-    .bind(movement.id)
-    .bind(first)
-    .bind(movement.legs.len() as i16)
-    .bind(&movement.reference)
-    .bind(movement.created_at)
-    .execute(tx)
-    .await?;
-    Ok(())
 }
 
 /// A movement, and the owners of its wallets.

@@ -127,7 +127,7 @@ impl Submitted {
                 let _ = reply.send(failed(job.ops.len(), err));
             }
             Submitted::Legs((job, reply)) => {
-                let _ = reply.send(LegsOutcome::Done(job.ops.iter().map(|_| Err(err.clone())).collect()));
+                let _ = reply.send(legs_failed(job.ops.len(), err));
             }
         }
     }
@@ -179,16 +179,21 @@ impl Rounds {
     pub async fn run_legs(&self, job: LegsJob) -> LegsOutcome {
         let (reply, outcome) = oneshot::channel();
         let ops = job.ops.len();
-        let failed = |why| LegsOutcome::Done((0..ops).map(|_| Err(WalletError::internal(why))).collect());
         if self.jobs.send(Submitted::Legs((job, reply))).is_err() {
-            return failed("the replica's rounds stopped");
+            return legs_failed(ops, &WalletError::internal("the replica's rounds stopped"));
         }
-        outcome.await.unwrap_or_else(|_| failed("a round ended without answering"))
+        outcome
+            .await
+            .unwrap_or_else(|_| legs_failed(ops, &WalletError::internal("a round ended without answering")))
     }
 }
 
 fn failed(ops: usize, err: &WalletError) -> JobOutcome {
     JobOutcome::Done { held: None, results: (0..ops).map(|_| Err(err.clone())).collect() }
+}
+
+fn legs_failed(ops: usize, err: &WalletError) -> LegsOutcome {
+    LegsOutcome::Done((0..ops).map(|_| Err(err.clone())).collect())
 }
 
 /// A round's connection, kept from one round to the next while its rounds succeed: a round then
@@ -576,7 +581,9 @@ async fn read(
         wallet_jobs
             .clone()
             .flat_map(|job| job.ops.iter().filter_map(|op| op.key.as_ref().map(|key| key.at())))
-            .chain(legs_jobs.clone().flat_map(|job| job.ops.iter().filter_map(LegsOp::key_at)))
+            .chain(
+                legs_jobs.clone().flat_map(|job| job.ops.iter().filter_map(|op| op.key().map(|(at, _)| at))),
+            )
             .collect()
     } else {
         Vec::new()
@@ -706,7 +713,7 @@ fn add_legs<'a>(
     write.movements.extend(plan.movements.iter());
     // Every wallet of the group is written or none: each key's response depends on the first.
     for (op, response, entry_id) in &plan.responses {
-        let (Some(at), Some(fingerprint)) = (ops[*op].key_at(), ops[*op].fingerprint()) else { continue };
+        let Some((at, fingerprint)) = ops[*op].key() else { continue };
         write.keys.push(KeyWrite { wallet_id: first, at, fingerprint, response, entry_id: *entry_id });
     }
 }

@@ -25,7 +25,7 @@ use super::{Access, Between, Field, WalletError, WalletId, Wallets, lease_name};
 use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
 use crate::ledger::Entry;
-use crate::ledger::group::KeyWrite;
+use crate::ledger::group::{GroupWrite, KeyWrite};
 use crate::ledger::idempotency::StoredResponse;
 use crate::ledger::storage::Storage;
 use crate::ledger::transfer::{self as store, LockedWallet, Transfer};
@@ -385,9 +385,6 @@ impl Wallets {
             }
             results.push(outcome.map_err(WalletError::Refused));
         }
-        if !transfers.is_empty() {
-            store::insert_transfers(&mut tx, &transfers.iter().collect::<Vec<_>>()).await?;
-        }
         let legs: Vec<&Entry> = transfers.iter().flat_map(|t| [&t.from_entry, &t.to_entry]).collect();
         // Every key's response depends on the payee's write, so the payee is written first.
         let keys: Vec<KeyWrite<'_>> = responses
@@ -404,7 +401,9 @@ impl Wallets {
         let mut sides: Vec<Side<'_>> =
             as_found.iter().map(|(id, row)| (wallets[id], row, fence_of(id))).collect();
         sides.sort_by_key(|(id, _, _)| *id != payee);
-        self.write_locked(&mut tx, &sides, &legs, keys, now).await?;
+        let write =
+            GroupWrite { entries: legs, keys, transfers: transfers.iter().collect(), ..Default::default() };
+        self.write_locked(&mut tx, &sides, write, now).await?;
         crate::failpoint::hit("before_commit");
         super::commit(tx).await?;
         crate::failpoint::hit("after_commit");

@@ -28,7 +28,7 @@
 //! transfer waits for it, as another replica would (bounded by the lease wait); the worker hands
 //! the lease over after its current batch, because the transfer marks it contended.
 
-use super::decision::{Leg, LegsOp, Links, decide_legs};
+use super::decision::{Leg, LegsOp, Links, decide_legs, wallets_of};
 use super::group;
 use super::outage::{Path, count_one};
 use super::{Access, Amount, Field, Refusal, WalletError, WalletId, Wallets, lease_name};
@@ -244,22 +244,17 @@ impl Work {
         Ok(store::find_key(tx, at).await?.map(|found| Prior::of(&found, fingerprint)))
     }
 
-    /// Whether this is a movement between wallets the rounds decide (a refund is not).
-    fn rides_rounds(&self) -> bool {
-        matches!(self, Work::Transfer { refunds: None, amount: Some(_), .. } | Work::Movement { .. })
-    }
-
-    /// This work as the rounds decide it, if it is a movement between wallets (see
-    /// [`Work::rides_rounds`]).
-    fn into_between(self) -> Option<LegsOp> {
+    /// This work as the rounds decide it, if it is a movement between wallets; a refund (which
+    /// sums the refunds before it in its transaction) comes back as it is.
+    fn into_between(self) -> Result<LegsOp, Box<Work>> {
         match self {
             Work::Transfer { access, parties, amount: Some(amount), reference, refunds: None, key } => {
-                Some(LegsOp::Transfer { access, parties, amount, reference, key })
+                Ok(LegsOp::Transfer { access, parties, amount, reference, key })
             }
             Work::Movement { access, legs, reference, key } => {
-                Some(LegsOp::Movement { access, legs, reference, key })
+                Ok(LegsOp::Movement { access, legs, reference, key })
             }
-            _ => None,
+            other => Err(Box::new(other)),
         }
     }
 
@@ -427,17 +422,20 @@ impl Wallets {
         crate::failpoint::hit("transfer_leases_held");
         let started = std::time::Instant::now();
         let mut held: Vec<&mut Lease> = leases.iter_mut().collect();
+        // On one Postgres a transfer or movement rides the replica's rounds; a refund, and every
+        // movement under Citus, commits in a transaction of its own.
         let result = match self.storage.of(&self.db).await {
-            // On one Postgres a transfer or movement rides the replica's rounds; a refund, which
-            // sums the refunds before it, and every movement under Citus commit on their own.
-            Ok(Storage::OnePostgres) if work.rides_rounds() => {
-                let wallets = work.wallets().into_iter().cloned().collect();
-                let op = work.into_between().expect("between");
-                self.run_between(&mut held, wallets, vec![op]).await.and_then(|results| {
-                    results.into_iter().next().unwrap_or_else(|| Err(WalletError::internal("no result")))
-                })
-            }
-            Ok(_) => self.commit_retrying(&mut held, &work).await,
+            Ok(Storage::OnePostgres) => match work.into_between() {
+                Ok(op) => {
+                    let ops = vec![op];
+                    let wallets = wallets_of(&ops);
+                    self.run_between(&mut held, wallets, ops).await.and_then(|results| {
+                        results.into_iter().next().unwrap_or_else(|| Err(WalletError::internal("no result")))
+                    })
+                }
+                Err(refund) => self.commit_retrying(&mut held, &*refund).await,
+            },
+            Ok(Storage::Citus) => self.commit_retrying(&mut held, &work).await,
             Err(err) => Err(err.into()),
         }
         .inspect(|_| count_one(Path::Lease));
@@ -587,13 +585,12 @@ impl Wallets {
                 });
                 let entries: Vec<&Entry> =
                     outcome.as_ref().map(|t| vec![&t.from_entry, &t.to_entry]).unwrap_or_default();
-                if let Ok(transfer) = &outcome {
-                    store::insert_transfers(&mut tx, &[transfer]).await?;
-                }
                 let response = key.as_ref().map(|key| (key.render)(&outcome));
                 let keys =
                     key_write(&parties.from, key.as_ref(), response.as_ref(), entries.first().map(|e| e.id));
-                self.write_locked(&mut tx, &[from, to], &entries, keys, now).await?;
+                let transfers = outcome.as_ref().into_iter().collect();
+                let write = GroupWrite { entries, keys, transfers, ..Default::default() };
+                self.write_locked(&mut tx, &[from, to], write, now).await?;
                 outcome.map(|transfer| Done::Transfer(Box::new(transfer))).map_err(WalletError::Refused)
             }
             Work::PaymentRefund { refund, key, .. } => {
@@ -617,7 +614,8 @@ impl Wallets {
                 let response = key.as_ref().map(|key| (key.render)(&outcome));
                 let keys =
                     key_write(&refund.wallet, key.as_ref(), response.as_ref(), entries.first().map(|e| e.id));
-                self.write_locked(&mut tx, &[side], &entries, keys, now).await?;
+                let write = GroupWrite { entries, keys, ..Default::default() };
+                self.write_locked(&mut tx, &[side], write, now).await?;
                 outcome.map(Done::Entry).map_err(WalletError::Refused)
             }
             Work::Movement { legs, reference, key, .. } => {
@@ -645,15 +643,14 @@ impl Wallets {
                             created_at: now,
                         })
                         .map_err(|(leg, refusal)| LegRefusal { leg, refusal });
-                if let Ok(movement) = &outcome {
-                    store::insert_movement(&mut tx, movement).await?;
-                }
                 let entries: Vec<&Entry> =
                     outcome.as_ref().map(|m| m.legs.iter().collect()).unwrap_or_default();
                 let response = key.as_ref().map(|key| (key.render)(&outcome));
                 let first = sides[0].0;
                 let keys = key_write(first, key.as_ref(), response.as_ref(), entries.first().map(|e| e.id));
-                self.write_locked(&mut tx, &sides, &entries, keys, now).await?;
+                let movements = outcome.as_ref().into_iter().collect();
+                let write = GroupWrite { entries, keys, movements, ..Default::default() };
+                self.write_locked(&mut tx, &sides, write, now).await?;
                 outcome
                     .map(|movement| Done::Movement(Box::new(movement)))
                     .map_err(|LegRefusal { leg, refusal }| WalletError::LegRefused { leg, refusal })
@@ -781,8 +778,9 @@ pub(super) fn key_write<'a, T>(
 
 impl Wallets {
     /// Writes, in the caller's transaction, every wallet of `sides` (their rows locked by it) as
-    /// the last of `entries` on it leaves it, or as locked (a refusal's stored response depends on
-    /// a wallet written), with `entries` and `keys`: all or nothing, by the one write the rounds use
+    /// the last of `write`'s entries on it leaves it, or as locked (a refusal's stored response
+    /// depends on a wallet written), with what `write` brings (entries, keys, transfers,
+    /// movements; its wallets are filled in here): all or nothing, by the one write the rounds use
     /// ([`store_round::commit`]), its compare-and-set included. Nothing to write, nothing written.
     /// A wallet that does not match was written by someone who did not hold its row's lock: a
     /// bug or a holder we did not know of, so the lease is lost and the caller rolls back. A key
@@ -791,14 +789,14 @@ impl Wallets {
         &self,
         tx: &mut sqlx::PgConnection,
         sides: &[Side<'_>],
-        entries: &[&Entry],
-        keys: Vec<KeyWrite<'_>>,
+        mut write: GroupWrite<'_>,
         now: chrono::DateTime<chrono::Utc>,
     ) -> Result<(), Failure> {
-        if entries.is_empty() && keys.is_empty() {
+        if write.entries.is_empty() && write.keys.is_empty() {
             return Ok(());
         }
-        let wallets = sides
+        let entries = &write.entries;
+        write.wallets = sides
             .iter()
             .map(|&(id, row, fence)| {
                 let last = entries.iter().rev().find(|entry| entry.wallet_id == id.as_str());
@@ -817,7 +815,6 @@ impl Wallets {
                 }
             })
             .collect();
-        let write = GroupWrite { wallets, entries: entries.to_vec(), keys, ..Default::default() };
         let storage = self.storage.on(tx).await?;
         let retention = self.keys.settings().retention;
         match Box::pin(store_round::commit(tx, storage, &write, now, retention)).await {

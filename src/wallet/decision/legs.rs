@@ -7,7 +7,7 @@
 //! paying twice in one job pays from its new balance. A refusal changes nothing; a key decides
 //! once, as in a wallet's batch ([`super::decide_round`]).
 
-use super::{Held, Known, Leg, Links, Settled, decide_legs, settled};
+use super::{Held, Known, Leg, Links, Settled, as_written, decide_legs, settled};
 use crate::domain::{Funds, HoldStatus, LegRefusal, Parties};
 use crate::idempotency::{Keyed, Prior};
 use crate::ledger::idempotency::StoredResponse;
@@ -70,27 +70,13 @@ impl LegsOp {
         }
     }
 
-    /// The key's `(caller, scope, key)` and the request's fingerprint, if it had one.
-    fn key(&self) -> Option<(KeyAt<'_>, &[u8; 32])> {
-        let at = match self {
-            LegsOp::Transfer { key: Some(key), .. } => (key.at(), &key.fingerprint),
-            LegsOp::Movement { key: Some(key), .. } => (key.at(), &key.fingerprint),
-            _ => return None,
-        };
-        Some(((at.0.caller, at.0.scope, at.0.key), at.1))
-    }
-
-    /// The key's reference, for the round's read and write.
-    pub fn key_at(&self) -> Option<crate::ledger::idempotency::KeyRef<'_>> {
+    /// The key's reference and the request's fingerprint, if it had one.
+    pub fn key(&self) -> Option<(crate::ledger::idempotency::KeyRef<'_>, &[u8; 32])> {
         match self {
-            LegsOp::Transfer { key, .. } => key.as_ref().map(Keyed::at),
-            LegsOp::Movement { key, .. } => key.as_ref().map(Keyed::at),
+            LegsOp::Transfer { key: Some(key), .. } => Some((key.at(), &key.fingerprint)),
+            LegsOp::Movement { key: Some(key), .. } => Some((key.at(), &key.fingerprint)),
+            _ => None,
         }
-    }
-
-    /// The key's fingerprint, if the request had one.
-    pub fn fingerprint(&self) -> Option<&[u8; 32]> {
-        self.key().map(|(_, fingerprint)| fingerprint)
     }
 }
 
@@ -145,11 +131,7 @@ impl LegsPlan {
     /// Each movement's result, given whether the job's write matched (`false`: nothing of it was
     /// written) or failed with `failure`.
     pub fn results(&self, written: Result<bool, &WalletError>) -> Vec<Result<Done, WalletError>> {
-        let ran = |outcome: Result<Done, WalletError>| match written {
-            Ok(true) => outcome,
-            Ok(false) => Err(WalletError::LeaseLost),
-            Err(failure) => Err(failure.clone()),
-        };
+        let ran = |outcome| as_written(outcome, written);
         let mut results: Vec<Result<Done, WalletError>> = Vec::with_capacity(self.decisions.len());
         for decision in &self.decisions {
             let result = match decision {
@@ -232,6 +214,7 @@ pub fn decide_between(
             }
         };
         if let Some((at, fingerprint)) = op.key() {
+            let at: KeyAt<'_> = (at.caller, at.scope, at.key);
             if let Some(stored) = known.keys.get(&(at.0.to_owned(), at.1.to_owned(), at.2.to_owned())) {
                 plan.decisions
                     .push(LegsDecision::Answered(WalletError::AlreadyRan(Prior::of(stored, fingerprint))));

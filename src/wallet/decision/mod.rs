@@ -180,11 +180,7 @@ impl Plan {
     /// Each op's result, given whether the batch's write matched (`false`: the lease was lost and
     /// nothing of it was written) or failed with `failure`.
     pub fn results(&self, written: Result<bool, &WalletError>) -> Vec<Result<Moved, WalletError>> {
-        let ran = |outcome: Result<Moved, WalletError>| match written {
-            Ok(true) => outcome,
-            Ok(false) => Err(WalletError::LeaseLost),
-            Err(failure) => Err(failure.clone()),
-        };
+        let ran = |outcome| as_written(outcome, written);
         let mut results: Vec<Result<Moved, WalletError>> = Vec::with_capacity(self.decisions.len());
         for decision in &self.decisions {
             let result = match decision {
@@ -490,6 +486,19 @@ pub fn decide_legs(
             })
         })
         .collect()
+}
+
+/// A decided outcome as its write left it: itself once written (`Ok(true)`), `lease_lost` when the
+/// write matched nothing (nothing of it was written), or the write's failure.
+fn as_written<T>(
+    outcome: Result<T, WalletError>,
+    written: Result<bool, &WalletError>,
+) -> Result<T, WalletError> {
+    match written {
+        Ok(true) => outcome,
+        Ok(false) => Err(WalletError::LeaseLost),
+        Err(failure) => Err(failure.clone()),
+    }
 }
 
 fn settled(hold: Uuid, status: HoldStatus, captured: i64, capture_entry: Option<Uuid>) -> Settled {
