@@ -221,6 +221,11 @@ impl HoldLife {
     pub fn get(self) -> std::time::Duration {
         self.0
     }
+
+    /// When a hold placed at `now` expires.
+    pub fn expiry_from(self, now: chrono::DateTime<chrono::Utc>) -> chrono::DateTime<chrono::Utc> {
+        now + chrono::Duration::from_std(self.0).unwrap_or(chrono::Duration::MAX)
+    }
 }
 
 /// A change to a wallet that needs its lease: a change of its balance, or of what is held of it.

@@ -314,6 +314,18 @@ fn wallet_problem(err: &WalletError) -> Problem {
         WalletError::HoldNotFound => {
             Problem::new(&codes::HOLD_NOT_FOUND, "Hold not found", "no hold has this id")
         }
+        WalletError::MovementNotHeld => Problem::new(
+            &codes::MOVEMENT_NOT_HELD,
+            "Movement not held",
+            "the movement was posted when it was made; nothing to capture or void",
+        ),
+        WalletError::HoldOfMovement { movement } => Problem::new(
+            &codes::HOLD_OF_MOVEMENT,
+            "Hold of a movement",
+            format!(
+                "the hold reserves a leg of movement {movement}: capture or void that movement; nothing changed"
+            ),
+        ),
         WalletError::MovementNotFound => {
             Problem::new(&codes::MOVEMENT_NOT_FOUND, "Movement not found", "no movement has this id")
         }

@@ -143,9 +143,19 @@ pub fn render_movement_record(outcome: &MovementRecordOutcome) -> StoredResponse
     }
 }
 
-/// The live response for a movement of many legs, rendered exactly as a replay of it would be.
+/// The stored response of a held movement's capture or void: the movement (200), or the refusal.
+pub fn render_movement_settled(outcome: &MovementRecordOutcome) -> StoredResponse {
+    match outcome {
+        Ok(movement) => json(StatusCode::OK, movement),
+        Err(_) => render_movement_record(outcome),
+    }
+}
+
+/// The live response for a movement of many legs (rendered by `render`, [`render_movement_record`]
+/// or [`render_movement_settled`]), exactly as a replay of it would be.
 pub fn movement_record_response(
     result: Result<crate::ledger::transfer::MovementRecord, WalletError>,
+    render: fn(&MovementRecordOutcome) -> StoredResponse,
 ) -> Response {
     let outcome: MovementRecordOutcome = match result {
         Ok(movement) => Ok(movement),
@@ -156,7 +166,7 @@ pub fn movement_record_response(
     if let Err(LegRefusal { refusal, .. }) = &outcome {
         tracing::Span::current().record("outcome", refusal.code());
     }
-    render_movement_record(&outcome).into_response()
+    render(&outcome).into_response()
 }
 
 /// A wallet creation's response: the wallet, or the conflict.

@@ -5,8 +5,10 @@ use super::ApiContext;
 use super::error::described::{MOVEMENT_CONFLICT as CONFLICT, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody};
-use super::idempotent::{self, KeyedRequest, movement_record_response, render_movement_record};
-use crate::domain::{self, Access, Field, Legs};
+use super::idempotent::{
+    self, KeyedRequest, movement_record_response, render_movement_record, render_movement_settled,
+};
+use crate::domain::{self, Access, Field, HoldLife, Legs};
 use crate::idempotency::Scope;
 use crate::ledger::transfer::MovementRecord;
 use crate::wallet::{InvalidInput, WalletId};
@@ -23,9 +25,19 @@ use utoipa_axum::{router::OpenApiRouter, routes};
 const UNAVAILABLE: &str = "`lock_timeout`, `dependency_unavailable`, `request_timeout`, `outcome_unknown`: \
                            retry after `Retry-After`";
 
+/// What a capture or a void of a held movement may answer besides its movement.
+const SETTLE_BAD: &str = "`invalid_movement_id`, `invalid_idempotency_key`";
+const SETTLE_MISSING: &str = "`movement_not_found`; `wallet_not_found` (with `leg`)";
+const SETTLE_CONFLICT: &str = "`hold_captured`, `hold_voided`, `hold_expired` (with `leg`; nothing changed); \
+                               `movement_not_held`; `lease_lost`, `idempotency_key_in_flight`";
+
 /// The movement routes, each at the path and method of its `#[utoipa::path]`.
 pub fn router() -> OpenApiRouter<ApiContext> {
-    OpenApiRouter::default().routes(routes!(create_movement)).routes(routes!(get_movement))
+    OpenApiRouter::default()
+        .routes(routes!(create_movement))
+        .routes(routes!(get_movement))
+        .routes(routes!(capture_movement))
+        .routes(routes!(void_movement))
 }
 
 super::extract::uuid_path!(
@@ -56,6 +68,18 @@ struct NewMovement {
     /// The caller's own note: at most 256 characters, no NUL.
     #[schema(max_length = 256, pattern = "^[^\\x00]*$", example = "order-1001")]
     reference: Option<String>,
+    /// Place the movement as a hold instead: every debit leg reserved until it is captured or
+    /// voided as a whole, or expires; no entry is written until the capture.
+    hold: Option<NewMovementHold>,
+}
+
+/// How long a held movement's reservation lasts. Unknown fields are refused.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct NewMovementHold {
+    /// Seconds until it expires by itself: 1 to 604800 (7 days); 900 (15 minutes) without it.
+    #[schema(minimum = 1, maximum = 604_800, example = 900)]
+    expires_in: Option<i64>,
 }
 
 /// Moves money between 2 to 16 wallets at once: every leg in one transaction, under every
@@ -99,7 +123,7 @@ async fn create_movement(
     uri: Uri,
     body: JsonBody<NewMovement>,
 ) -> Result<Response, ApiError> {
-    let NewMovement { legs, reference } = &body.value;
+    let NewMovement { legs, reference, hold } = &body.value;
     let legs = legs
         .iter()
         .map(|leg| {
@@ -113,9 +137,93 @@ async fn create_movement(
         tracing::Span::current().record("wallet_id", first.as_str());
     }
     let reference = domain::reference(reference.clone())?;
+    let hold = hold
+        .as_ref()
+        .map(|hold| hold.expires_in.map_or(Ok(HoldLife::DEFAULT), HoldLife::seconds))
+        .transpose()?;
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_movement_record);
-    Ok(movement_record_response(ctx.wallets.move_between(&access, legs, reference, key).await))
+    let result = ctx.wallets.move_between(&access, legs, reference, hold, key).await;
+    Ok(movement_record_response(result, render_movement_record))
+}
+
+/// Captures a held movement as a whole: every leg's entry written and every hold settled, under
+/// every wallet's lease, or nothing.
+#[utoipa::path(
+    post,
+    path = "/movements/{id}/capture",
+    tag = "transfers",
+    security(("bearer" = [])),
+    params(MovementPath, IdempotencyHeader),
+    responses(
+        (status = 200, description = "The movement, `captured`, with one ledger entry a leg", body = MovementRecord,
+            headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
+        (status = 400, description = SETTLE_BAD, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, description = SETTLE_MISSING, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 409, body = ProblemDocument, content_type = PROBLEM_JSON, description = SETTLE_CONFLICT,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        (status = 422, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`balance_overflow` (with `leg`); `idempotency_key_reused`",
+            headers(("Idempotent-Replayed" = String))),
+        (status = 503, description = UNAVAILABLE, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
+async fn capture_movement(
+    State(ctx): State<ApiContext>,
+    Extension(access): Extension<Access>,
+    MovementPath(id): MovementPath,
+    IdempotencyHeader(key): IdempotencyHeader,
+    uri: Uri,
+) -> Result<Response, ApiError> {
+    settle(&ctx, &access, id, true, KeyedRequest { key, path: uri.path(), body: b"" }).await
+}
+
+/// Voids a held movement as a whole: every hold released, nothing charged.
+#[utoipa::path(
+    post,
+    path = "/movements/{id}/void",
+    tag = "transfers",
+    security(("bearer" = [])),
+    params(MovementPath, IdempotencyHeader),
+    responses(
+        (status = 200, description = "The movement, `voided`", body = MovementRecord,
+            headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
+        (status = 400, description = SETTLE_BAD, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, description = SETTLE_MISSING, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 409, body = ProblemDocument, content_type = PROBLEM_JSON, description = SETTLE_CONFLICT,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        (status = 422, description = "`idempotency_key_reused`", body = ProblemDocument,
+            content_type = PROBLEM_JSON, headers(("Idempotent-Replayed" = String))),
+        (status = 503, description = UNAVAILABLE, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
+async fn void_movement(
+    State(ctx): State<ApiContext>,
+    Extension(access): Extension<Access>,
+    MovementPath(id): MovementPath,
+    IdempotencyHeader(key): IdempotencyHeader,
+    uri: Uri,
+) -> Result<Response, ApiError> {
+    settle(&ctx, &access, id, false, KeyedRequest { key, path: uri.path(), body: b"" }).await
+}
+
+/// Captures or voids held movement `id`; its key is scoped as the movement's was.
+async fn settle(
+    ctx: &ApiContext,
+    access: &Access,
+    id: uuid::Uuid,
+    capture: bool,
+    keyed: KeyedRequest<'_>,
+) -> Result<Response, ApiError> {
+    let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_movement_settled);
+    let result = ctx.wallets.settle_movement(access, id, capture, key).await;
+    Ok(movement_record_response(result, render_movement_settled))
 }
 
 /// Reads a movement, with its legs.

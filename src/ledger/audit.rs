@@ -222,13 +222,13 @@ async fn movements(conn: &mut PgConnection, report: &mut Report) -> Result<(), S
         signed_amount!(),
         "), 0)::int8 as net
          from movement m left join ledger_entry e on e.transfer_id = m.id
-         group by m.wallet_id, m.id, m.legs
-         having count(e.id) <> m.legs or coalesce(sum(",
+         group by m.wallet_id, m.id, m.legs, m.expires_at
+         having (m.expires_at is null or count(e.id) > 0) and (count(e.id) <> m.legs or coalesce(sum(",
         signed_amount!(),
         "), 0) <> 0
              or count(distinct e.wallet_id) <> count(e.id)
              or count(e.id) filter (where e.wallet_id = m.wallet_id) <> 1
-             or count(e.id) filter (where e.kind not in ('transfer_out', 'transfer_in')) <> 0
+             or count(e.id) filter (where e.kind not in ('transfer_out', 'transfer_in')) <> 0)
          order by m.id"
     ))
     .fetch_all(&mut *conn)
@@ -240,6 +240,45 @@ async fn movements(conn: &mut PgConnection, report: &mut Report) -> Result<(), S
             "movement {id}: {legs} ledger legs of the {said} it has, summing to {net} (want every leg, \
              one a wallet, its first wallet's among them, summing to 0)"
         ));
+    }
+    held_movements(conn, report).await
+}
+
+/// Each held movement has one hold a debit leg, and its holds settle together: all captured (and
+/// then every leg has its entry) or none (and no leg has one).
+async fn held_movements(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
+    // Statements of their own: under Citus a movement, its holds and its entries live with
+    // different wallets.
+    let held: Vec<(uuid::Uuid, Vec<i64>, i64, i64)> = sqlx::query_as(
+        // language=PostgreSQL
+        r#"select m.id, m.leg_amounts, count(h.id), count(h.id) filter (where h.status = 'captured')
+           from movement m left join hold h on h.movement_id = m.id
+           where m.expires_at is not null
+           group by m.wallet_id, m.id, m.leg_amounts"#,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let ids: Vec<uuid::Uuid> = held.iter().map(|(id, ..)| *id).collect();
+    let entries: std::collections::HashMap<uuid::Uuid, i64> = sqlx::query_as(
+        // language=PostgreSQL
+        "select transfer_id, count(*) from ledger_entry where transfer_id = any($1) group by transfer_id",
+    )
+    .bind(&ids)
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .collect();
+    for (id, amounts, holds, captured) in held {
+        let debits = amounts.iter().filter(|amount| **amount < 0).count() as i64;
+        let written = entries.get(&id).copied().unwrap_or(0);
+        let settled_together = captured == 0 || captured == holds;
+        let entries_follow = if captured > 0 { written == amounts.len() as i64 } else { written == 0 };
+        if holds != debits || !settled_together || !entries_follow {
+            report.problems.push(format!(
+                "held movement {id}: {holds} holds for {debits} debit legs, {captured} captured, {written} \
+                 ledger legs (want one hold a debit, captured all or none, every leg's entry once captured)"
+            ));
+        }
     }
     Ok(())
 }
@@ -309,12 +348,14 @@ async fn holds(conn: &mut PgConnection, report: &mut Report) -> Result<(), Store
     let rows = sqlx::query(
         // language=PostgreSQL
         r#"select h.id::text as id, h.status, h.captured, count(e.id) as entries,
-                  count(e.id) filter (where e.kind = 'pay' and e.wallet_id = h.wallet_id
+                  count(e.id) filter (where e.kind = case when h.movement_id is null then 'pay' else 'transfer_out' end
+                                        and e.wallet_id = h.wallet_id
                                         and e.amount = h.captured and e.id = h.capture_entry) as matching
            from hold h left join ledger_entry e on e.hold_id = h.id
-           group by h.wallet_id, h.id
+           group by h.wallet_id, h.id, h.movement_id
            having count(e.id) <> case when h.status = 'captured' then 1 else 0 end
-               or count(e.id) filter (where e.kind = 'pay' and e.wallet_id = h.wallet_id
+               or count(e.id) filter (where e.kind = case when h.movement_id is null then 'pay' else 'transfer_out' end
+                                        and e.wallet_id = h.wallet_id
                                         and e.amount = h.captured and e.id = h.capture_entry)
                   <> case when h.status = 'captured' then 1 else 0 end
            order by h.id"#,
@@ -326,8 +367,8 @@ async fn holds(conn: &mut PgConnection, report: &mut Report) -> Result<(), Store
         let (captured, entries, matching): (i64, i64, i64) =
             (h.try_get("captured")?, h.try_get("entries")?, h.try_get("matching")?);
         report.problems.push(format!(
-            "hold {id} ({status}, captured {captured}): {entries} ledger entries, {matching} the `pay` of its \
-             capture (want one for a captured hold, none otherwise)"
+            "hold {id} ({status}, captured {captured}): {entries} ledger entries, {matching} the `pay` (or a \
+             held movement's `transfer_out`) of its capture (want one for a captured hold, none otherwise)"
         ));
     }
     Ok(())
@@ -376,9 +417,17 @@ async fn keys(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreE
                                           ~ '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
                                      then (convert_from(k.body, 'UTF8')::jsonb ->> 'id')::uuid end
                      and k.scope = $1 || h.wallet_id
-                     and convert_from(k.body, 'UTF8')::jsonb -> 'entry' is null))
-               -- A capture: it reports its hold, and the `pay` entry that charged it.
-               or (e.hold_id is not null
+                     and convert_from(k.body, 'UTF8')::jsonb -> 'entry' is null)
+                and not exists (
+                   -- Nor a held movement placed or voided, reporting the movement.
+                   select 1 from movement m
+                   where m.id = case when convert_from(k.body, 'UTF8')::jsonb ->> 'id'
+                                          ~ '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+                                     then (convert_from(k.body, 'UTF8')::jsonb ->> 'id')::uuid end
+                     and k.scope = 'transfers' and m.expires_at is not null))
+               -- A capture: it reports its hold, and the `pay` entry that charged it (a held
+               -- movement's capture reports the movement, as below).
+               or (e.hold_id is not null and e.kind = 'pay'
                    and (convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.hold_id::text
                         or convert_from(k.body, 'UTF8')::jsonb -> 'entry' ->> 'id' is distinct from e.id::text
                         or k.scope <> $1 || e.wallet_id))
@@ -388,7 +437,7 @@ async fn keys(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreE
                         or k.scope <> $1 || e.wallet_id))
                or (k.scope = 'wallets'
                    and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.wallet_id)
-               or (k.scope = 'transfers'
+               or (k.scope = 'transfers' and e.id is not null
                    and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.transfer_id::text))
            order by k.scope, k.key"#,
     )

@@ -148,12 +148,14 @@ pub async fn read(
                   null::bytea as body, null::uuid as hold_id, null::text as hold_wallet,
                   null::int8 as hold_amount, null::text as hold_status,
                   null::timestamptz as hold_expires_at, null::text as hold_reference,
-                  null::timestamptz as hold_created_at, null::int8 as hold_fence
+                  null::timestamptz as hold_created_at, null::int8 as hold_fence,
+                  null::uuid as hold_movement
            from wallet w
            where w.id = any($1::text[]) and w.id = any($9::text[])
            union all
            select null, null, null, null, null, null, k.caller, k.scope, k.key, k.fingerprint,
-                  k.status, k.content_type, k.body, null, null, null, null, null, null, null, null
+                  k.status, k.content_type, k.body, null, null, null, null, null, null, null, null,
+                  null
            from idempotency_key k
            join unnest($8::text[], $2::text[], $3::text[], $4::text[]) as q(wallet_id, caller, scope, key)
              on k.wallet_id = q.wallet_id and k.caller = q.caller and k.scope = q.scope
@@ -162,13 +164,13 @@ pub async fn read(
            union all
            select null, null, null, null, null, null, null, null, null, null, null, null, null,
                   h.id, h.wallet_id, h.amount, h.status, h.expires_at, h.reference, h.created_at,
-                  h.fence
+                  h.fence, h.movement_id
            from hold h
            where h.id = any($5::uuid[]) and h.wallet_id = any($9::text[])
            union all
            select null, null, null, null, null, null, null, null, null, null, null, null, null,
                   h.id, h.wallet_id, h.amount, h.status, h.expires_at, h.reference, h.created_at,
-                  h.fence
+                  h.fence, h.movement_id
            from hold h
            where h.wallet_id = any($6::text[]) and h.status = 'held' and h.expires_at <= $7
              and h.wallet_id = any($9::text[])"#,
@@ -206,6 +208,7 @@ pub async fn read(
                 created_at: row.try_get("hold_created_at")?,
                 settled_at: None,
                 capture_entry: None,
+                movement_id: row.try_get("hold_movement")?,
                 fence: row.try_get("hold_fence")?,
             };
             found.holds.insert(id, hold);
@@ -361,6 +364,7 @@ struct PlacedRow<'a> {
     expires_at: DateTime<Utc>,
     reference: Option<&'a str>,
     fence: i64,
+    movement_id: Option<Uuid>,
 }
 
 /// A transfer, as the composite `transfer_write` binds it (migration 0015).
@@ -375,13 +379,16 @@ struct TransferWriteRow<'a> {
 }
 
 /// A movement of many legs, as the composite `movement_write` binds it: it lives with its first
-/// leg's wallet.
+/// leg's wallet. A held movement keeps its expiry and its legs as asked (migration 0016).
 #[derive(sqlx::Encode)]
 struct MovementWriteRow<'a> {
     id: Uuid,
     wallet_id: &'a str,
     legs: i16,
     reference: Option<&'a str>,
+    expires_at: Option<DateTime<Utc>>,
+    leg_wallets: Option<Vec<&'a str>>,
+    leg_amounts: Option<Vec<i64>>,
 }
 
 impl<'a> From<&'a Transfer> for TransferWriteRow<'a> {
@@ -399,11 +406,15 @@ impl<'a> From<&'a Transfer> for TransferWriteRow<'a> {
 
 impl<'a> From<&'a MovementRecord> for MovementWriteRow<'a> {
     fn from(m: &'a MovementRecord) -> Self {
+        let held = m.hold.as_ref();
         MovementWriteRow {
             id: m.id,
-            wallet_id: m.legs.first().map(|leg| leg.wallet_id.as_str()).unwrap_or_default(),
-            legs: m.legs.len() as i16,
+            wallet_id: m.first_wallet(),
+            legs: held.map_or(m.legs.len(), |h| h.legs.len()) as i16,
             reference: m.reference.as_deref(),
+            expires_at: held.map(|h| h.expires_at),
+            leg_wallets: held.map(|h| h.legs.iter().map(|leg| leg.wallet_id.as_str()).collect()),
+            leg_amounts: held.map(|h| h.legs.iter().map(|leg| leg.amount).collect()),
         }
     }
 }
@@ -461,8 +472,10 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
     // language=PostgreSQL
     let holds = r#"
            placed as (
-               insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at)
-               select p.id, p.wallet_id, p.amount, p.expires_at, p.reference, p.fence, $6
+               insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at,
+                                 movement_id)
+               select p.id, p.wallet_id, p.amount, p.expires_at, p.reference, p.fence, $6,
+                      p.movement_id
                from unnest($3::hold_placed[]) as p
                where p.wallet_id in (select id from moved)
            ),
@@ -484,8 +497,10 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                where t.from_wallet in (select id from moved)
            ),
            movements as (
-               insert into movement (id, wallet_id, legs, reference, created_at)
-               select m.id, m.wallet_id, m.legs, m.reference, $6
+               insert into movement (id, wallet_id, legs, reference, created_at, expires_at,
+                                     leg_wallets, leg_amounts)
+               select m.id, m.wallet_id, m.legs, m.reference, $6, m.expires_at, m.leg_wallets,
+                      m.leg_amounts
                from unnest($9::movement_write[]) as m
                where m.wallet_id in (select id from moved)
            ),"#;
@@ -570,6 +585,7 @@ pub async fn commit(
             expires_at: h.expires_at,
             reference: h.reference.as_deref(),
             fence: h.fence,
+            movement_id: h.movement_id,
         })
         .collect();
     let keys: Vec<KeyWriteRow<'_>> = write.keys.iter().map(key_row).collect();
@@ -713,11 +729,11 @@ async fn commit_routed(
     let placed: Vec<&Hold> = write.placed.iter().copied().filter(|h| moved(&h.wallet_id)).collect();
     if !placed.is_empty() {
         let mut insert = QueryBuilder::new(
-            "insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at) ",
+            "insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at, movement_id) ",
         );
         insert.push_values(&placed, |mut row, h| {
             row.push_bind(h.id).push_bind(&h.wallet_id).push_bind(h.amount).push_bind(h.expires_at);
-            row.push_bind(&h.reference).push_bind(h.fence).push_bind(created_at);
+            row.push_bind(&h.reference).push_bind(h.fence).push_bind(created_at).push_bind(h.movement_id);
         });
         insert.build().execute(&mut *tx).await?;
     }
@@ -756,11 +772,14 @@ async fn commit_routed(
     let movements: Vec<MovementWriteRow<'_>> =
         write.movements.iter().map(|&m| MovementWriteRow::from(m)).filter(|m| moved(m.wallet_id)).collect();
     if !movements.is_empty() {
-        let mut insert =
-            QueryBuilder::new("insert into movement (id, wallet_id, legs, reference, created_at) ");
+        let mut insert = QueryBuilder::new(
+            "insert into movement (id, wallet_id, legs, reference, created_at, expires_at, leg_wallets, \
+             leg_amounts) ",
+        );
         insert.push_values(&movements, |mut row, m| {
             row.push_bind(m.id).push_bind(m.wallet_id).push_bind(m.legs).push_bind(m.reference);
-            row.push_bind(created_at);
+            row.push_bind(created_at).push_bind(m.expires_at).push_bind(&m.leg_wallets);
+            row.push_bind(&m.leg_amounts);
         });
         insert.build().execute(&mut *tx).await?;
     }

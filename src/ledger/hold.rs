@@ -34,12 +34,48 @@ pub struct Hold {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     pub capture_entry: Option<Uuid>,
+    /// The held movement whose debit leg it reserves; omitted for a hold of its own. Such a hold
+    /// is captured or voided with its movement, never alone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub movement_id: Option<Uuid>,
     /// The fence of the lease it was placed under.
     #[serde(skip)]
     pub fence: i64,
 }
 
+/// A hold to place: `amount` of `wallet_id`, until `expires_at`, under the lease holding `fence`,
+/// for a held movement's debit leg if `movement_id` says so.
+#[derive(Debug, Clone)]
+pub struct NewHold {
+    pub wallet_id: String,
+    pub amount: i64,
+    pub expires_at: DateTime<Utc>,
+    pub reference: Option<String>,
+    pub fence: i64,
+    pub movement_id: Option<Uuid>,
+}
+
 impl Hold {
+    /// A hold placed at `now`: held, nothing captured.
+    pub fn placed(new: NewHold, now: DateTime<Utc>) -> Hold {
+        let NewHold { wallet_id, amount, expires_at, reference, fence, movement_id } = new;
+        Hold {
+            id: super::new_entry_id(),
+            wallet_id,
+            amount,
+            captured: 0,
+            status: HoldStatus::Held,
+            expires_at,
+            reference,
+            created_at: now,
+            settled_at: None,
+            capture_entry: None,
+            movement_id,
+            fence,
+        }
+    }
+
     /// As it stands at `now`: a hold still held past its expiry is expired.
     pub fn as_of(mut self, now: DateTime<Utc>) -> Self {
         if self.status == HoldStatus::Held && self.expires_at <= now {
@@ -62,6 +98,7 @@ impl sqlx::FromRow<'_, sqlx::postgres::PgRow> for Hold {
             created_at: row.try_get("created_at")?,
             settled_at: row.try_get("settled_at")?,
             capture_entry: row.try_get("capture_entry")?,
+            movement_id: row.try_get("movement_id")?,
             fence: row.try_get("fence")?,
         })
     }
@@ -126,4 +163,32 @@ pub async fn wallets_with_expired_holds(
     .bind(limit)
     .fetch_all(conn)
     .await?)
+}
+
+/// The holds `ids` of `wallets`, and every hold still held of `expired_of` that expired by `now`,
+/// in the caller's transaction (with those wallets' rows locked): what a movement between wallets
+/// decides on outside a round (see `crate::wallet::transfer`), as a round's read brings them.
+pub async fn read_holds(
+    conn: &mut PgConnection,
+    wallets: &[&str],
+    ids: &[Uuid],
+    expired_of: &[&str],
+    now: DateTime<Utc>,
+) -> Result<std::collections::HashMap<Uuid, Hold>, StoreError> {
+    if ids.is_empty() && expired_of.is_empty() {
+        return Ok(Default::default());
+    }
+    let holds: Vec<Hold> = sqlx::query_as(
+        // language=PostgreSQL
+        r#"select * from hold
+           where wallet_id = any($1)
+             and (id = any($2) or (wallet_id = any($3) and status = 'held' and expires_at <= $4))"#,
+    )
+    .bind(wallets)
+    .bind(ids)
+    .bind(expired_of)
+    .bind(now)
+    .fetch_all(conn)
+    .await?;
+    Ok(holds.into_iter().map(|hold| (hold.id, hold)).collect())
 }

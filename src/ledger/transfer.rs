@@ -277,17 +277,69 @@ impl StoreError {
 }
 
 /// Money between 2 to 16 wallets at once, as stored: the movement and its legs, in the order the
-/// request listed them (migration 0014).
+/// request listed them (migration 0014); for one placed as a hold, what it reserves (0016).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct MovementRecord {
     pub id: Uuid,
     /// The caller's own note, or null.
     #[schema(required = true, max_length = 256, example = "order-1001")]
     pub reference: Option<String>,
+    pub status: MovementStatus,
     /// One entry a leg: a `transfer_out` of each wallet it takes from, a `transfer_in` of each it
-    /// pays into, each with the wallet's balance after it.
+    /// pays into, each with the wallet's balance after it. Empty while a held movement is not
+    /// captured.
     pub legs: Vec<Entry>,
+    /// For a movement placed as a hold: its legs as asked and the hold of each debit; omitted
+    /// otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub hold: Option<MovementHold>,
     pub created_at: DateTime<Utc>,
+}
+
+impl MovementRecord {
+    /// The wallet the movement lives with: its first leg's.
+    pub fn first_wallet(&self) -> &str {
+        match &self.hold {
+            Some(hold) => hold.legs.first().map(|leg| leg.wallet_id.as_str()),
+            None => self.legs.first().map(|leg| leg.wallet_id.as_str()),
+        }
+        .unwrap_or_default()
+    }
+}
+
+/// Where a movement stands: `posted` (every leg written when it was made) or, for one placed as a
+/// hold, `held` until it is `captured` (every leg written then), `voided`, or `expired` (past
+/// `expires_at` uncaptured; its amounts are available again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MovementStatus {
+    Posted,
+    Held,
+    Captured,
+    Voided,
+    Expired,
+}
+
+/// What a held movement reserves, and until when.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct MovementHold {
+    pub expires_at: DateTime<Utc>,
+    /// Every leg as asked, in order.
+    pub legs: Vec<HeldLeg>,
+}
+
+/// One leg of a held movement: its wallet, its amount (negative out of the wallet), and for a
+/// debit the hold that reserves it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct HeldLeg {
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "payer")]
+    pub wallet_id: String,
+    #[schema(example = -1000)]
+    pub amount: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub hold_id: Option<Uuid>,
 }
 
 /// A movement, and the owners of its wallets.
@@ -297,14 +349,21 @@ pub struct FoundMovement {
     pub owners: Vec<Option<String>>,
 }
 
-/// The movement `id`, with its legs in the order it was made.
-pub async fn find_movement(conn: &mut PgConnection, id: Uuid) -> Result<Option<FoundMovement>, StoreError> {
+/// The movement `id`, with its legs in the order it was made, as it stands at `now`.
+pub async fn find_movement(
+    conn: &mut PgConnection,
+    id: Uuid,
+    now: DateTime<Utc>,
+) -> Result<Option<FoundMovement>, StoreError> {
     // Statements of their own, as for a transfer (see `find_transfer`): its legs and wallets may
     // be on several Citus workers.
-    let Some(row) = sqlx::query("select id, reference, created_at from movement where id = $1")
-        .bind(id)
-        .fetch_optional(&mut *conn)
-        .await?
+    let Some(row) = sqlx::query(
+        // language=PostgreSQL
+        "select id, reference, created_at, expires_at, leg_wallets, leg_amounts from movement where id = $1",
+    )
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?
     else {
         return Ok(None);
     };
@@ -317,7 +376,36 @@ pub async fn find_movement(conn: &mut PgConnection, id: Uuid) -> Result<Option<F
     .bind(id)
     .fetch_all(&mut *conn)
     .await?;
-    let wallets: Vec<&str> = legs.iter().map(|leg| leg.wallet_id.as_str()).collect();
+    let expires_at: Option<DateTime<Utc>> = row.try_get("expires_at")?;
+    let (hold, status) = match expires_at {
+        None => (None, MovementStatus::Posted),
+        Some(expires_at) => {
+            let wallets: Vec<String> = row.try_get("leg_wallets")?;
+            let amounts: Vec<i64> = row.try_get("leg_amounts")?;
+            let holds: Vec<(Uuid, String, crate::domain::HoldStatus)> = sqlx::query_as(
+                // language=PostgreSQL
+                "select id, wallet_id, status from hold where movement_id = $1 and wallet_id = any($2)",
+            )
+            .bind(id)
+            .bind(&wallets)
+            .fetch_all(&mut *conn)
+            .await?;
+            let status = held_status(holds.iter().map(|(_, _, status)| *status), expires_at, now);
+            let legs = wallets
+                .into_iter()
+                .zip(amounts)
+                .map(|(wallet_id, amount)| {
+                    let hold_id = holds.iter().find(|(_, w, _)| *w == wallet_id).map(|(id, _, _)| *id);
+                    HeldLeg { wallet_id, amount, hold_id }
+                })
+                .collect();
+            (Some(MovementHold { expires_at, legs }), status)
+        }
+    };
+    let mut wallets: Vec<&str> = legs.iter().map(|leg| leg.wallet_id.as_str()).collect();
+    if let Some(hold) = &hold {
+        wallets = hold.legs.iter().map(|leg| leg.wallet_id.as_str()).collect();
+    }
     let owners: Vec<Option<String>> = sqlx::query_scalar("select owner from wallet where id = any($1)")
         .bind(&wallets)
         .fetch_all(&mut *conn)
@@ -325,8 +413,28 @@ pub async fn find_movement(conn: &mut PgConnection, id: Uuid) -> Result<Option<F
     let movement = MovementRecord {
         id: row.try_get("id")?,
         reference: row.try_get("reference")?,
+        status,
         legs,
+        hold,
         created_at: row.try_get("created_at")?,
     };
     Ok(Some(FoundMovement { movement, owners }))
+}
+
+/// Where a held movement stands, from its holds' statuses: they settle together, so one that is
+/// settled says how; all still held past `expires_at` count as expired.
+pub fn held_status(
+    holds: impl IntoIterator<Item = crate::domain::HoldStatus>,
+    expires_at: DateTime<Utc>,
+    now: DateTime<Utc>,
+) -> MovementStatus {
+    use crate::domain::HoldStatus;
+    let settled = holds.into_iter().find(|status| *status != HoldStatus::Held);
+    match settled {
+        Some(HoldStatus::Captured) => MovementStatus::Captured,
+        Some(HoldStatus::Voided) => MovementStatus::Voided,
+        Some(HoldStatus::Expired) => MovementStatus::Expired,
+        Some(HoldStatus::Held) | None if expires_at <= now => MovementStatus::Expired,
+        Some(HoldStatus::Held) | None => MovementStatus::Held,
+    }
 }

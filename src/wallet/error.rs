@@ -38,6 +38,12 @@ pub enum WalletError {
     /// No hold has this id (or its wallet is one the caller may not use).
     #[error("hold not found")]
     HoldNotFound,
+    /// The movement was not placed as a hold: there is nothing to capture or void.
+    #[error("the movement was not placed as a hold")]
+    MovementNotHeld,
+    /// The hold reserves a leg of held movement `movement`: it is captured or voided with it.
+    #[error("the hold is a leg of movement {movement}")]
+    HoldOfMovement { movement: uuid::Uuid },
     #[error("wallet already exists")]
     Exists,
     #[error(transparent)]
@@ -110,6 +116,7 @@ impl WalletError {
             | WalletError::LegNotFound { .. } => "not_found",
             WalletError::LegRefused { refusal, .. } => refusal.code(),
             WalletError::Exists => "exists",
+            WalletError::MovementNotHeld | WalletError::HoldOfMovement { .. } => "not_held_alone",
             WalletError::Refused(refusal) => refusal.code(),
             WalletError::LockTimeout { .. } => "lock_timeout",
             WalletError::Overloaded => "overloaded",

@@ -360,6 +360,13 @@ async fn run_round(
             .map(|(job, _)| job)
             .chain(jobs.ready.iter().map(|r| &r.job))
             .flat_map(|job| job.ops.iter().filter_map(Op::settles))
+            .chain(
+                jobs.legs_pending
+                    .iter()
+                    .map(|(job, _)| job)
+                    .chain(jobs.legs_ready.iter().map(|r| &r.job))
+                    .flat_map(|job| job.ops.iter().flat_map(LegsOp::settles)),
+            )
             .collect();
         let expired: Vec<&str> = expired_of.iter().map(String::as_str).collect();
         let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired, now };
@@ -674,7 +681,7 @@ fn group_write<'a>(batches: &[Batch<'a>], plans: &'a [Plan]) -> GroupWrite<'a> {
 
 /// Adds to `write` the write of a [`LegsJob`]'s wallets (`wallets`, as read) as `plan` decided
 /// them: one group, so every wallet of it is written or none.
-fn add_legs<'a>(
+pub(super) fn add_legs<'a>(
     write: &mut GroupWrite<'a>,
     wallets: &[LegsWallet<'a>],
     ops: &'a [LegsOp],
@@ -702,6 +709,7 @@ fn add_legs<'a>(
     }
     let Some(first) = first else { return };
     write.entries.extend(plan.entries.iter());
+    write.placed.extend(plan.placed.iter());
     write.settled.extend(plan.settled.iter().map(|(n, s)| Settlement {
         hold: s.hold,
         wallet_id: wallets[*n].id.as_str(),

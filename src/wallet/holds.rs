@@ -27,8 +27,14 @@ impl Wallets {
     }
 
     /// The wallet of hold `id`, for a capture or void to be queued on (see [`Wallets::find_hold`]).
+    /// A hold of a held movement is settled with its movement alone
+    /// ([`WalletError::HoldOfMovement`]); which movement a hold belongs to never changes, so this
+    /// check needs no lease.
     pub async fn wallet_of_hold(&self, access: &Access, id: Uuid) -> Result<WalletId, WalletError> {
         let hold = self.find_hold(access, id).await?;
+        if let Some(movement) = hold.movement_id {
+            return Err(WalletError::HoldOfMovement { movement });
+        }
         WalletId::parse(&hold.wallet_id).map_err(|_| WalletError::internal("a stored wallet id"))
     }
 

@@ -14,8 +14,9 @@
 //!   `payee` (transfers queued by the wallet they pay into);
 //! - the decision: `decision` (every movement of a round decided, with no I/O: a wallet's batch,
 //!   and in `decision::legs` the movements between wallets), `holds`;
-//! - money between wallets: `transfer` (transfers, movements and refunds, each under its wallets'
-//!   leases; on one Postgres transfers and movements ride the rounds);
+//! - money between wallets: `transfer` (transfers, movements placed, posted, captured or voided,
+//!   and refunds, each under its wallets' leases; on one Postgres transfers and movements ride the
+//!   rounds, elsewhere a transaction of their own decides them the same way);
 //! - outage: `outage` (when Redis cannot be reached), `unleased` (the rounds under Postgres alone);
 //! - the tutorial's strategy ([`Strategy::Tutorial`]): `tutorial`;
 //! - around them: `service` (building the service, running movements to their end, draining),

@@ -7,12 +7,13 @@
 //! Then, on one Postgres, a transfer or a movement rides the replica's rounds
 //! ([`Wallets::run_between`], [`group::LegsJob`]): read, decided with everything else of the round
 //! ([`super::decision::decide_between`]) and written by the round's one statement, every wallet
-//! conditionally on its own lease's fence and the state read, all of them or none. A refund (which
-//! sums the refunds before it), and every one of them under Citus, commits in a transaction of
-//! its own instead: it locks the wallet rows in id order (bounded by [`ROW_LOCK_TIMEOUT`]), checks
-//! that each row's fence is below its lease's, looks up the idempotency key, decides with the same
-//! [`decide_legs`], and writes with the rounds' write ([`Wallets::write_locked`]). A stale holder of
-//! any lease writes nothing either way.
+//! conditionally on its own lease's fence and the state read, all of them or none. Under Citus or
+//! under Postgres alone they commit in a transaction of their own ([`Wallets::attempt_between`]):
+//! it locks the wallet rows in id order (bounded by [`ROW_LOCK_TIMEOUT`]), checks that each row's
+//! fence is below its lease's, looks up the keys and holds, decides with the same
+//! `decide_between`, and writes with the rounds' write. A refund (which sums the refunds before
+//! it) runs such a transaction too, deciding with [`decide_legs`]
+//! ([`Wallets::write_locked`]). A stale holder of any lease writes nothing either way.
 //!
 //! A refund runs under the lease of every wallet whose money moves (the payer's, for a payment;
 //! both, for a transfer) and sums the refunds so far in the same transaction, with those wallet
@@ -28,7 +29,10 @@
 //! transfer waits for it, as another replica would (bounded by the lease wait); the worker hands
 //! the lease over after its current batch, because the transfer marks it contended.
 
-use super::decision::{Leg, LegsOp, Links, decide_legs, wallets_of};
+use super::decision::{
+    FoundKeys, Held, HeldMovement, Known, Leg, LegsOp, LegsWallet, Links, decide_between, decide_legs,
+    wallets_of,
+};
 use super::group;
 use super::outage::{Path, count_one};
 use super::{Access, Amount, Field, Refusal, WalletError, WalletId, Wallets, lease_name};
@@ -90,13 +94,9 @@ pub(super) enum Work {
     },
     /// Money back into a wallet, for one of its payments.
     PaymentRefund { access: Access, refund: Refund, key: Option<Keyed<RefundOutcome>> },
-    /// Money between 2 to 16 wallets at once: every leg, or none.
-    Movement {
-        access: Access,
-        legs: Legs,
-        reference: Option<String>,
-        key: Option<Keyed<MovementRecordOutcome>>,
-    },
+    /// A movement between wallets as the rounds decide it ([`decide_between`]): a transfer, or a
+    /// movement of many legs placed, posted, captured or voided.
+    Between(LegsOp),
 }
 
 /// What a committed [`Work`] wrote.
@@ -108,6 +108,15 @@ pub(super) enum Done {
 }
 
 impl Done {
+    pub(super) fn into_movement(self) -> Result<MovementRecord, WalletError> {
+        match self {
+            Done::Movement(movement) => Ok(*movement),
+            Done::Transfer(_) | Done::Entry(_) => {
+                Err(WalletError::internal("a movement wrote something else"))
+            }
+        }
+    }
+
     pub(super) fn into_transfer(self) -> Result<Transfer, WalletError> {
         match self {
             Done::Transfer(transfer) => Ok(*transfer),
@@ -200,7 +209,7 @@ impl Work {
         match self {
             Work::Transfer { parties, .. } => vec![&parties.from, &parties.to],
             Work::PaymentRefund { refund, .. } => vec![&refund.wallet],
-            Work::Movement { legs, .. } => legs.iter().map(|(wallet, _, _)| wallet).collect(),
+            Work::Between(op) => op.legs().into_iter().map(|(wallet, _, _)| wallet).collect(),
         }
     }
 
@@ -211,11 +220,8 @@ impl Work {
             Work::Transfer { refunds: Some(_), .. } => true,
             Work::Transfer { access, .. } => access.may_pay_into(owner),
             Work::PaymentRefund { access, .. } => access.may_use(owner),
-            // Money may leave only the caller's wallets, and go where its transfers may pay.
-            Work::Movement { access, legs, .. } => {
-                let debit = legs.iter().any(|(id, _, debit)| id == wallet && *debit);
-                if debit { access.may_use(owner) } else { access.may_pay_into(owner) }
-            }
+            // Decided by `decide_between`, which answers for the wallets it may not touch.
+            Work::Between(_) => true,
         }
     }
 
@@ -227,9 +233,7 @@ impl Work {
                 field: if *wallet == parties.from { Field::From } else { Field::To },
             },
             Work::PaymentRefund { .. } => WalletError::NotFound,
-            Work::Movement { legs, .. } => {
-                WalletError::LegNotFound { leg: legs.iter().position(|(id, _, _)| id == wallet).unwrap_or(0) }
-            }
+            Work::Between(_) => WalletError::internal("a movement between wallets decides its own"),
         }
     }
 
@@ -238,7 +242,6 @@ impl Work {
         let (at, fingerprint) = match self {
             Work::Transfer { key: Some(key), .. } => (key.at(), &key.fingerprint),
             Work::PaymentRefund { key: Some(key), .. } => (key.at(), &key.fingerprint),
-            Work::Movement { key: Some(key), .. } => (key.at(), &key.fingerprint),
             _ => return Ok(None),
         };
         Ok(store::find_key(tx, at).await?.map(|found| Prior::of(&found, fingerprint)))
@@ -251,9 +254,7 @@ impl Work {
             Work::Transfer { access, parties, amount: Some(amount), reference, refunds: None, key } => {
                 Ok(LegsOp::Transfer { access, parties, amount, reference, key })
             }
-            Work::Movement { access, legs, reference, key } => {
-                Ok(LegsOp::Movement { access, legs, reference, key })
-            }
+            Work::Between(op) => Ok(op),
             other => Err(Box::new(other)),
         }
     }
@@ -264,7 +265,11 @@ impl Work {
             Work::Transfer { refunds: None, .. } => "transfer",
             Work::Transfer { refunds: Some(_), .. } => "transfer_refund",
             Work::PaymentRefund { .. } => "payment_refund",
-            Work::Movement { .. } => "movement",
+            Work::Between(LegsOp::Transfer { .. }) => "transfer",
+            Work::Between(LegsOp::Movement { hold: None, .. }) => "movement",
+            Work::Between(LegsOp::Movement { hold: Some(_), .. }) => "movement_hold",
+            Work::Between(LegsOp::Settle { capture: true, .. }) => "movement_capture",
+            Work::Between(LegsOp::Settle { capture: false, .. }) => "movement_void",
         }
     }
 }
@@ -284,7 +289,15 @@ pub(super) fn describe_metrics() {
         "Transfers a payee's worker sent on alone: their payer's lease was busy (or their key was twice in the batch)."
     );
     metrics::counter!("walletlock_payee_batch_alone_total").absolute(0);
-    for kind in ["transfer", "movement", "transfer_refund", "payment_refund"] {
+    for kind in [
+        "transfer",
+        "movement",
+        "movement_hold",
+        "movement_capture",
+        "movement_void",
+        "transfer_refund",
+        "payment_refund",
+    ] {
         for outcome in ["accepted", "insufficient_funds", "lock_timeout", "lease_lost", "unavailable"] {
             metrics::counter!("walletlock_transfers_total", "kind" => kind, "outcome" => outcome).absolute(0);
         }
@@ -357,25 +370,42 @@ impl Wallets {
     }
 
     /// Moves money between 2 to 16 wallets at once, under every wallet's lease, in one
-    /// transaction: every leg, or none. With a key, a key used before answers
-    /// [`WalletError::AlreadyRan`] and moves nothing; a new key's outcome is stored with the legs.
+    /// write: every leg, or none; with `hold`, reserves every debit leg for that long instead, to
+    /// be captured or voided as a whole ([`Wallets::settle_movement`]). With a key, a key used
+    /// before answers [`WalletError::AlreadyRan`] and moves nothing; a new key's outcome is stored
+    /// with the legs.
     pub async fn move_between(
         &self,
         access: &Access,
         legs: Legs,
         reference: Option<String>,
+        hold: Option<domain::HoldLife>,
         key: Option<Keyed<MovementRecordOutcome>>,
     ) -> Result<MovementRecord, WalletError> {
-        match self.run_work(Work::Movement { access: access.clone(), legs, reference, key }).await? {
-            Done::Movement(movement) => Ok(*movement),
-            _ => Err(WalletError::internal("a movement wrote something else")),
-        }
+        let op = LegsOp::Movement { access: access.clone(), legs, reference, hold, key };
+        self.run_work(Work::Between(op)).await?.into_movement()
     }
 
-    /// The movement `id`, if `access` may use one of its wallets.
+    /// Captures (`capture`) or voids held movement `id` as a whole, under the leases of all its
+    /// wallets: every leg's entry and every hold captured, or every hold released; refused with
+    /// nothing changed once any of its holds is settled, and `hold_expired` past its expiry.
+    pub async fn settle_movement(
+        &self,
+        access: &Access,
+        id: Uuid,
+        capture: bool,
+        key: Option<Keyed<MovementRecordOutcome>>,
+    ) -> Result<MovementRecord, WalletError> {
+        let found = self.find_movement(access, id).await?;
+        let held = HeldMovement::of(found).ok_or(WalletError::MovementNotHeld)?;
+        let op = LegsOp::Settle { access: access.clone(), held: Box::new(held), capture, key };
+        self.run_work(Work::Between(op)).await?.into_movement()
+    }
+
+    /// The movement `id` as it stands now, if `access` may use one of its wallets.
     pub async fn find_movement(&self, access: &Access, id: Uuid) -> Result<MovementRecord, WalletError> {
         let mut conn = self.connection().await?;
-        store::find_movement(&mut conn, id)
+        store::find_movement(&mut conn, id, chrono::Utc::now())
             .await?
             .filter(|found: &FoundMovement| found.owners.iter().any(|owner| access.may_use(owner.as_deref())))
             .map(|found| found.movement)
@@ -403,6 +433,10 @@ impl Wallets {
     /// Takes the leases of `work`'s wallets, commits it, releases them; or, in a Redis outage,
     /// commits it under Postgres alone.
     pub(super) async fn under_leases(&self, work: Work) -> Result<Done, WalletError> {
+        let work = match work.into_between() {
+            Ok(op) => Work::Between(op),
+            Err(refund) => *refund,
+        };
         if self.outage.is_active() {
             return self.commit_unleased(&work).await.inspect(|_| count_one(Path::PostgresOnly));
         }
@@ -550,6 +584,13 @@ impl Wallets {
     /// One transaction: lock the wallets in id order, check each fence, look the key up, decide,
     /// write, store the response, commit.
     async fn attempt(&self, work: &Work, fences: &Fences) -> Result<Done, Failure> {
+        if let Work::Between(op) = work {
+            let mut results = self.attempt_between(std::slice::from_ref(op), fences).await?;
+            return results
+                .pop()
+                .unwrap_or_else(|| Err(WalletError::internal("no result")))
+                .map_err(Failure::Wallet);
+        }
         let wallets = work.wallets();
         let ids: Vec<&str> = wallets.iter().map(|id| id.as_str()).collect();
         let mut tx = self.db.begin().await?;
@@ -618,48 +659,90 @@ impl Wallets {
                 self.write_locked(&mut tx, &[side], write, now).await?;
                 outcome.map(Done::Entry).map_err(WalletError::Refused)
             }
-            Work::Movement { legs, reference, key, .. } => {
-                for (wallet, amount, debit) in legs.iter() {
-                    if let (true, Some(row)) = (*debit, locked.get_mut(wallet.as_str())) {
-                        release_if_short(&mut tx, row, wallet, *amount, now).await?;
-                    }
-                }
-                let sides: Vec<Side<'_>> =
-                    legs.iter().map(|(id, _, _)| (id, &locked[id.as_str()], fence_of(id))).collect();
-                let decided: Vec<Leg<'_>> = sides
-                    .iter()
-                    .zip(legs.iter())
-                    .map(|(side, (_, amount, debit))| leg_of(*side, *amount, *debit))
-                    .collect();
-                let id = Uuid::new_v4();
-                let links =
-                    Links { movement: Some(id), reference: reference.as_deref(), refund_of: None, now };
-                let outcome: MovementRecordOutcome =
-                    decide_legs(&decided, (EntryKind::TransferOut, EntryKind::TransferIn), links)
-                        .map(|legs| MovementRecord {
-                            id,
-                            reference: reference.clone(),
-                            legs,
-                            created_at: now,
-                        })
-                        .map_err(|(leg, refusal)| LegRefusal { leg, refusal });
-                let entries: Vec<&Entry> =
-                    outcome.as_ref().map(|m| m.legs.iter().collect()).unwrap_or_default();
-                let response = key.as_ref().map(|key| (key.render)(&outcome));
-                let first = sides[0].0;
-                let keys = key_write(first, key.as_ref(), response.as_ref(), entries.first().map(|e| e.id));
-                let movements = outcome.as_ref().into_iter().collect();
-                let write = GroupWrite { entries, keys, movements, ..Default::default() };
-                self.write_locked(&mut tx, &sides, write, now).await?;
-                outcome
-                    .map(|movement| Done::Movement(Box::new(movement)))
-                    .map_err(|LegRefusal { leg, refusal }| WalletError::LegRefused { leg, refusal })
-            }
+            Work::Between(_) => unreachable!("decided by `attempt_between`"),
         };
         crate::failpoint::hit("before_commit");
         super::commit(tx).await?;
         crate::failpoint::hit("after_commit");
         outcome.map_err(Failure::Wallet)
+    }
+}
+
+impl Wallets {
+    /// Movements between wallets in one transaction of their own (under Citus, or under Postgres
+    /// alone): lock their wallets' rows in id order, check each fence, look up their keys and the
+    /// holds they settle, decide them as a round does ([`decide_between`], reading the expired
+    /// holds it asks for), and write them with the rounds' one write, all or nothing.
+    async fn attempt_between(
+        &self,
+        ops: &[LegsOp],
+        fences: &Fences,
+    ) -> Result<Vec<Result<Done, WalletError>>, Failure> {
+        let wallets = wallets_of(ops);
+        let ids: Vec<&str> = wallets.iter().map(WalletId::as_str).collect();
+        let mut tx = self.db.begin().await?;
+        let locked = store::lock_wallets(&mut tx, &ids, ROW_LOCK_TIMEOUT).await?;
+        let mut rows: Vec<(i64, Option<Held>)> = Vec::with_capacity(wallets.len());
+        for wallet in &wallets {
+            rows.push(match locked.get(wallet.as_str()) {
+                Some(row) => (fences.for_row(wallet, row.fence)?, Some(held_of(row))),
+                // A missing wallet is the answer of the movements that name it.
+                None => (0, None),
+            });
+        }
+        let legs_wallets: Vec<LegsWallet<'_>> = wallets
+            .iter()
+            .zip(&rows)
+            .map(|(id, (fence, held))| LegsWallet { id, fence: *fence, held: held.as_ref() })
+            .collect();
+        let mut keys = FoundKeys::new();
+        for (at, _) in ops.iter().filter_map(LegsOp::key) {
+            if let Some(found) = store::find_key(&mut tx, at).await? {
+                keys.insert((at.caller.to_owned(), at.scope.to_owned(), at.key.to_owned()), found);
+            }
+        }
+        let now = crate::ledger::entry_time();
+        let hold_ids: Vec<Uuid> = ops.iter().flat_map(LegsOp::settles).collect();
+        let mut expired_read: HashSet<String> = HashSet::new();
+        let (plan, holds) = loop {
+            let expired_of: Vec<&str> = expired_read.iter().map(String::as_str).collect();
+            let holds = crate::ledger::hold::read_holds(&mut tx, &ids, &hold_ids, &expired_of, now).await?;
+            let known = Known { keys: &keys, holds: &holds, expired_read: &expired_read, now };
+            match decide_between(&legs_wallets, ops, known) {
+                Ok(plan) => break (plan, holds),
+                Err(short) => expired_read.extend(short),
+            }
+        };
+        drop(holds);
+        if plan.runs() {
+            let mut write = GroupWrite::default();
+            group::add_legs(&mut write, &legs_wallets, ops, &plan);
+            let storage = self.storage.on(&mut tx).await?;
+            let retention = self.keys.settings().retention;
+            match Box::pin(store_round::commit(&mut tx, storage, &write, now, retention)).await {
+                Ok(committed) if committed.moved.len() == write.wallets.len() => {}
+                // Its rows are locked by this transaction: only a bug lets one not match.
+                Ok(_) => return Err(WalletError::LeaseLost.into()),
+                Err(err) if err.is_key_conflict() => return Err(Failure::KeyConflict),
+                Err(err) => return Err(err.into()),
+            }
+        }
+        crate::failpoint::hit("before_commit");
+        super::commit(tx).await?;
+        crate::failpoint::hit("after_commit");
+        Ok(plan.results(Ok(true)))
+    }
+}
+
+/// A wallet row as locked, as the decision holds it.
+fn held_of(row: &LockedWallet) -> Held {
+    Held {
+        balance: row.balance,
+        held: row.held,
+        version: row.version,
+        fence: row.fence,
+        owner: row.owner.as_deref().map(std::sync::Arc::from),
+        from_note: false,
     }
 }
 

@@ -433,3 +433,176 @@ async fn splits_go_on_through_a_flushall_and_a_redis_outage_and_the_books_balanc
     assert_decided_on_merits(&counts);
     check_split_books(&fleet, &opening_of(&wallets), &attempts).await;
 }
+
+/// What the wallet row holds: (balance, held).
+async fn balance_and_held(db: &sqlx::PgPool, wallet: &str) -> (i64, i64) {
+    sqlx::query_as("select balance, held from wallet where id = $1").bind(wallet).fetch_one(db).await.unwrap()
+}
+
+fn held_split(spec: &[(&str, i64)], expires_in: i64) -> Value {
+    let mut body = legs(spec);
+    body["hold"] = json!({ "expires_in": expires_in });
+    body
+}
+
+async fn post_code(client: &reqwest::Client, url: String) -> (u16, Value) {
+    let response = client.post(url).send().await.unwrap();
+    (response.status().as_u16(), response.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_split_reserves_every_debit_and_is_captured_or_voided_as_a_whole() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    app.open_wallet("hp", 10_000).await;
+    app.open_wallet("hq", 1_000).await;
+    for wallet in ["hm", "hf"] {
+        app.open_wallet(wallet, 0).await;
+    }
+    // Two payers, two payees: both debits are held, nothing is written to anyone yet.
+    let split = held_split(&[("hp", -1_000), ("hq", -200), ("hm", 1_100), ("hf", 100)], 600);
+    let placed = keyed(&app, "held-1", &split).await;
+    assert_eq!(placed.status(), 201);
+    let placed: Value = placed.json().await.unwrap();
+    assert_eq!(placed["status"], "held");
+    assert_eq!(placed["legs"], json!([]), "no entry until the capture");
+    let held_legs = placed["hold"]["legs"].as_array().unwrap();
+    assert!(held_legs[0]["hold_id"].is_string() && held_legs[1]["hold_id"].is_string());
+    assert!(held_legs[2].get("hold_id").is_none(), "a credit leg holds nothing");
+    assert_eq!(balance_and_held(&app.db, "hp").await, (10_000, 1_000));
+    assert_eq!(balance_and_held(&app.db, "hq").await, (1_000, 200));
+    assert_eq!(balances(&app.db, &["hm", "hf"]).await, [0, 0]);
+    let replayed = keyed(&app, "held-1", &split).await;
+    assert_eq!(replayed.headers()["idempotent-replayed"], "true");
+    assert_eq!(balance_and_held(&app.db, "hp").await, (10_000, 1_000), "placed once");
+
+    // A leg's hold is settled with its movement, never alone.
+    let leg_hold = held_legs[0]["hold_id"].as_str().unwrap();
+    let alone = app.client.post(app.url(&format!("/holds/{leg_hold}/capture"))).json(&json!({})).send();
+    let alone = alone.await.unwrap();
+    let status = alone.status().as_u16();
+    let problem: Value = alone.json().await.unwrap();
+    assert_eq!((status, problem["code"].as_str()), (409, Some("hold_of_movement")), "{problem}");
+
+    let id = placed["id"].as_str().unwrap();
+    let captured = app.client.post(app.url(&format!("/movements/{id}/capture"))).send().await.unwrap();
+    assert_eq!(captured.status(), 200);
+    let captured: Value = captured.json().await.unwrap();
+    assert_eq!(captured["status"], "captured");
+    let after: Vec<i64> =
+        captured["legs"].as_array().unwrap().iter().map(|e| e["balance"].as_i64().unwrap()).collect();
+    assert_eq!(after, [9_000, 800, 1_100, 100], "every leg's entry, in the legs' order");
+    assert_eq!(captured["legs"][0]["hold_id"].as_str(), Some(leg_hold), "a debit's entry names its hold");
+    assert_eq!(balance_and_held(&app.db, "hp").await, (9_000, 0));
+    assert_eq!(balance_and_held(&app.db, "hq").await, (800, 0));
+    for settle in ["capture", "void"] {
+        let (status, problem) = post_code(&app.client, app.url(&format!("/movements/{id}/{settle}"))).await;
+        assert_eq!((status, problem["code"].as_str()), (409, Some("hold_captured")), "{settle}: {problem}");
+    }
+    let read: Value = app.get(&format!("/movements/{id}")).await.json().await.unwrap();
+    assert_eq!((read["status"].as_str(), read["legs"].as_array().map(Vec::len)), (Some("captured"), Some(4)));
+
+    // Voided: every hold released, nothing charged.
+    let voided_split = held_split(&[("hp", -500), ("hm", 500)], 600);
+    let placed: Value = keyed(&app, "held-2", &voided_split).await.json().await.unwrap();
+    let id = placed["id"].as_str().unwrap();
+    let voided = app.client.post(app.url(&format!("/movements/{id}/void"))).send().await.unwrap();
+    assert_eq!(voided.status(), 200);
+    assert_eq!(voided.json::<Value>().await.unwrap()["status"], "voided");
+    assert_eq!(balance_and_held(&app.db, "hp").await, (9_000, 0));
+    let (status, problem) = post_code(&app.client, app.url(&format!("/movements/{id}/capture"))).await;
+    assert_eq!((status, problem["code"].as_str()), (409, Some("hold_voided")), "{problem}");
+
+    // Past its expiry a capture is refused and releases every hold.
+    let brief = held_split(&[("hp", -300), ("hq", -100), ("hf", 400)], 1);
+    let placed: Value = keyed(&app, "held-3", &brief).await.json().await.unwrap();
+    let id = placed["id"].as_str().unwrap().to_owned();
+    assert_eq!(balance_and_held(&app.db, "hq").await, (800, 100));
+    let expired = || {
+        let (app, id) = (&app, &id);
+        async move {
+            let read: Value = app.get(&format!("/movements/{id}")).await.json().await.unwrap();
+            read["status"] == "expired"
+        }
+    };
+    crate::support::eventually("the held movement expired", Duration::from_secs(20), expired).await;
+    let (status, problem) = post_code(&app.client, app.url(&format!("/movements/{id}/capture"))).await;
+    assert_eq!((status, problem["code"].as_str()), (409, Some("hold_expired")), "{problem}");
+    assert_eq!(balance_and_held(&app.db, "hp").await, (9_000, 0));
+    assert_eq!(balance_and_held(&app.db, "hq").await, (800, 0));
+    assert_eq!(balances(&app.db, &["hf"]).await, [100], "nothing paid in");
+
+    // What cannot be: a hold beyond a debit's available balance, a bad life, a posted movement.
+    let too_much = keyed(&app, "held-4", &held_split(&[("hq", -900), ("hm", 900)], 60)).await;
+    assert_eq!(too_much.status(), 422);
+    let problem: Value = too_much.json().await.unwrap();
+    assert_eq!((problem["code"].as_str(), problem["leg"].as_i64()), (Some("insufficient_funds"), Some(0)));
+    for life in [0, 604_801] {
+        let bad = app.post_json("/movements", held_split(&[("hp", -1), ("hm", 1)], life)).await;
+        assert_eq!(bad.status(), 400, "expires_in {life}");
+        assert_eq!(bad.json::<Value>().await.unwrap()["code"], "invalid_expires_in");
+    }
+    let posted: Value =
+        app.post_json("/movements", legs(&[("hp", -1), ("hm", 1)])).await.json().await.unwrap();
+    let (status, problem) =
+        post_code(&app.client, app.url(&format!("/movements/{}/void", posted["id"].as_str().unwrap()))).await;
+    assert_eq!((status, problem["code"].as_str()), (409, Some("movement_not_held")), "{problem}");
+    assert_eq!(balance_and_held(&app.db, "hq").await, (800, 0), "refusals change nothing");
+    let (ok, report) = audit(&app._schema.url);
+    assert!(ok, "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_split_captured_on_one_replica_while_another_voids_it_settles_exactly_once() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 3, &[]).await;
+    let wallets = ["ra", "rb", "rc"];
+    open_wallets(&fleet, &wallets, 10_000).await;
+    let rounds = 12;
+    let mut captured = 0;
+    for n in 0..rounds {
+        let body = held_split(&[("ra", -100), ("rb", -50), ("rc", 150)], 600);
+        let placed = fleet.client.post(fleet.url("/movements")).json(&body).send().await.unwrap();
+        assert_eq!(placed.status(), 201);
+        let id = placed.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+        // The capture on one replica, the void on another, at once.
+        let capture =
+            post_code(&fleet.client, fleet.replicas[n % 3].url(&format!("/movements/{id}/capture")));
+        let void =
+            post_code(&fleet.client, fleet.replicas[(n + 1) % 3].url(&format!("/movements/{id}/void")));
+        let ((capture_status, capture_problem), (void_status, void_problem)) = tokio::join!(capture, void);
+        let read: Value = fleet
+            .client
+            .get(fleet.url(&format!("/movements/{id}")))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        match (capture_status, void_status) {
+            (200, 409) => {
+                assert_eq!(void_problem["code"], "hold_captured", "{void_problem}");
+                assert_eq!(read["status"], "captured");
+                captured += 1;
+            }
+            (409, 200) => {
+                assert_eq!(capture_problem["code"], "hold_voided", "{capture_problem}");
+                assert_eq!(read["status"], "voided");
+            }
+            other => {
+                panic!("exactly one of a capture and a void wins: {other:?} {capture_problem} {void_problem}")
+            }
+        }
+    }
+    assert_eq!(
+        balances(&fleet.db, &wallets).await,
+        [10_000 - 100 * captured, 10_000 - 50 * captured, 10_000 + 150 * captured],
+        "every leg of each captured movement, none of a voided one"
+    );
+    for wallet in ["ra", "rb"] {
+        assert_eq!(balance_and_held(&fleet.db, wallet).await.1, 0, "nothing left held");
+    }
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "{report}");
+}

@@ -28,6 +28,8 @@ const ROUTES: &[(&str, &str, &[&str])] = &[
     ("post", "/transfers/{id}/refund", POST_STATUSES),
     ("post", "/movements", &["201", "400", "401", "404", "409", "413", "415", "422", "503"]),
     ("get", "/movements/{id}", GET_STATUSES),
+    ("post", "/movements/{id}/capture", &["200", "400", "401", "404", "409", "422", "503"]),
+    ("post", "/movements/{id}/void", &["200", "400", "401", "404", "409", "422", "503"]),
     ("post", "/wallets/{id}/holds", &["201", "400", "401", "404", "409", "413", "415", "422", "503"]),
     ("get", "/holds/{id}", GET_STATUSES),
     ("post", "/holds/{id}/capture", POST_STATUSES),

@@ -116,6 +116,16 @@ pub const WALLET_EXISTS: ErrorCode = replica(S::CONFLICT, "wallet_exists", "the 
 pub const HOLD_CAPTURED: ErrorCode = replica(S::CONFLICT, "hold_captured", HOLD_SETTLED);
 pub const HOLD_VOIDED: ErrorCode = replica(S::CONFLICT, "hold_voided", HOLD_SETTLED);
 pub const HOLD_EXPIRED: ErrorCode = replica(S::CONFLICT, "hold_expired", HOLD_SETTLED);
+pub const MOVEMENT_NOT_HELD: ErrorCode = replica(
+    S::CONFLICT,
+    "movement_not_held",
+    "the movement was posted, not placed as a hold: there is nothing to capture or void",
+);
+pub const HOLD_OF_MOVEMENT: ErrorCode = replica(
+    S::CONFLICT,
+    "hold_of_movement",
+    "the hold reserves a leg of a held movement (`movement_id`): capture or void the movement as a whole",
+);
 pub const LEASE_LOST: ErrorCode = replica(
     S::CONFLICT,
     "lease_lost",
@@ -271,6 +281,8 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &HOLD_CAPTURED,
     &HOLD_VOIDED,
     &HOLD_EXPIRED,
+    &MOVEMENT_NOT_HELD,
+    &HOLD_OF_MOVEMENT,
     &LEASE_LOST,
     &IDEMPOTENCY_KEY_IN_FLIGHT,
     &PAYLOAD_TOO_LARGE,

@@ -1,20 +1,29 @@
 //! The decision of movements between wallets: transfers and movements of many legs, decided in
-//! arrival order against the wallets they touch, as read under the leases of every one of them.
+//! arrival order against the wallets they touch, as read under the leases of every one of them
+//! (or, under Postgres alone, with their rows locked).
 //!
 //! A round carries them as one job per set of wallets (a transfer alone; a payee's transfers from
-//! many payers; a movement of 2 to 16 legs), decided here with no I/O. Each movement applies every
-//! leg or none ([`decide_legs`]) and each leg sees what the movements before it left, so a payer
-//! paying twice in one job pays from its new balance. A refusal changes nothing; a key decides
-//! once, as in a wallet's batch ([`super::decide_round`]).
+//! many payers; a movement of 2 to 16 legs, placed, captured or voided), decided here with no
+//! I/O. Each movement applies every leg or none ([`decide_legs`]) and each leg sees what the
+//! movements before it left, so a payer paying twice in one job pays from its new balance. A
+//! refusal changes nothing; a key decides once, as in a wallet's batch ([`super::decide_round`]).
+//!
+//! A held movement reserves each debit leg with a hold and writes no entry; its capture writes
+//! every leg's entry and settles every hold, its void releases every hold, both only while every
+//! hold is still held and before `expires_at` by the deciding replica's clock. Past it, a capture
+//! or a void is refused `hold_expired` and its write releases every hold still held, so the holds
+//! of one movement are captured together or not at all.
 
 use super::{Held, Known, Leg, Links, Settled, as_written, decide_legs, settled};
-use crate::domain::{Funds, HoldStatus, LegRefusal, Parties};
+use crate::domain::{Funds, HoldLife, HoldStatus, LegRefusal, Parties};
 use crate::idempotency::{Keyed, Prior};
+use crate::ledger::hold::{Hold, NewHold};
 use crate::ledger::idempotency::StoredResponse;
-use crate::ledger::transfer::{MovementRecord, Transfer};
+use crate::ledger::transfer::{HeldLeg, MovementHold, MovementRecord, MovementStatus, Transfer};
 use crate::ledger::{Entry, EntryKind};
 use crate::wallet::transfer::{Done, MovementRecordOutcome, TransferOutcome};
 use crate::wallet::{Access, Amount, Field, Legs, Refusal, WalletError, WalletId};
+use chrono::{DateTime, Utc};
 use std::collections::{HashMap, HashSet};
 use uuid::Uuid;
 
@@ -32,32 +41,84 @@ pub enum LegsOp {
         reference: Option<String>,
         key: Option<Keyed<TransferOutcome>>,
     },
-    /// Money between 2 to 16 wallets at once, its legs summing to zero.
+    /// Money between 2 to 16 wallets at once, its legs summing to zero; with `hold`, reserved on
+    /// every debit leg for that long instead, to be captured or voided as a whole.
     Movement {
         access: Access,
         legs: Legs,
         reference: Option<String>,
+        hold: Option<HoldLife>,
         key: Option<Keyed<MovementRecordOutcome>>,
     },
+    /// A held movement captured (`capture`) or voided: every leg at once.
+    Settle {
+        access: Access,
+        held: Box<HeldMovement>,
+        capture: bool,
+        key: Option<Keyed<MovementRecordOutcome>>,
+    },
+}
+
+/// A held movement as found before its leases were taken: its legs and holds never change, and
+/// its holds' statuses are decided on as read under the leases.
+#[derive(Debug, Clone)]
+pub struct HeldMovement {
+    pub record: MovementRecord,
+    pub legs: Legs,
+    pub expires_at: DateTime<Utc>,
+    /// Each leg's hold (a debit's), in the legs' order.
+    pub holds: Vec<Option<Uuid>>,
+}
+
+impl HeldMovement {
+    /// The held movement `record` is, if it was placed as a hold and its legs read back as valid.
+    pub fn of(record: MovementRecord) -> Option<HeldMovement> {
+        let hold = record.hold.clone()?;
+        let legs = hold
+            .legs
+            .iter()
+            .map(|leg| WalletId::parse(&leg.wallet_id).ok().map(|id| (id, leg.amount)))
+            .collect::<Option<Vec<_>>>()?;
+        let legs = Legs::new(legs).ok()?;
+        let holds = hold.legs.iter().map(|leg| leg.hold_id).collect();
+        Some(HeldMovement { record, legs, expires_at: hold.expires_at, holds })
+    }
 }
 
 impl LegsOp {
     /// Each leg: its wallet, its amount, and whether it takes money out of the wallet.
     pub fn legs(&self) -> Vec<(&WalletId, Amount, bool)> {
+        fn of(legs: &Legs) -> Vec<(&WalletId, Amount, bool)> {
+            legs.iter().map(|(id, amount, debit)| (id, *amount, *debit)).collect()
+        }
         match self {
             LegsOp::Transfer { parties, amount, .. } => {
                 vec![(&parties.from, *amount, true), (&parties.to, *amount, false)]
             }
-            LegsOp::Movement { legs, .. } => {
-                legs.iter().map(|(id, amount, debit)| (id, *amount, *debit)).collect()
-            }
+            LegsOp::Movement { legs, .. } => of(legs),
+            LegsOp::Settle { held, .. } => of(&held.legs),
         }
+    }
+
+    /// The holds it settles, which the round reads by id.
+    pub fn settles(&self) -> impl Iterator<Item = Uuid> + '_ {
+        let holds = match self {
+            LegsOp::Settle { held, .. } => held.holds.as_slice(),
+            _ => &[],
+        };
+        holds.iter().flatten().copied()
+    }
+
+    fn access(&self) -> &Access {
+        let (LegsOp::Transfer { access, .. }
+        | LegsOp::Movement { access, .. }
+        | LegsOp::Settle { access, .. }) = self;
+        access
     }
 
     /// Whether the caller may take money out of (`debit`) or pay into a wallet owned by `owner`.
     fn may_touch(&self, debit: bool, owner: Option<&str>) -> bool {
-        let (LegsOp::Transfer { access, .. } | LegsOp::Movement { access, .. }) = self;
-        if debit { access.may_use(owner) } else { access.may_pay_into(owner) }
+        if debit { self.access().may_use(owner) } else { self.access().may_pay_into(owner) }
     }
 
     /// The answer when the wallet of leg `n` does not exist, or is not the caller's to touch.
@@ -66,7 +127,7 @@ impl LegsOp {
             LegsOp::Transfer { .. } => {
                 WalletError::PartyNotFound { field: if n == 0 { Field::From } else { Field::To } }
             }
-            LegsOp::Movement { .. } => WalletError::LegNotFound { leg: n },
+            LegsOp::Movement { .. } | LegsOp::Settle { .. } => WalletError::LegNotFound { leg: n },
         }
     }
 
@@ -74,7 +135,9 @@ impl LegsOp {
     pub fn key(&self) -> Option<(crate::ledger::idempotency::KeyRef<'_>, &[u8; 32])> {
         match self {
             LegsOp::Transfer { key: Some(key), .. } => Some((key.at(), &key.fingerprint)),
-            LegsOp::Movement { key: Some(key), .. } => Some((key.at(), &key.fingerprint)),
+            LegsOp::Movement { key: Some(key), .. } | LegsOp::Settle { key: Some(key), .. } => {
+                Some((key.at(), &key.fingerprint))
+            }
             _ => None,
         }
     }
@@ -107,11 +170,15 @@ pub struct LegsPlan {
     decisions: Vec<LegsDecision>,
     /// The ledger entries of the accepted movements, in order.
     pub entries: Vec<Entry>,
-    /// The expired holds released (the index of their wallet in the job, and the settlement).
+    /// The holds placed by held movements.
+    pub placed: Vec<Hold>,
+    /// The holds settled (the index of their wallet in the job, and the settlement): expired ones
+    /// released, and those of held movements captured, voided or found expired.
     pub settled: Vec<(usize, Settled)>,
     /// Each wallet after the movements, in the job's order (`None`: no such wallet).
     pub after: Vec<Option<Held>>,
     pub transfers: Vec<Transfer>,
+    /// The movements made (not those settled: they are stored already).
     pub movements: Vec<MovementRecord>,
     /// The response to store for each keyed movement that ran: (index, response, its first entry).
     pub responses: Vec<(usize, StoredResponse, Option<Uuid>)>,
@@ -156,6 +223,238 @@ impl LegsPlan {
     }
 }
 
+/// One job's decision in progress: each wallet as the movements decided so far leave it, and each
+/// hold as they settled it.
+struct Deciding<'a, 'k> {
+    wallets: &'a [LegsWallet<'a>],
+    state: Vec<Option<Held>>,
+    status_now: HashMap<Uuid, HoldStatus>,
+    known: Known<'k>,
+    plan: LegsPlan,
+}
+
+/// How one movement was decided: made, or refused naming the leg (a refusal changes nothing but
+/// the holds it found expired).
+type Decided = Result<Made, (usize, Refusal)>;
+
+/// A movement accepted, before it is answered.
+enum Made {
+    Transfer(Box<Transfer>),
+    /// A movement posted or placed (`new`: its row is to be written), or one settled.
+    Movement {
+        record: MovementRecord,
+        new: bool,
+    },
+}
+
+impl Deciding<'_, '_> {
+    /// The legs of `op`, each against its wallet as the job left it (`touched`: the wallet of each
+    /// leg, by index), with `held_off` taken off what each wallet holds (a capture's own holds).
+    fn legs<'o>(&self, op: &'o LegsOp, touched: &[usize], held_off: &[i64]) -> Vec<Leg<'o>> {
+        op.legs()
+            .into_iter()
+            .zip(touched)
+            .zip(held_off)
+            .map(|(((wallet, amount, debit), &w), off)| {
+                let held = self.state[w].as_ref().expect("touched wallets exist");
+                Leg {
+                    wallet,
+                    funds: Funds { balance: held.balance, held: held.held - off },
+                    version: held.version,
+                    fence: self.wallets[w].fence,
+                    amount,
+                    debit,
+                }
+            })
+            .collect()
+    }
+
+    /// Applies `entries` (one a leg, in `touched`'s order) to the job's wallets.
+    fn apply(&mut self, entries: &[Entry], touched: &[usize]) {
+        for (entry, &w) in entries.iter().zip(touched) {
+            let held = self.state[w].as_mut().expect("touched wallets exist");
+            (held.balance, held.version) = (entry.balance, entry.version);
+        }
+        self.plan.entries.extend(entries.iter().cloned());
+    }
+
+    /// Settles hold `hold` of wallet `w` as `status`, releasing what it held.
+    fn settle(&mut self, w: usize, hold: &Hold, status: HoldStatus, capture_entry: Option<Uuid>) {
+        let held = self.state[w].as_mut().expect("touched wallets exist");
+        held.held -= hold.amount;
+        let captured = if status == HoldStatus::Captured { hold.amount } else { 0 };
+        self.status_now.insert(hold.id, status);
+        self.plan.settled.push((w, settled(hold.id, status, captured, capture_entry)));
+    }
+
+    /// A transfer, or a movement posted at once.
+    fn post(&mut self, op: &LegsOp, touched: &[usize], now: DateTime<Utc>) -> Decided {
+        let legs = self.legs(op, touched, &vec![0; touched.len()]);
+        let id = Uuid::new_v4();
+        let (reference, parties) = match op {
+            LegsOp::Transfer { reference, parties, .. } => (reference, Some(parties)),
+            LegsOp::Movement { reference, .. } => (reference, None),
+            LegsOp::Settle { .. } => unreachable!("a settlement is not posted"),
+        };
+        let links = Links { movement: Some(id), reference: reference.as_deref(), refund_of: None, now };
+        let entries = decide_legs(&legs, (EntryKind::TransferOut, EntryKind::TransferIn), links)?;
+        self.apply(&entries, touched);
+        Ok(match parties {
+            Some(parties) => {
+                let [from_entry, to_entry]: [Entry; 2] = entries.try_into().expect("two legs, two entries");
+                Made::Transfer(Box::new(Transfer {
+                    id,
+                    from: parties.from.as_str().to_owned(),
+                    to: parties.to.as_str().to_owned(),
+                    amount: from_entry.amount,
+                    reference: reference.clone(),
+                    refund_of: None,
+                    from_entry,
+                    to_entry,
+                    created_at: now,
+                }))
+            }
+            None => Made::Movement {
+                record: MovementRecord {
+                    id,
+                    reference: reference.clone(),
+                    status: MovementStatus::Posted,
+                    legs: entries,
+                    hold: None,
+                    created_at: now,
+                },
+                new: true,
+            },
+        })
+    }
+
+    /// A movement placed as a hold: every debit leg reserved for `life`, no entry written.
+    fn place(&mut self, op: &LegsOp, touched: &[usize], life: HoldLife, now: DateTime<Utc>) -> Decided {
+        let LegsOp::Movement { reference, .. } = op else { unreachable!("only a movement is placed") };
+        let legs = self.legs(op, touched, &vec![0; touched.len()]);
+        let id = Uuid::new_v4();
+        let expires_at = life.expiry_from(now);
+        let mut holds: Vec<Option<Hold>> = Vec::with_capacity(legs.len());
+        for (n, leg) in legs.iter().enumerate() {
+            if !leg.debit {
+                holds.push(None);
+                continue;
+            }
+            leg.funds.hold(leg.amount).map_err(|refusal| (n, refusal))?;
+            let new = NewHold {
+                wallet_id: leg.wallet.as_str().to_owned(),
+                amount: leg.amount.get(),
+                expires_at,
+                reference: reference.clone(),
+                fence: leg.fence,
+                movement_id: Some(id),
+            };
+            holds.push(Some(Hold::placed(new, now)));
+        }
+        let held_legs = legs
+            .iter()
+            .zip(&holds)
+            .map(|(leg, hold)| HeldLeg {
+                wallet_id: leg.wallet.as_str().to_owned(),
+                amount: leg.signed(),
+                hold_id: hold.as_ref().map(|h| h.id),
+            })
+            .collect();
+        for (hold, &w) in holds.iter().zip(touched) {
+            if let Some(hold) = hold {
+                self.state[w].as_mut().expect("touched wallets exist").held += hold.amount;
+            }
+        }
+        self.plan.placed.extend(holds.into_iter().flatten());
+        let record = MovementRecord {
+            id,
+            reference: reference.clone(),
+            status: MovementStatus::Held,
+            legs: Vec::new(),
+            hold: Some(MovementHold { expires_at, legs: held_legs }),
+            created_at: now,
+        };
+        Ok(Made::Movement { record, new: true })
+    }
+
+    /// A held movement captured (every leg's entry written, every hold settled `captured`) or
+    /// voided (every hold released), if every hold is still held and it has not expired by `now`.
+    fn settle_movement(
+        &mut self,
+        op: &LegsOp,
+        touched: &[usize],
+        now: DateTime<Utc>,
+    ) -> Result<Decided, WalletError> {
+        let LegsOp::Settle { held, capture, .. } = op else { unreachable!("only a settlement settles") };
+        let mut holds: Vec<Option<Hold>> = Vec::with_capacity(held.holds.len());
+        for id in &held.holds {
+            holds.push(match id {
+                Some(id) => Some(
+                    self.known
+                        .holds
+                        .get(id)
+                        .cloned()
+                        .ok_or_else(|| WalletError::internal("a held movement's hold not read"))?,
+                ),
+                None => None,
+            });
+        }
+        // The first leg whose hold is settled already says why nothing more can be.
+        let settled_before = holds.iter().enumerate().find_map(|(n, hold)| {
+            let hold = hold.as_ref()?;
+            self.status_now
+                .get(&hold.id)
+                .copied()
+                .unwrap_or(hold.status)
+                .refusal()
+                .map(|refusal| (n, refusal))
+        });
+        if let Some(refused) = settled_before {
+            return Ok(Err(refused));
+        }
+        let first_debit = holds.iter().position(Option::is_some).unwrap_or(0);
+        if held.expires_at <= now {
+            // Expired: this write releases every hold of it, so no capture can come after.
+            for (hold, &w) in holds.iter().zip(touched) {
+                if let Some(hold) = hold {
+                    self.settle(w, hold, HoldStatus::Expired, None);
+                }
+            }
+            return Ok(Err((first_debit, Refusal::HoldExpired)));
+        }
+        let mut record = MovementRecord { status: MovementStatus::Voided, ..held.record.clone() };
+        if *capture {
+            let held_off: Vec<i64> = holds.iter().map(|hold| hold.as_ref().map_or(0, |h| h.amount)).collect();
+            let legs = self.legs(op, touched, &held_off);
+            let links = Links {
+                movement: Some(held.record.id),
+                reference: held.record.reference.as_deref(),
+                refund_of: None,
+                now,
+            };
+            let mut entries = match decide_legs(&legs, (EntryKind::TransferOut, EntryKind::TransferIn), links)
+            {
+                Ok(entries) => entries,
+                Err(refused) => return Ok(Err(refused)),
+            };
+            for (entry, hold) in entries.iter_mut().zip(&holds) {
+                entry.hold_id = hold.as_ref().map(|h| h.id);
+            }
+            self.apply(&entries, touched);
+            record =
+                MovementRecord { status: MovementStatus::Captured, legs: entries, ..held.record.clone() };
+        }
+        let status = if *capture { HoldStatus::Captured } else { HoldStatus::Voided };
+        for (n, (hold, &w)) in holds.iter().zip(touched).enumerate() {
+            if let Some(hold) = hold {
+                let entry = record.legs.get(n).map(|e| e.id);
+                self.settle(w, hold, status, entry);
+            }
+        }
+        Ok(Ok(Made::Movement { record, new: false }))
+    }
+}
+
 /// Decides a job's movements, in order, against `wallets` as read. `Err` names the wallets one of
 /// whose debits was short of funds while something of it is held, and whose expired holds `known`
 /// lacks: nothing may be written; read those and decide again (as [`super::decide_round`] asks).
@@ -166,27 +465,31 @@ pub fn decide_between(
 ) -> Result<LegsPlan, Vec<String>> {
     let now = known.now;
     let index: HashMap<&WalletId, usize> = wallets.iter().enumerate().map(|(n, w)| (w.id, n)).collect();
-    // Each wallet as the movements decided so far leave it.
-    let mut state: Vec<Option<Held>> = wallets.iter().map(|w| w.held.cloned()).collect();
-    let mut plan = LegsPlan {
-        decisions: Vec::with_capacity(ops.len()),
-        entries: Vec::new(),
-        settled: Vec::new(),
-        after: Vec::new(),
-        transfers: Vec::new(),
-        movements: Vec::new(),
-        responses: Vec::new(),
+    let mut job = Deciding {
+        wallets,
+        state: wallets.iter().map(|w| w.held.cloned()).collect(),
+        status_now: HashMap::new(),
+        known,
+        plan: LegsPlan {
+            decisions: Vec::with_capacity(ops.len()),
+            entries: Vec::new(),
+            placed: Vec::new(),
+            settled: Vec::new(),
+            after: Vec::new(),
+            transfers: Vec::new(),
+            movements: Vec::new(),
+            responses: Vec::new(),
+        },
     };
     // A hold is only treated as expired by the write that releases it (see the module doc of
     // `decision`): every expired hold read of a wallet is released with its movements.
     for (n, wallet) in wallets.iter().enumerate() {
-        let Some(held) = state[n].as_mut().filter(|_| known.expired_read.contains(wallet.id.as_str())) else {
+        if job.state[n].is_none() || !known.expired_read.contains(wallet.id.as_str()) {
             continue;
-        };
+        }
         for hold in known.holds.values().filter(|h| h.wallet_id == wallet.id.as_str()) {
             if hold.status == HoldStatus::Held && hold.expires_at <= now {
-                held.held -= hold.amount;
-                plan.settled.push((n, settled(hold.id, HoldStatus::Expired, 0, None)));
+                job.settle(n, hold, HoldStatus::Expired, None);
             }
         }
     }
@@ -202,26 +505,29 @@ pub fn decide_between(
                 index
                     .get(id)
                     .copied()
-                    .filter(|&w| state[w].as_ref().is_some_and(|h| op.may_touch(*debit, h.owner.as_deref())))
+                    .filter(|&w| {
+                        job.state[w].as_ref().is_some_and(|h| op.may_touch(*debit, h.owner.as_deref()))
+                    })
                     .ok_or_else(|| op.missing(leg))
             })
             .collect();
         let touched = match touched {
             Ok(touched) => touched,
             Err(missing) => {
-                plan.decisions.push(LegsDecision::Answered(missing));
+                job.plan.decisions.push(LegsDecision::Answered(missing));
                 continue;
             }
         };
         if let Some((at, fingerprint)) = op.key() {
             let at: KeyAt<'_> = (at.caller, at.scope, at.key);
             if let Some(stored) = known.keys.get(&(at.0.to_owned(), at.1.to_owned(), at.2.to_owned())) {
-                plan.decisions
+                job.plan
+                    .decisions
                     .push(LegsDecision::Answered(WalletError::AlreadyRan(Prior::of(stored, fingerprint))));
                 continue;
             }
             if let Some((first, first_fingerprint)) = first_with_key.get(&at) {
-                plan.decisions.push(if *first_fingerprint == fingerprint {
+                job.plan.decisions.push(if *first_fingerprint == fingerprint {
                     LegsDecision::SameAs(*first)
                 } else {
                     LegsDecision::Answered(WalletError::AlreadyRan(Prior::Reused))
@@ -230,81 +536,64 @@ pub fn decide_between(
             }
             first_with_key.insert(at, (n, fingerprint));
         }
-        let decided: Vec<Leg<'_>> = legs
-            .iter()
-            .zip(&touched)
-            .map(|(&(wallet, amount, debit), &w)| {
-                let held = state[w].as_ref().expect("touched wallets exist");
-                Leg {
-                    wallet,
-                    funds: Funds { balance: held.balance, held: held.held },
-                    version: held.version,
-                    fence: wallets[w].fence,
-                    amount,
-                    debit,
+        let decided = match op {
+            LegsOp::Transfer { .. } | LegsOp::Movement { hold: None, .. } => job.post(op, &touched, now),
+            LegsOp::Movement { hold: Some(life), .. } => job.place(op, &touched, *life, now),
+            LegsOp::Settle { .. } => match job.settle_movement(op, &touched, now) {
+                Ok(decided) => decided,
+                Err(err) => {
+                    job.plan.decisions.push(LegsDecision::Answered(err));
+                    continue;
                 }
-            })
-            .collect();
-        let id = Uuid::new_v4();
-        let reference = match op {
-            LegsOp::Transfer { reference, .. } | LegsOp::Movement { reference, .. } => reference.as_deref(),
+            },
         };
-        let links = Links { movement: Some(id), reference, refund_of: None, now };
-        let decided = decide_legs(&decided, (EntryKind::TransferOut, EntryKind::TransferIn), links);
+        // Short of funds while something is held: the holds that expired may cover it, and only a
+        // write that releases them may count on that.
         if let Err((leg, Refusal::InsufficientFunds { .. })) = decided {
             let wallet = wallets[touched[leg]].id.as_str();
-            let held = state[touched[leg]].as_ref().map_or(0, |h| h.held);
+            let held = job.state[touched[leg]].as_ref().map_or(0, |h| h.held);
             if held > 0 && !known.expired_read.contains(wallet) {
                 short.push(wallet.to_owned());
-                plan.decisions.push(LegsDecision::Answered(WalletError::internal("decided again")));
+                job.plan.decisions.push(LegsDecision::Answered(WalletError::internal("decided again")));
                 continue;
             }
         }
-        if let Ok(entries) = &decided {
-            for (entry, &w) in entries.iter().zip(&touched) {
-                let held = state[w].as_mut().expect("touched wallets exist");
-                (held.balance, held.version) = (entry.balance, entry.version);
-            }
-            plan.entries.extend(entries.iter().cloned());
-        }
-        let first_entry = decided.as_ref().ok().and_then(|entries| entries.first()).map(|e| e.id);
+        let first_entry = match &decided {
+            Ok(Made::Transfer(t)) => Some(t.from_entry.id),
+            Ok(Made::Movement { record, .. }) => record.legs.first().map(|e| e.id),
+            Err(_) => None,
+        };
         let (decision, response) = match op {
-            LegsOp::Transfer { parties, amount, reference, key, .. } => {
-                let outcome: TransferOutcome = decided.map_err(|(_, refusal)| refusal).map(|entries| {
-                    let [from_entry, to_entry]: [Entry; 2] =
-                        entries.try_into().expect("two legs, two entries");
-                    Transfer {
-                        id,
-                        from: parties.from.as_str().to_owned(),
-                        to: parties.to.as_str().to_owned(),
-                        amount: amount.get(),
-                        reference: reference.clone(),
-                        refund_of: None,
-                        from_entry,
-                        to_entry,
-                        created_at: now,
-                    }
-                });
+            LegsOp::Transfer { key, .. } => {
+                let outcome: TransferOutcome = match decided {
+                    Ok(Made::Transfer(transfer)) => Ok(*transfer),
+                    Ok(Made::Movement { .. }) => unreachable!("a transfer posts one"),
+                    Err((_, refusal)) => Err(refusal),
+                };
                 let response = key.as_ref().map(|key| (key.render)(&outcome));
                 let decision = match outcome {
                     Ok(transfer) => {
-                        plan.transfers.push(transfer.clone());
+                        job.plan.transfers.push(transfer.clone());
                         LegsDecision::Accepted(Done::Transfer(Box::new(transfer)))
                     }
                     Err(refusal) => LegsDecision::Refused(WalletError::Refused(refusal)),
                 };
                 (decision, response)
             }
-            LegsOp::Movement { reference, key, .. } => {
-                let outcome: MovementRecordOutcome = decided
-                    .map(|legs| MovementRecord { id, reference: reference.clone(), legs, created_at: now })
-                    .map_err(|(leg, refusal)| LegRefusal { leg, refusal });
+            LegsOp::Movement { key, .. } | LegsOp::Settle { key, .. } => {
+                let outcome: MovementRecordOutcome = match decided {
+                    Ok(Made::Movement { record, new }) => {
+                        if new {
+                            job.plan.movements.push(record.clone());
+                        }
+                        Ok(record)
+                    }
+                    Ok(Made::Transfer(_)) => unreachable!("a movement posts no transfer"),
+                    Err((leg, refusal)) => Err(LegRefusal { leg, refusal }),
+                };
                 let response = key.as_ref().map(|key| (key.render)(&outcome));
                 let decision = match outcome {
-                    Ok(movement) => {
-                        plan.movements.push(movement.clone());
-                        LegsDecision::Accepted(Done::Movement(Box::new(movement)))
-                    }
+                    Ok(movement) => LegsDecision::Accepted(Done::Movement(Box::new(movement))),
                     Err(LegRefusal { leg, refusal }) => {
                         LegsDecision::Refused(WalletError::LegRefused { leg, refusal })
                     }
@@ -312,16 +601,18 @@ pub fn decide_between(
                 (decision, response)
             }
         };
-        plan.decisions.push(decision);
+        job.plan.decisions.push(decision);
         if let Some(response) = response {
-            plan.responses.push((n, response, first_entry));
+            job.plan.responses.push((n, response, first_entry));
         }
     }
     if !short.is_empty() {
         return Err(short);
     }
     // The wallets written raise their rows' fences to the leases'.
-    plan.after = state
+    let mut plan = job.plan;
+    plan.after = job
+        .state
         .into_iter()
         .zip(wallets)
         .map(|(held, wallet)| held.map(|held| Held { fence: wallet.fence, from_note: false, ..held }))
@@ -499,6 +790,7 @@ mod tests {
             created_at: Utc::now(),
             settled_at: None,
             capture_entry: None,
+            movement_id: None,
             fence: 3,
         };
         fixture.holds.insert(expired.id, expired.clone());
@@ -517,6 +809,87 @@ mod tests {
         assert!(plan.results(Ok(false)).iter().all(|r| matches!(r, Err(WalletError::LeaseLost))));
         let failure = WalletError::internal("down");
         assert!(plan.results(Err(&failure)).iter().all(|r| matches!(r, Err(WalletError::Internal { .. }))));
+    }
+
+    fn split(hold: Option<HoldLife>) -> LegsOp {
+        let legs = Legs::new(vec![(id(0), -60), (id(1), -40), (id(2), 100)]).unwrap();
+        LegsOp::Movement { access: Access::own_wallets(OWNER), legs, reference: None, hold, key: None }
+    }
+
+    /// Places a held split of w0 and w1 into w2, and returns the settlement of it, the holds it
+    /// placed and the wallets it left.
+    fn placed(fixture: &Fixture, capture: bool) -> (LegsOp, Vec<Hold>, Vec<Option<Held>>) {
+        let plan = fixture.decide(&[split(Some(HoldLife::DEFAULT))]).unwrap();
+        let Ok(Done::Movement(record)) = plan.results(Ok(true)).remove(0) else { panic!("placed") };
+        assert_eq!((record.status, record.legs.len()), (MovementStatus::Held, 0));
+        let held = HeldMovement::of(*record).expect("a held movement");
+        let settle =
+            LegsOp::Settle { access: Access::own_wallets(OWNER), held: Box::new(held), capture, key: None };
+        (settle, plan.placed, plan.after)
+    }
+
+    #[test]
+    fn a_held_movement_reserves_every_debit_and_settles_every_leg_at_once() {
+        let mut fixture = Fixture::of(&[Some((100, 0)), Some((50, 10)), Some((0, 0))]);
+        let (capture, holds, after) = placed(&fixture, true);
+        assert_eq!(
+            holds.iter().map(|h| (h.wallet_id.as_str(), h.amount)).collect::<Vec<_>>(),
+            [("w0", 60), ("w1", 40)]
+        );
+        assert_eq!(after.iter().map(|h| h.as_ref().unwrap().held).collect::<Vec<_>>(), [60, 50, 0]);
+        assert!(after.iter().all(|h| h.as_ref().unwrap().version == 5), "no entry while held");
+
+        // Captured against the wallets as placing left them: every leg's entry, every hold settled.
+        fixture.held = after.clone();
+        fixture.holds = holds.iter().map(|h| (h.id, h.clone())).collect();
+        let plan = fixture.decide(&[capture]).unwrap();
+        let Ok(Done::Movement(record)) = plan.results(Ok(true)).remove(0) else { panic!("captured") };
+        assert_eq!(record.status, MovementStatus::Captured);
+        assert_eq!(record.legs.iter().map(|e| e.balance).collect::<Vec<_>>(), [40, 10, 100]);
+        assert_eq!(record.legs[0].hold_id, Some(holds[0].id), "a debit's entry names its hold");
+        assert_eq!(plan.after.iter().map(|h| h.as_ref().unwrap().held).collect::<Vec<_>>(), [0, 10, 0]);
+        assert!(
+            plan.settled.iter().all(|(_, s)| s.status == HoldStatus::Captured) && plan.settled.len() == 2
+        );
+        assert!(plan.movements.is_empty(), "the movement's row is written once, when placed");
+
+        // A hold settled already refuses the other settlement, naming its leg, and changes nothing.
+        let (void, _, _) = placed(&Fixture::of(&[Some((100, 0)), Some((50, 0)), Some((0, 0))]), false);
+        let LegsOp::Settle { held, .. } = &void else { unreachable!() };
+        let mut settled_holds: HashMap<Uuid, Hold> = HashMap::new();
+        for (n, hold) in held.holds.iter().flatten().enumerate() {
+            let status = if n == 0 { HoldStatus::Voided } else { HoldStatus::Held };
+            let wallet = format!("w{n}");
+            settled_holds
+                .insert(*hold, Hold { id: *hold, wallet_id: wallet, amount: 1, status, ..holds[0].clone() });
+        }
+        fixture.holds = settled_holds;
+        let plan = fixture.decide(&[void]).unwrap();
+        assert!(matches!(
+            plan.results(Ok(true))[0],
+            Err(WalletError::LegRefused { leg: 0, refusal: Refusal::HoldVoided })
+        ));
+        assert!(plan.settled.is_empty() && plan.entries.is_empty());
+    }
+
+    #[test]
+    fn a_held_movement_past_its_expiry_is_refused_and_its_write_releases_every_hold() {
+        let mut fixture = Fixture::of(&[Some((100, 0)), Some((50, 0)), Some((0, 0))]);
+        let (capture, holds, after) = placed(&fixture, true);
+        let LegsOp::Settle { mut held, access, capture: true, key } = capture else { unreachable!() };
+        held.expires_at = Utc::now() - chrono::Duration::seconds(1);
+        let capture = LegsOp::Settle { access, held, capture: true, key };
+        fixture.held = after;
+        fixture.holds = holds.iter().map(|h| (h.id, h.clone())).collect();
+        let plan = fixture.decide(&[capture]).unwrap();
+        assert!(matches!(
+            plan.results(Ok(true))[0],
+            Err(WalletError::LegRefused { leg: 0, refusal: Refusal::HoldExpired })
+        ));
+        assert!(plan.runs(), "the refusal is written: it releases the holds");
+        assert!(plan.settled.iter().all(|(_, s)| s.status == HoldStatus::Expired) && plan.settled.len() == 2);
+        assert_eq!(plan.after.iter().map(|h| h.as_ref().unwrap().held).collect::<Vec<_>>(), [0, 0, 0]);
+        assert!(plan.entries.is_empty());
     }
 
     /// Wallets as (balance, held), and movements among them as (from, to, amount).

@@ -20,13 +20,13 @@
 
 mod legs;
 
-pub use legs::{LegsOp, LegsPlan, LegsWallet, decide_between, wallets_of};
+pub use legs::{HeldMovement, LegsOp, LegsPlan, LegsWallet, decide_between, wallets_of};
 
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
 use crate::domain::{Amount, FenceStanding, Funds, HoldStatus, capture_amount};
 use crate::idempotency::{Keyed, Prior};
 use crate::ledger::group::FoundKey;
-use crate::ledger::hold::Hold;
+use crate::ledger::hold::{Hold, NewHold};
 use crate::ledger::idempotency::StoredResponse;
 use crate::ledger::{self, Entry, EntryKind};
 use crate::wallet::{Movement, Refusal};
@@ -318,21 +318,15 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             }),
             Movement::Hold { amount, life, reference } => funds.hold(*amount).map(|after| {
                 funds.held = after;
-                let expires_at =
-                    now + chrono::Duration::from_std(life.get()).unwrap_or(chrono::Duration::MAX);
-                let hold = Hold {
-                    id: ledger::new_entry_id(),
+                let new = NewHold {
                     wallet_id: id.as_str().to_owned(),
                     amount: amount.get(),
-                    captured: 0,
-                    status: HoldStatus::Held,
-                    expires_at,
+                    expires_at: life.expiry_from(now),
                     reference: reference.clone(),
-                    created_at: now,
-                    settled_at: None,
-                    capture_entry: None,
                     fence,
+                    movement_id: None,
                 };
+                let hold = Hold::placed(new, now);
                 plan.placed.push(hold.clone());
                 Moved::Hold { hold, entry: None }
             }),
@@ -588,6 +582,7 @@ mod tests {
             created_at: now,
             settled_at: None,
             capture_entry: None,
+            movement_id: None,
             fence: 1,
         }
     }
