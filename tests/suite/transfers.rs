@@ -5,7 +5,8 @@ use crate::support::app::{TestApp, spawn_app};
 use crate::support::fleet::{Fleet, audit};
 use crate::support::load::open_wallets;
 use crate::support::transfers::{
-    Outcome, TransferAttempt, TransferLoad, check_books, goes_through_at_once, settle, tally, transfer_one,
+    Outcome, TransferAttempt, TransferLoad, check_books, goes_through_at_once, settle, tally, transfer,
+    transfer_one,
 };
 use crate::support::{OTHER_TOKEN, TestEnv, api_client_with, books};
 use reqwest::Response;
@@ -54,9 +55,25 @@ async fn sixteen_clients_transferring_both_ways_never_deadlock_and_the_books_bal
     let applied = counts.get("applied").copied().unwrap_or(0);
     assert!(applied * 2 >= attempts.len(), "most transfers applied, both ways: {counts:?}");
     // A transfer that waited a whole lease wait for a wallet gives up holding nothing (`lock_timeout`,
-    // nothing applied, retry): bounded, and rare, never a stall.
-    let timed_out = counts.get("lock_timeout").copied().unwrap_or(0);
-    assert!(timed_out * 20 <= attempts.len(), "more than 5% timed out: {counts:?}");
+    // nothing applied, retry). How many do depends on how busy the machine is, so the bound is
+    // on the outcome: each one, retried with its key as the answer says, is decided on its merits
+    // within a few tries, which a deadlock (a wait that never ends) would never let happen.
+    for attempt in attempts.iter_mut() {
+        for _ in 0..5 {
+            if !matches!(&attempt.outcome, Outcome::NotApplied(code) if code == "lock_timeout") {
+                break;
+            }
+            let pair = (attempt.from.as_str(), attempt.to.as_str());
+            attempt.outcome =
+                transfer(&fleet.client, &fleet.url(""), pair, attempt.amount, &attempt.key).await;
+        }
+    }
+    settle(&fleet, &mut attempts).await;
+    let retried = tally(&attempts);
+    assert!(
+        !retried.contains_key("lock_timeout"),
+        "a transfer stalled through five tries: {counts:?} then {retried:?}"
+    );
     for code in counts.keys() {
         assert!(
             ["applied", "insufficient_funds", "lock_timeout"].contains(&code.as_str()),
