@@ -69,16 +69,8 @@ impl Queued {
 
     /// The same transfer, as a transaction of its own under both leases.
     fn alone(self) -> (Work, oneshot::Sender<Result<Transfer, WalletError>>) {
-        let Between { parties, amount, reference } = self.between;
-        let work = Work::Transfer {
-            access: self.access,
-            parties,
-            amount: Some(amount),
-            reference,
-            refunds: None,
-            key: self.key,
-        };
-        (work, self.reply)
+        let (op, reply) = self.into_op();
+        (Work::Between(op), reply)
     }
 }
 

@@ -35,7 +35,7 @@ use super::decision::{
 };
 use super::group;
 use super::outage::{Path, count_one};
-use super::{Access, Amount, Field, Refusal, WalletError, WalletId, Wallets, lease_name};
+use super::{Access, Amount, Refusal, WalletError, WalletId, Wallets, lease_name};
 use crate::domain::{self, FenceStanding, Funds, LegRefusal, Legs, Parties};
 use crate::idempotency::{Keyed, Prior};
 use crate::lease::{self, Lease};
@@ -79,24 +79,31 @@ pub struct Refund {
     pub amount: Option<Amount>,
 }
 
-/// What one transaction under the leases does.
+/// What one run under the leases does.
 #[derive(Debug)]
 pub(super) enum Work {
-    /// Money from `parties.from` to `parties.to`. A refund of a transfer names it and the amount it
-    /// moved (`refunds`), and may leave `amount` to be the rest.
-    Transfer {
-        access: Access,
-        parties: Parties,
-        amount: Option<Amount>,
-        reference: Option<String>,
-        refunds: Option<(Uuid, i64)>,
-        key: Option<Keyed<TransferOutcome>>,
-    },
-    /// Money back into a wallet, for one of its payments.
-    PaymentRefund { access: Access, refund: Refund, key: Option<Keyed<RefundOutcome>> },
     /// A movement between wallets as the rounds decide it ([`decide_between`]): a transfer, or a
     /// movement of many legs placed, posted, captured or voided.
     Between(LegsOp),
+    /// A refund, which sums the refunds before it in its own transaction.
+    Refund(RefundWork),
+}
+
+/// A refund, as one transaction decides it ([`Wallets::attempt_refund`]).
+#[derive(Debug)]
+pub(super) enum RefundWork {
+    /// Money back from a transfer's payee (`parties.from`) to its payer: `amount`, or all that is
+    /// left of the `moved` that transfer `transfer` moved.
+    OfTransfer {
+        access: Access,
+        parties: Parties,
+        amount: Option<Amount>,
+        transfer: Uuid,
+        moved: i64,
+        key: Option<Keyed<TransferOutcome>>,
+    },
+    /// Money back into a wallet, for one of its payments.
+    OfPayment { access: Access, refund: Refund, key: Option<Keyed<RefundOutcome>> },
 }
 
 /// What a committed [`Work`] wrote.
@@ -194,77 +201,72 @@ pub(super) trait Attempt: Sync {
 impl Attempt for Work {
     type Output = Done;
 
-    fn attempt(
-        &self,
-        wallets: &Wallets,
-        fences: &Fences,
-    ) -> impl Future<Output = Result<Done, Failure>> + Send {
-        wallets.attempt(self, fences)
+    async fn attempt(&self, wallets: &Wallets, fences: &Fences) -> Result<Done, Failure> {
+        match self {
+            Work::Between(op) => {
+                let mut results = wallets.attempt_between(std::slice::from_ref(op), fences).await?;
+                let result = results.pop().unwrap_or_else(|| Err(WalletError::internal("no result")));
+                result.map_err(Failure::Wallet)
+            }
+            Work::Refund(refund) => wallets.attempt_refund(refund, fences).await,
+        }
     }
 }
 
-impl Work {
+impl RefundWork {
     /// The wallets whose balances change.
     fn wallets(&self) -> Vec<&WalletId> {
         match self {
-            Work::Transfer { parties, .. } => vec![&parties.from, &parties.to],
-            Work::PaymentRefund { refund, .. } => vec![&refund.wallet],
-            Work::Between(op) => op.legs().into_iter().map(|(wallet, _, _)| wallet).collect(),
+            RefundWork::OfTransfer { parties, .. } => vec![&parties.from, &parties.to],
+            RefundWork::OfPayment { refund, .. } => vec![&refund.wallet],
         }
     }
 
-    /// Whether the caller may move the money of `wallet`, owned by `owner` (see the module doc).
+    /// Whether the caller may move the money of `wallet`, owned by `owner` (see the module doc):
+    /// the refunding wallet must be the caller's; the money goes back where it came from.
     fn may_touch(&self, wallet: &WalletId, owner: Option<&str>) -> bool {
         match self {
-            Work::Transfer { access, parties, .. } if *wallet == parties.from => access.may_use(owner),
-            Work::Transfer { refunds: Some(_), .. } => true,
-            Work::Transfer { access, .. } => access.may_pay_into(owner),
-            Work::PaymentRefund { access, .. } => access.may_use(owner),
-            // Decided by `decide_between`, which answers for the wallets it may not touch.
-            Work::Between(_) => true,
+            RefundWork::OfTransfer { access, parties, .. } if *wallet == parties.from => {
+                access.may_use(owner)
+            }
+            RefundWork::OfTransfer { .. } => true,
+            RefundWork::OfPayment { access, .. } => access.may_use(owner),
         }
     }
 
-    /// The answer when `wallet` does not exist, or is not the caller's to touch.
-    fn missing(&self, wallet: &WalletId) -> WalletError {
+    /// The answer when a wallet does not exist, or is not the caller's to touch.
+    fn missing(&self) -> WalletError {
         match self {
-            Work::Transfer { refunds: Some(_), .. } => WalletError::TransferNotFound,
-            Work::Transfer { parties, .. } => WalletError::PartyNotFound {
-                field: if *wallet == parties.from { Field::From } else { Field::To },
-            },
-            Work::PaymentRefund { .. } => WalletError::NotFound,
-            Work::Between(_) => WalletError::internal("a movement between wallets decides its own"),
+            RefundWork::OfTransfer { .. } => WalletError::TransferNotFound,
+            RefundWork::OfPayment { .. } => WalletError::NotFound,
         }
     }
 
     /// The key's prior use, if it had one.
     async fn prior(&self, tx: &mut sqlx::PgConnection) -> Result<Option<Prior>, StoreError> {
         let (at, fingerprint) = match self {
-            Work::Transfer { key: Some(key), .. } => (key.at(), &key.fingerprint),
-            Work::PaymentRefund { key: Some(key), .. } => (key.at(), &key.fingerprint),
+            RefundWork::OfTransfer { key: Some(key), .. } => (key.at(), &key.fingerprint),
+            RefundWork::OfPayment { key: Some(key), .. } => (key.at(), &key.fingerprint),
             _ => return Ok(None),
         };
         Ok(store::find_key(tx, at).await?.map(|found| Prior::of(&found, fingerprint)))
     }
+}
 
-    /// This work as the rounds decide it, if it is a movement between wallets; a refund (which
-    /// sums the refunds before it in its transaction) comes back as it is.
-    fn into_between(self) -> Result<LegsOp, Box<Work>> {
+impl Work {
+    /// The wallets whose balances change, whose leases it runs under.
+    fn wallets(&self) -> Vec<&WalletId> {
         match self {
-            Work::Transfer { access, parties, amount: Some(amount), reference, refunds: None, key } => {
-                Ok(LegsOp::Transfer { access, parties, amount, reference, key })
-            }
-            Work::Between(op) => Ok(op),
-            other => Err(Box::new(other)),
+            Work::Between(op) => op.legs().into_iter().map(|(wallet, _, _)| wallet).collect(),
+            Work::Refund(refund) => refund.wallets(),
         }
     }
 
     /// The metric's `kind` label.
     fn kind(&self) -> &'static str {
         match self {
-            Work::Transfer { refunds: None, .. } => "transfer",
-            Work::Transfer { refunds: Some(_), .. } => "transfer_refund",
-            Work::PaymentRefund { .. } => "payment_refund",
+            Work::Refund(RefundWork::OfTransfer { .. }) => "transfer_refund",
+            Work::Refund(RefundWork::OfPayment { .. }) => "payment_refund",
             Work::Between(LegsOp::Transfer { .. }) => "transfer",
             Work::Between(LegsOp::Movement { hold: None, .. }) => "movement",
             Work::Between(LegsOp::Movement { hold: Some(_), .. }) => "movement_hold",
@@ -318,9 +320,8 @@ impl Wallets {
             return self.transfer_queued(access, between, key).await;
         }
         let Between { parties, amount, reference } = between;
-        let access = access.clone();
-        let work = Work::Transfer { access, parties, amount: Some(amount), reference, refunds: None, key };
-        self.run_work(work).await?.into_transfer()
+        let op = LegsOp::Transfer { access: access.clone(), parties, amount, reference, key };
+        self.run_work(Work::Between(op)).await?.into_transfer()
     }
 
     /// Moves `amount` (without it: all not yet refunded) of transfer `id` back, from its `to` to its
@@ -342,15 +343,15 @@ impl Wallets {
             .transfer;
         let wallet = |id: &str| WalletId::parse(id).map_err(|_| WalletError::internal("a stored wallet id"));
         let parties = Parties { from: wallet(&original.to)?, to: wallet(&original.from)? };
-        let work = Work::Transfer {
+        let refund = RefundWork::OfTransfer {
             access: access.clone(),
             parties,
             amount,
-            reference: None,
-            refunds: Some((original.id, original.amount)),
+            transfer: original.id,
+            moved: original.amount,
             key,
         };
-        self.run_work(work).await?.into_transfer()
+        self.run_work(Work::Refund(refund)).await?.into_transfer()
     }
 
     /// Puts money back into a wallet for one of its payments: a `refund` entry that names the
@@ -361,7 +362,10 @@ impl Wallets {
         refund: Refund,
         key: Option<Keyed<RefundOutcome>>,
     ) -> Result<Entry, WalletError> {
-        match self.run_work(Work::PaymentRefund { access: access.clone(), refund, key }).await? {
+        match self
+            .run_work(Work::Refund(RefundWork::OfPayment { access: access.clone(), refund, key }))
+            .await?
+        {
             Done::Entry(entry) => Ok(entry),
             Done::Transfer(_) | Done::Movement(_) => {
                 Err(WalletError::internal("a payment refund wrote something else"))
@@ -433,10 +437,6 @@ impl Wallets {
     /// Takes the leases of `work`'s wallets, commits it, releases them; or, in a Redis outage,
     /// commits it under Postgres alone.
     pub(super) async fn under_leases(&self, work: Work) -> Result<Done, WalletError> {
-        let work = match work.into_between() {
-            Ok(op) => Work::Between(op),
-            Err(refund) => *refund,
-        };
         if self.outage.is_active() {
             return self.commit_unleased(&work).await.inspect(|_| count_one(Path::PostgresOnly));
         }
@@ -458,19 +458,16 @@ impl Wallets {
         let mut held: Vec<&mut Lease> = leases.iter_mut().collect();
         // On one Postgres a transfer or movement rides the replica's rounds; a refund, and every
         // movement under Citus, commits in a transaction of its own.
-        let result = match self.storage.of(&self.db).await {
-            Ok(Storage::OnePostgres) => match work.into_between() {
-                Ok(op) => {
-                    let ops = vec![op];
-                    let wallets = wallets_of(&ops);
-                    self.run_between(&mut held, wallets, ops).await.and_then(|results| {
-                        results.into_iter().next().unwrap_or_else(|| Err(WalletError::internal("no result")))
-                    })
-                }
-                Err(refund) => self.commit_retrying(&mut held, &*refund).await,
-            },
-            Ok(Storage::Citus) => self.commit_retrying(&mut held, &work).await,
-            Err(err) => Err(err.into()),
+        let result = match (self.storage.of(&self.db).await, work) {
+            (Ok(Storage::OnePostgres), Work::Between(op)) => {
+                let ops = vec![op];
+                let wallets = wallets_of(&ops);
+                self.run_between(&mut held, wallets, ops).await.and_then(|results| {
+                    results.into_iter().next().unwrap_or_else(|| Err(WalletError::internal("no result")))
+                })
+            }
+            (Ok(_), work) => self.commit_retrying(&mut held, &work).await,
+            (Err(err), _) => Err(err.into()),
         }
         .inspect(|_| count_one(Path::Lease));
         tracing::Span::current().record("db_ms", started.elapsed().as_secs_f64() * 1e3);
@@ -581,16 +578,9 @@ impl Wallets {
         }
     }
 
-    /// One transaction: lock the wallets in id order, check each fence, look the key up, decide,
-    /// write, store the response, commit.
-    async fn attempt(&self, work: &Work, fences: &Fences) -> Result<Done, Failure> {
-        if let Work::Between(op) = work {
-            let mut results = self.attempt_between(std::slice::from_ref(op), fences).await?;
-            return results
-                .pop()
-                .unwrap_or_else(|| Err(WalletError::internal("no result")))
-                .map_err(Failure::Wallet);
-        }
+    /// A refund in one transaction: lock the wallets in id order, check each fence, look the key
+    /// up, sum the refunds before it, decide, write, store the response, commit.
+    async fn attempt_refund(&self, work: &RefundWork, fences: &Fences) -> Result<Done, Failure> {
         let wallets = work.wallets();
         let ids: Vec<&str> = wallets.iter().map(|id| id.as_str()).collect();
         let mut tx = self.db.begin().await?;
@@ -599,7 +589,7 @@ impl Wallets {
         let mut fence_by_id: HashMap<&str, i64> = HashMap::new();
         for wallet in &wallets {
             let row = locked.get(wallet.as_str()).filter(|row| work.may_touch(wallet, row.owner.as_deref()));
-            let Some(row) = row else { return Err(work.missing(wallet).into()) };
+            let Some(row) = row else { return Err(work.missing().into()) };
             fence_by_id.insert(wallet.as_str(), fences.for_row(wallet, row.fence)?);
         }
         if let Some(prior) = work.prior(&mut tx).await? {
@@ -608,22 +598,16 @@ impl Wallets {
         let now = crate::ledger::entry_time();
         let fence_of = |id: &WalletId| fence_by_id.get(id.as_str()).copied().unwrap_or_default();
         let outcome: Result<Done, WalletError> = match work {
-            Work::Transfer { parties, amount, reference, refunds, key, .. } => {
-                let amount = match refunds {
-                    Some((original, paid)) => {
-                        let refunded = store::refunded_of_transfer(&mut tx, *original).await?;
-                        domain::refund_amount(*amount, *paid, refunded)
-                    }
-                    None => amount.ok_or(Refusal::RefundExceedsPayment { refundable: 0 }),
-                };
+            RefundWork::OfTransfer { parties, amount, transfer, moved, key, .. } => {
+                let refunded = store::refunded_of_transfer(&mut tx, *transfer).await?;
+                let amount = domain::refund_amount(*amount, *moved, refunded);
                 if let (Ok(amount), Some(payer)) = (amount, locked.get_mut(parties.from.as_str())) {
                     release_if_short(&mut tx, payer, &parties.from, amount, now).await?;
                 }
                 let from = (&parties.from, &locked[parties.from.as_str()], fence_of(&parties.from));
                 let to = (&parties.to, &locked[parties.to.as_str()], fence_of(&parties.to));
-                let outcome = amount.and_then(|amount| {
-                    plan_transfer(from, to, amount, reference.clone(), refunds.map(|(id, _)| id), now)
-                });
+                let outcome =
+                    amount.and_then(|amount| plan_transfer(from, to, amount, None, Some(*transfer), now));
                 let entries: Vec<&Entry> =
                     outcome.as_ref().map(|t| vec![&t.from_entry, &t.to_entry]).unwrap_or_default();
                 let response = key.as_ref().map(|key| (key.render)(&outcome));
@@ -634,7 +618,7 @@ impl Wallets {
                 self.write_locked(&mut tx, &[from, to], write, now).await?;
                 outcome.map(|transfer| Done::Transfer(Box::new(transfer))).map_err(WalletError::Refused)
             }
-            Work::PaymentRefund { refund, key, .. } => {
+            RefundWork::OfPayment { refund, key, .. } => {
                 let wallet = &locked[refund.wallet.as_str()];
                 let Some((payment, refunded)) =
                     store::find_payment(&mut tx, refund.wallet.as_str(), refund.payment).await?
@@ -659,7 +643,6 @@ impl Wallets {
                 self.write_locked(&mut tx, &[side], write, now).await?;
                 outcome.map(Done::Entry).map_err(WalletError::Refused)
             }
-            Work::Between(_) => unreachable!("decided by `attempt_between`"),
         };
         crate::failpoint::hit("before_commit");
         super::commit(tx).await?;

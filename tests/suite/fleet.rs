@@ -39,8 +39,7 @@ async fn fifty_pays_on_three_replicas_at_once_accept_exactly_ten() {
 
     assert_eq!(statuses, BTreeMap::from([(200, 10), (422, 40)]), "exactly ten accepted");
     assert_eq!(replicas, BTreeSet::from(["replica-1".into(), "replica-2".into(), "replica-3".into()]));
-    let wallet: serde_json::Value =
-        fleet.client.get(fleet.url("/wallets/burst")).send().await.unwrap().json().await.unwrap();
+    let wallet = fleet.read("/wallets/burst").await;
     assert_eq!(wallet["balance"], 0);
     let books = books(&fleet.db, "burst").await;
     assert_eq!((books.balance, books.ledger_sum, books.pays), (0, 0, 10));

@@ -571,15 +571,7 @@ async fn a_held_split_captured_on_one_replica_while_another_voids_it_settles_exa
         let void =
             post_code(&fleet.client, fleet.replicas[(n + 1) % 3].url(&format!("/movements/{id}/void")));
         let ((capture_status, capture_problem), (void_status, void_problem)) = tokio::join!(capture, void);
-        let read: Value = fleet
-            .client
-            .get(fleet.url(&format!("/movements/{id}")))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let read = fleet.read(&format!("/movements/{id}")).await;
         match (capture_status, void_status) {
             (200, 409) => {
                 assert_eq!(void_problem["code"], "hold_captured", "{void_problem}");

@@ -359,15 +359,7 @@ async fn refunds_racing_on_two_replicas_never_exceed_the_payment() {
     for (status, body) in answers.iter().filter(|(status, _)| *status != 200) {
         assert_eq!((*status, body["code"].as_str()), (422, Some("refund_exceeds_payment")), "{body}");
     }
-    let state: Value = fleet
-        .client
-        .get(fleet.url(&format!("/transfers/{transfer}")))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let state = fleet.read(&format!("/transfers/{transfer}")).await;
     assert_eq!(state["refunded"], 90);
 
     assert_eq!(

@@ -297,6 +297,12 @@ impl Fleet {
         format!("http://127.0.0.1:{}{path}", self.nginx_port)
     }
 
+    /// The JSON body of `GET path` through nginx, whatever its status.
+    pub async fn read(&self, path: &str) -> serde_json::Value {
+        let response = self.client.get(self.url(path)).send().await.unwrap();
+        response.json().await.unwrap()
+    }
+
     /// A URL through nginx's HTTPS listener.
     pub fn https_url(&self, path: &str) -> String {
         format!("https://127.0.0.1:{}{path}", self.https_port.expect("a fleet with HTTPS"))
