@@ -469,6 +469,33 @@ pub fn refund_amount(requested: Option<Amount>, paid: i64, refunded: i64) -> Res
     Amount::new(amount).map_err(|_| Refusal::RefundExceedsPayment { refundable })
 }
 
+/// `total` shared among parts of sizes `sizes` in proportion to them, in whole units: each part's
+/// exact share rounded down, and the units left over given one each to the parts whose shares lost
+/// the most to rounding (the first of equal ones first). The shares add up to `total` exactly, and
+/// none is above its part's size while `total` is at most their sum; all of it gives each part its
+/// size. A partial capture or refund of a movement takes each leg's share of it this way.
+pub fn pro_rata(total: i64, sizes: &[i64]) -> Vec<i64> {
+    let sum: i128 = sizes.iter().map(|&size| i128::from(size)).sum();
+    if sum <= 0 {
+        return vec![0; sizes.len()];
+    }
+    let exact: Vec<(i128, i128)> = sizes
+        .iter()
+        .map(|&size| {
+            let scaled = i128::from(total) * i128::from(size);
+            (scaled / sum, scaled % sum)
+        })
+        .collect();
+    let mut shares: Vec<i64> = exact.iter().map(|&(share, _)| share as i64).collect();
+    let left = total - shares.iter().sum::<i64>();
+    let mut by_remainder: Vec<usize> = (0..sizes.len()).collect();
+    by_remainder.sort_by_key(|&n| std::cmp::Reverse(exact[n].1));
+    for &n in by_remainder.iter().take(left.max(0) as usize) {
+        shares[n] += 1;
+    }
+    shares
+}
+
 /// A balance, and what of it active holds reserve. A payment (or a new hold, or a transfer out)
 /// must leave what is held untouched: it spends from the available balance only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -506,6 +533,33 @@ impl Funds {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_share_is_in_proportion_and_the_units_left_over_go_where_rounding_took_most() {
+        assert_eq!(pro_rata(50, &[900, 100]), [45, 5]);
+        assert_eq!(pro_rata(1, &[999, 1]), [1, 0]);
+        assert_eq!(pro_rata(2, &[1, 1, 1]), [1, 1, 0], "equal remainders: the first parts first");
+        assert_eq!(pro_rata(10, &[3, 3, 4]), [3, 3, 4], "all of it: each part its size");
+        assert_eq!(pro_rata(0, &[3, 4]), [0, 0]);
+    }
+
+    proptest! {
+        #[test]
+        fn shares_add_up_to_the_total_and_none_passes_its_part(
+            sizes in proptest::collection::vec(0..Amount::MAX, 1..16),
+            fraction in 0.0..=1.0_f64,
+        ) {
+            let sum: i64 = sizes.iter().sum();
+            let total = ((sum as f64) * fraction) as i64;
+            let shares = pro_rata(total, &sizes);
+            prop_assert_eq!(shares.iter().sum::<i64>(), total);
+            for (share, size) in shares.iter().zip(&sizes) {
+                prop_assert!((0..=*size).contains(share), "{} of {}", share, size);
+            }
+            prop_assert_eq!(pro_rata(sum, &sizes), sizes);
+        }
+    }
 
     #[test]
     fn wallet_ids_are_short_url_safe_words() {

@@ -319,6 +319,11 @@ fn wallet_problem(err: &WalletError) -> Problem {
             "Movement not held",
             "the movement was posted when it was made; nothing to capture or void",
         ),
+        WalletError::MovementNotCaptured => Problem::new(
+            &codes::MOVEMENT_NOT_CAPTURED,
+            "Movement not captured",
+            "the movement was placed as a hold and not captured: it moved no money, nothing to refund",
+        ),
         WalletError::HoldOfMovement { movement } => Problem::new(
             &codes::HOLD_OF_MOVEMENT,
             "Hold of a movement",

@@ -32,6 +32,28 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
     }
 }
 
+/// A JSON body that may be left out: none at all (no bytes, no `Content-Type`) is `T::default()`,
+/// and one sent is read as [`JsonBody`] reads it.
+#[derive(Debug)]
+pub struct OptionalJsonBody<T>(pub JsonBody<T>);
+
+impl<T: DeserializeOwned + Default, S: Send + Sync> FromRequest<S> for OptionalJsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        if request.headers().get(header::CONTENT_TYPE).is_none() {
+            let raw = Bytes::from_request(request, state).await?;
+            if raw.is_empty() {
+                return Ok(Self(JsonBody { value: T::default(), raw }));
+            }
+            return Err(ApiError::UnsupportedMediaType(
+                "send the body as JSON, with Content-Type: application/json".into(),
+            ));
+        }
+        JsonBody::from_request(request, state).await.map(Self)
+    }
+}
+
 /// `application/json`, or any `application/*+json`, with or without parameters.
 fn is_json(content_type: Option<&axum::http::HeaderValue>) -> bool {
     let Some(essence) = content_type.and_then(|v| v.to_str().ok()).and_then(|v| v.split(';').next()) else {

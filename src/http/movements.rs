@@ -4,14 +4,14 @@
 use super::ApiContext;
 use super::error::described::{MOVEMENT_CONFLICT as CONFLICT, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
-use super::extract::{IdempotencyHeader, JsonBody};
+use super::extract::{IdempotencyHeader, JsonBody, OptionalJsonBody};
 use super::idempotent::{
     self, KeyedRequest, movement_record_response, render_movement_record, render_movement_settled,
 };
-use crate::domain::{self, Access, Field, HoldLife, Legs};
+use crate::domain::{self, Access, Amount, Field, HoldLife, Legs};
 use crate::idempotency::Scope;
 use crate::ledger::transfer::MovementRecord;
-use crate::wallet::{InvalidInput, WalletId};
+use crate::wallet::{InvalidInput, SettleAs, WalletId};
 use axum::{
     Json,
     extract::{Extension, State},
@@ -38,6 +38,7 @@ pub fn router() -> OpenApiRouter<ApiContext> {
         .routes(routes!(get_movement))
         .routes(routes!(capture_movement))
         .routes(routes!(void_movement))
+        .routes(routes!(refund_movement))
 }
 
 super::extract::uuid_path!(
@@ -147,14 +148,27 @@ async fn create_movement(
     Ok(movement_record_response(result, render_movement_record))
 }
 
-/// Captures a held movement as a whole: every leg's entry written and every hold settled, under
-/// every wallet's lease, or nothing.
+/// How much of a held movement to capture, or of a movement to refund. The body may be left out.
+/// Unknown fields are refused.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct PartOf {
+    /// Minor units, at most what is left; without it (or with null, or with no body), all of it.
+    /// Each leg takes its share in proportion to its amount (the debits of it, and the credits
+    /// of it, each rounded down, the units left over to the legs rounding took most from).
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 500)]
+    amount: Option<i64>,
+}
+
+/// Captures a held movement as a whole, under every wallet's lease: every leg's entry written and
+/// every hold settled (what a hold reserved beyond its leg's share is released), or nothing.
 #[utoipa::path(
     post,
     path = "/movements/{id}/capture",
     tag = "transfers",
     security(("bearer" = [])),
     params(MovementPath, IdempotencyHeader),
+    request_body(content = Option<PartOf>, content_type = "application/json"),
     responses(
         (status = 200, description = "The movement, `captured`, with one ledger entry a leg", body = MovementRecord,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
@@ -164,8 +178,11 @@ async fn create_movement(
         (status = 404, description = SETTLE_MISSING, body = ProblemDocument, content_type = PROBLEM_JSON),
         (status = 409, body = ProblemDocument, content_type = PROBLEM_JSON, description = SETTLE_CONFLICT,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        (status = 413, description = TOO_LARGE, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 415, description = NOT_JSON, body = ProblemDocument, content_type = PROBLEM_JSON),
         (status = 422, body = ProblemDocument, content_type = PROBLEM_JSON,
-            description = "`balance_overflow` (with `leg`); `idempotency_key_reused`",
+            description = "`capture_exceeds_hold` (with `held`: what the debit legs reserve), `balance_overflow` \
+                           (with `leg`); nothing applied; `idempotency_key_reused`",
             headers(("Idempotent-Replayed" = String))),
         (status = 503, description = UNAVAILABLE, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
@@ -177,8 +194,11 @@ async fn capture_movement(
     MovementPath(id): MovementPath,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
+    OptionalJsonBody(body): OptionalJsonBody<PartOf>,
 ) -> Result<Response, ApiError> {
-    settle(&ctx, &access, id, true, KeyedRequest { key, path: uri.path(), body: b"" }).await
+    let amount = body.value.amount.map(Amount::new).transpose()?;
+    let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
+    settle(&ctx, &access, id, SettleAs::Capture(amount), keyed).await
 }
 
 /// Voids a held movement as a whole: every hold released, nothing charged.
@@ -210,7 +230,7 @@ async fn void_movement(
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
 ) -> Result<Response, ApiError> {
-    settle(&ctx, &access, id, false, KeyedRequest { key, path: uri.path(), body: b"" }).await
+    settle(&ctx, &access, id, SettleAs::Void, KeyedRequest { key, path: uri.path(), body: b"" }).await
 }
 
 /// Captures or voids held movement `id`; its key is scoped as the movement's was.
@@ -218,12 +238,64 @@ async fn settle(
     ctx: &ApiContext,
     access: &Access,
     id: uuid::Uuid,
-    capture: bool,
+    settle: SettleAs,
     keyed: KeyedRequest<'_>,
 ) -> Result<Response, ApiError> {
     let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_movement_settled);
-    let result = ctx.wallets.settle_movement(access, id, capture, key).await;
+    let result = ctx.wallets.settle_movement(access, id, settle, key).await;
     Ok(movement_record_response(result, render_movement_settled))
+}
+
+/// Moves money back for a movement: all that is left of it, or `amount` of it, every leg by its
+/// share, as a movement of its own that names it (`refund_of`), under every wallet's lease. Its
+/// refunds never give back more than a leg moved. The caller must be able to use every wallet the
+/// refund takes money from; the money goes back where it came from.
+#[utoipa::path(
+    post,
+    path = "/movements/{id}/refund",
+    tag = "transfers",
+    security(("bearer" = [])),
+    params(MovementPath, IdempotencyHeader),
+    request_body(content = Option<PartOf>, content_type = "application/json"),
+    responses(
+        (status = 201, description = "The refund: a movement of every leg back, with one ledger entry a leg \
+                                      whose share is not nothing", body = MovementRecord,
+            headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
+        (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`invalid_movement_id`, `invalid_amount`, `invalid_idempotency_key`, `malformed_json`, \
+                           `invalid_body`"),
+        (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("WWW-Authenticate" = String))),
+        (status = 404, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`movement_not_found` (also one that takes money from a wallet the caller may not use)"),
+        (status = 409, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`movement_not_captured` (a held movement not captured moved nothing); `lease_lost`, \
+                           `idempotency_key_in_flight`",
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        (status = 413, description = TOO_LARGE, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 415, description = NOT_JSON, body = ProblemDocument, content_type = PROBLEM_JSON),
+        (status = 422, body = ProblemDocument, content_type = PROBLEM_JSON,
+            description = "`refund_exceeds_payment` (with `refundable`), `insufficient_funds` (a wallet paid \
+                           into spent it since), `balance_overflow` (with `leg`); nothing applied; \
+                           `idempotency_key_reused`",
+            headers(("Idempotent-Replayed" = String))),
+        (status = 503, description = UNAVAILABLE, body = ProblemDocument, content_type = PROBLEM_JSON,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    )
+)]
+async fn refund_movement(
+    State(ctx): State<ApiContext>,
+    Extension(access): Extension<Access>,
+    MovementPath(id): MovementPath,
+    IdempotencyHeader(key): IdempotencyHeader,
+    uri: Uri,
+    OptionalJsonBody(body): OptionalJsonBody<PartOf>,
+) -> Result<Response, ApiError> {
+    let amount = body.value.amount.map(Amount::new).transpose()?;
+    let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
+    let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_movement_record);
+    let result = ctx.wallets.refund_movement(&access, id, amount, key).await;
+    Ok(movement_record_response(result, render_movement_record))
 }
 
 /// Reads a movement, with its legs.

@@ -6,13 +6,15 @@
 //! along the ledger, and the wallet's fence is at least the last one used.
 //! For every transfer: exactly two legs, a `transfer_out` of `from` and a `transfer_in` of `to`,
 //! each of the transfer's amount. For every movement of many legs: every leg, one a wallet, summing
-//! to zero. Refunds never add up to more than what they refund (a payment,
-//! or a transfer), and a `refund` entry refunds a `pay` entry of its own wallet.
+//! to zero (a held movement captured in part: the legs whose share was not nothing). Refunds never
+//! add up to more than what they refund (a payment, a transfer, or each leg of a movement, which
+//! its refunds move the other way), and a `refund` entry refunds a `pay` entry of its own wallet.
 //! For the whole system: money is conserved, so the balances add up to the opening balances plus
 //! deposits minus payments plus refunds of payments (transfers add nothing: their legs cancel).
 //! For every wallet with holds: what it holds equals the sum of its holds still `held`, and is no
-//! more than its balance (the available balance is never negative). A captured hold has exactly one
-//! ledger entry, a `pay` of its wallet of what it captured; any other hold has none.
+//! more than its balance (the available balance is never negative). A hold captured of more than
+//! nothing has exactly one ledger entry, a `pay` of its wallet of what it captured (a held
+//! movement's: a `transfer_out`); any other hold has none.
 //! For every stored idempotent success: it points at exactly one ledger entry, the one its response
 //! reports (for a transfer, one of its legs), in the scope it was made for, so no key was charged
 //! twice or without a record; a hold placed or voided reports a hold of its wallet and no entry, a
@@ -213,7 +215,8 @@ async fn transfers(conn: &mut PgConnection, report: &mut Report) -> Result<(), S
 }
 
 /// Each movement of many legs has as many legs as it says, one a wallet, its own wallet's among
-/// them, and they sum to zero.
+/// them, and they sum to zero; a held movement has none until captured, then at most as many as it
+/// says (a capture of part of it writes the legs whose share is not nothing).
 async fn movements(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
     let rows = sqlx::query(concat!(
         // language=PostgreSQL
@@ -223,12 +226,14 @@ async fn movements(conn: &mut PgConnection, report: &mut Report) -> Result<(), S
         "), 0)::int8 as net
          from movement m left join ledger_entry e on e.transfer_id = m.id
          group by m.wallet_id, m.id, m.legs, m.expires_at
-         having (m.expires_at is null or count(e.id) > 0) and (count(e.id) <> m.legs or coalesce(sum(",
+         having coalesce(sum(",
         signed_amount!(),
         "), 0) <> 0
              or count(distinct e.wallet_id) <> count(e.id)
-             or count(e.id) filter (where e.wallet_id = m.wallet_id) <> 1
-             or count(e.id) filter (where e.kind not in ('transfer_out', 'transfer_in')) <> 0)
+             or count(e.id) filter (where e.kind not in ('transfer_out', 'transfer_in')) <> 0
+             or count(e.id) > m.legs
+             or (m.expires_at is null
+                 and (count(e.id) <> m.legs or count(e.id) filter (where e.wallet_id = m.wallet_id) <> 1))
          order by m.id"
     ))
     .fetch_all(&mut *conn)
@@ -245,7 +250,7 @@ async fn movements(conn: &mut PgConnection, report: &mut Report) -> Result<(), S
 }
 
 /// Each held movement has one hold a debit leg, and its holds settle together: all captured (and
-/// then every leg has its entry) or none (and no leg has one).
+/// then its legs have their entries, two at least) or none (and no leg has one).
 async fn held_movements(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
     // Statements of their own: under Citus a movement, its holds and its entries live with
     // different wallets.
@@ -272,19 +277,20 @@ async fn held_movements(conn: &mut PgConnection, report: &mut Report) -> Result<
         let debits = amounts.iter().filter(|amount| **amount < 0).count() as i64;
         let written = entries.get(&id).copied().unwrap_or(0);
         let settled_together = captured == 0 || captured == holds;
-        let entries_follow = if captured > 0 { written == amounts.len() as i64 } else { written == 0 };
+        let entries_follow =
+            if captured > 0 { (2..=amounts.len() as i64).contains(&written) } else { written == 0 };
         if holds != debits || !settled_together || !entries_follow {
             report.problems.push(format!(
                 "held movement {id}: {holds} holds for {debits} debit legs, {captured} captured, {written} \
-                 ledger legs (want one hold a debit, captured all or none, every leg's entry once captured)"
+                 ledger legs (want one hold a debit, captured all or none, the legs' entries once captured)"
             ));
         }
     }
     Ok(())
 }
 
-/// Refunds never add up to more than what they refund; a payment's refunds return money to the
-/// wallet it left.
+/// Refunds never add up to more than what they refund (a movement's: on each of its legs, which
+/// they move the other way); a payment's refunds return money to the wallet it left.
 async fn refunds(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
     let rows = sqlx::query(
         // language=PostgreSQL
@@ -295,6 +301,13 @@ async fn refunds(conn: &mut PgConnection, report: &mut Report) -> Result<(), Sto
            select 'payment', p.id::text, p.amount, sum(r.amount)::int8
            from ledger_entry p join ledger_entry r on r.refund_of = p.id
            group by p.wallet_id, p.id having sum(r.amount) > p.amount
+           union all
+           select 'movement', m.refund_of::text, coalesce(o.amount, 0), sum(r.amount)::int8
+           from movement m join ledger_entry r on r.transfer_id = m.id
+           left join ledger_entry o on o.transfer_id = m.refund_of and o.wallet_id = r.wallet_id
+           where m.refund_of is not null
+           group by m.refund_of, r.wallet_id, o.amount, o.kind
+           having o.amount is null or sum(r.amount) > o.amount or bool_or(r.kind = o.kind)
            union all
            select 'refund entry', r.id::text, r.amount, null
            from ledger_entry r left join ledger_entry p on p.id = r.refund_of
@@ -308,7 +321,12 @@ async fn refunds(conn: &mut PgConnection, report: &mut Report) -> Result<(), Sto
             (r.try_get("what")?, r.try_get("id")?, r.try_get("amount")?);
         report.problems.push(match r.try_get::<Option<i64>, _>("refunded")? {
             Some(refunded) => {
-                format!("{what} {id}: its refunds add up to {refunded}, more than its {amount}")
+                let on = if what == "movement" {
+                    " on one leg (or move it the same way, or another wallet)"
+                } else {
+                    ""
+                };
+                format!("{what} {id}: its refunds add up to {refunded}{on}, more than its {amount}")
             }
             None => format!("{what} {id}: does not refund a payment of its own wallet"),
         });
@@ -353,11 +371,11 @@ async fn holds(conn: &mut PgConnection, report: &mut Report) -> Result<(), Store
                                         and e.amount = h.captured and e.id = h.capture_entry) as matching
            from hold h left join ledger_entry e on e.hold_id = h.id
            group by h.wallet_id, h.id, h.movement_id
-           having count(e.id) <> case when h.status = 'captured' then 1 else 0 end
+           having count(e.id) <> case when h.status = 'captured' and h.captured > 0 then 1 else 0 end
                or count(e.id) filter (where e.kind = case when h.movement_id is null then 'pay' else 'transfer_out' end
                                         and e.wallet_id = h.wallet_id
                                         and e.amount = h.captured and e.id = h.capture_entry)
-                  <> case when h.status = 'captured' then 1 else 0 end
+                  <> case when h.status = 'captured' and h.captured > 0 then 1 else 0 end
            order by h.id"#,
     )
     .fetch_all(&mut *conn)

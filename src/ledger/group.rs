@@ -389,6 +389,7 @@ struct MovementWriteRow<'a> {
     expires_at: Option<DateTime<Utc>>,
     leg_wallets: Option<Vec<&'a str>>,
     leg_amounts: Option<Vec<i64>>,
+    refund_of: Option<Uuid>,
 }
 
 impl<'a> From<&'a Transfer> for TransferWriteRow<'a> {
@@ -415,6 +416,7 @@ impl<'a> From<&'a MovementRecord> for MovementWriteRow<'a> {
             expires_at: held.map(|h| h.expires_at),
             leg_wallets: held.map(|h| h.legs.iter().map(|leg| leg.wallet_id.as_str()).collect()),
             leg_amounts: held.map(|h| h.legs.iter().map(|leg| leg.amount).collect()),
+            refund_of: m.refund_of,
         }
     }
 }
@@ -498,9 +500,9 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
            ),
            movements as (
                insert into movement (id, wallet_id, legs, reference, created_at, expires_at,
-                                     leg_wallets, leg_amounts)
+                                     leg_wallets, leg_amounts, refund_of)
                select m.id, m.wallet_id, m.legs, m.reference, $6, m.expires_at, m.leg_wallets,
-                      m.leg_amounts
+                      m.leg_amounts, m.refund_of
                from unnest($9::movement_write[]) as m
                where m.wallet_id in (select id from moved)
            ),"#;
@@ -774,12 +776,12 @@ async fn commit_routed(
     if !movements.is_empty() {
         let mut insert = QueryBuilder::new(
             "insert into movement (id, wallet_id, legs, reference, created_at, expires_at, leg_wallets, \
-             leg_amounts) ",
+             leg_amounts, refund_of) ",
         );
         insert.push_values(&movements, |mut row, m| {
             row.push_bind(m.id).push_bind(m.wallet_id).push_bind(m.legs).push_bind(m.reference);
             row.push_bind(created_at).push_bind(m.expires_at).push_bind(&m.leg_wallets);
-            row.push_bind(&m.leg_amounts);
+            row.push_bind(&m.leg_amounts).push_bind(m.refund_of);
         });
         insert.build().execute(&mut *tx).await?;
     }

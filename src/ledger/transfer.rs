@@ -208,15 +208,15 @@ pub async fn refunded_of_transfer(tx: &mut PgConnection, id: Uuid) -> Result<i64
     .await?)
 }
 
-/// The `pay` entry `id` of wallet `wallet`, and what its refunds add up to. Call with the wallet
-/// locked: every refund of the payment locks it too, so the sum cannot change until this
-/// transaction ends.
+/// The `pay` entry `id` of wallet `wallet`. A payment never changes, so it may be read before
+/// the wallet's lease is taken; what its refunds add up to is read under it
+/// ([`refunded_of_payment`]).
 pub async fn find_payment(
-    tx: &mut PgConnection,
+    conn: &mut PgConnection,
     wallet: &str,
     id: Uuid,
-) -> Result<Option<(Entry, i64)>, StoreError> {
-    let Some(payment) = sqlx::query_as::<_, Entry>(concat!(
+) -> Result<Option<Entry>, StoreError> {
+    Ok(sqlx::query_as::<_, Entry>(concat!(
         // language=PostgreSQL
         "select ",
         entry_columns!(),
@@ -224,19 +224,50 @@ pub async fn find_payment(
     ))
     .bind(id)
     .bind(wallet)
-    .fetch_optional(&mut *tx)
-    .await?
-    else {
-        return Ok(None);
-    };
-    let refunded: i64 = sqlx::query_scalar(
+    .fetch_optional(conn)
+    .await?)
+}
+
+/// What the refunds of payment `id` of wallet `wallet` add up to. Call with the wallet locked (or
+/// under its lease, the write fenced): every refund of the payment locks it too, so the sum cannot
+/// change until this transaction ends.
+pub async fn refunded_of_payment(tx: &mut PgConnection, wallet: &str, id: Uuid) -> Result<i64, StoreError> {
+    Ok(sqlx::query_scalar(
         // language=PostgreSQL
-        "select coalesce(sum(amount), 0)::int8 from ledger_entry where refund_of = $1",
+        "select coalesce(sum(amount), 0)::int8 from ledger_entry where wallet_id = $1 and refund_of = $2",
+    )
+    .bind(wallet)
+    .bind(id)
+    .fetch_one(tx)
+    .await?)
+}
+
+/// What the refunds of movement `id` gave back, by wallet. Call with its wallets locked, as for
+/// [`refunded_of_transfer`]. Two statements: the refunds live with their first legs' wallets, and
+/// their legs with each of theirs (a join of the two would cross Citus workers).
+pub async fn refunded_of_movement(
+    tx: &mut PgConnection,
+    id: Uuid,
+) -> Result<HashMap<String, i64>, StoreError> {
+    let refunds: Vec<Uuid> = sqlx::query_scalar(
+        // language=PostgreSQL
+        "select id from movement where refund_of = $1",
     )
     .bind(id)
-    .fetch_one(&mut *tx)
+    .fetch_all(&mut *tx)
     .await?;
-    Ok(Some((payment, refunded)))
+    if refunds.is_empty() {
+        return Ok(HashMap::new());
+    }
+    Ok(sqlx::query_as(
+        // language=PostgreSQL
+        "select wallet_id, sum(amount)::int8 from ledger_entry where transfer_id = any($1) group by wallet_id",
+    )
+    .bind(&refunds)
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .collect())
 }
 
 /// The key at `at`, if stored and within its retention (one past it is deleted: it behaves as new).
@@ -294,6 +325,11 @@ pub struct MovementRecord {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     pub hold: Option<MovementHold>,
+    /// The movement this one refunds (every leg of that one back, in part or whole); omitted when
+    /// it refunds none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub refund_of: Option<Uuid>,
     pub created_at: DateTime<Utc>,
 }
 
@@ -359,7 +395,7 @@ pub async fn find_movement(
     // be on several Citus workers.
     let Some(row) = sqlx::query(
         // language=PostgreSQL
-        "select id, reference, created_at, expires_at, leg_wallets, leg_amounts from movement where id = $1",
+        "select id, reference, created_at, expires_at, leg_wallets, leg_amounts, refund_of from movement where id = $1",
     )
     .bind(id)
     .fetch_optional(&mut *conn)
@@ -416,6 +452,7 @@ pub async fn find_movement(
         status,
         legs,
         hold,
+        refund_of: row.try_get("refund_of")?,
         created_at: row.try_get("created_at")?,
     };
     Ok(Some(FoundMovement { movement, owners }))

@@ -41,6 +41,10 @@ pub enum WalletError {
     /// The movement was not placed as a hold: there is nothing to capture or void.
     #[error("the movement was not placed as a hold")]
     MovementNotHeld,
+    /// The movement was placed as a hold and not captured: it moved no money, so there is nothing
+    /// to refund (void it instead, while it is held).
+    #[error("the movement moved no money: it was not captured")]
+    MovementNotCaptured,
     /// The hold reserves a leg of held movement `movement`: it is captured or voided with it.
     #[error("the hold is a leg of movement {movement}")]
     HoldOfMovement { movement: uuid::Uuid },
@@ -117,6 +121,7 @@ impl WalletError {
             WalletError::LegRefused { refusal, .. } => refusal.code(),
             WalletError::Exists => "exists",
             WalletError::MovementNotHeld | WalletError::HoldOfMovement { .. } => "not_held_alone",
+            WalletError::MovementNotCaptured => "not_captured",
             WalletError::Refused(refusal) => refusal.code(),
             WalletError::LockTimeout { .. } => "lock_timeout",
             WalletError::Overloaded => "overloaded",

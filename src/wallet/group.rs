@@ -394,7 +394,10 @@ async fn run_round(
             }
         };
         let batches: Vec<Batch<'_>> = jobs.ready.iter().map(Ready::batch).collect();
-        let known = Known { keys: &keys, holds: &held_holds, expired_read: &expired_of, now };
+        // Refunds never ride the rounds (see `Wallets::commit_under`): none is read.
+        let refunded = decision::Refunds::new();
+        let known =
+            Known { keys: &keys, holds: &held_holds, expired_read: &expired_of, refunded: &refunded, now };
         let plans = decision::decide_round(&batches, known);
         let legs_wallets: Vec<Vec<LegsWallet<'_>>> = jobs.legs_ready.iter().map(LegsReady::wallets).collect();
         let legs_plans: Vec<Result<LegsPlan, Vec<String>>> = legs_wallets

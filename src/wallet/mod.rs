@@ -40,6 +40,7 @@ pub use crate::domain::{
     Access, Amount, Field, HoldLife, InvalidInput, LegRefusal, Legs, Movement, Parties, Refusal, SameWallet,
     WalletId,
 };
+pub use decision::SettleAs;
 pub use error::{SharedError, WalletError};
 pub use instruments::describe_metrics;
 pub use outage::RedisOutage;

@@ -263,21 +263,28 @@ async fn decide_all(
     let hold_ids: Vec<Uuid> =
         batches.iter().flat_map(|batch| batch.ops.iter().filter_map(Op::settles)).collect();
     let round: Vec<&str> = batches.iter().map(|batch| batch.id.as_str()).collect();
-    let mut expired_of: HashSet<String> = HashSet::new();
+    let mut expired_read: HashSet<String> = HashSet::new();
     loop {
         let now = round_time();
-        let expired: Vec<&str> = expired_of.iter().map(String::as_str).collect();
+        let expired: Vec<&str> = expired_read.iter().map(String::as_str).collect();
         let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired, now };
         let found = if keys.is_empty() && holds.is_empty() {
             store::Found::default()
         } else {
             Box::pin(store::read(conn, &[], &round, &keys, holds)).await?
         };
-        let known = Known { keys: &found.keys, holds: &found.holds, expired_read: &expired_of, now };
+        let refunded = decision::Refunds::new();
+        let known = Known {
+            keys: &found.keys,
+            holds: &found.holds,
+            expired_read: &expired_read,
+            refunded: &refunded,
+            now,
+        };
         match decision::decide_round(batches, known) {
             Ok(plans) => return Ok((now, plans)),
             // Nothing is written yet: read those wallets' expired holds, and decide again.
-            Err(short) => expired_of.extend(short),
+            Err(short) => expired_read.extend(short),
         }
     }
 }

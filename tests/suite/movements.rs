@@ -601,3 +601,141 @@ async fn a_held_split_captured_on_one_replica_while_another_voids_it_settles_exa
     let (ok, report) = audit(&fleet.database_url);
     assert!(ok, "{report}");
 }
+
+async fn refund(app: &TestApp, id: &str, key: &str, body: Option<Value>) -> (u16, Value) {
+    let request = app.client.post(app.url(&format!("/movements/{id}/refund"))).header("idempotency-key", key);
+    let request = match body {
+        Some(body) => request.json(&body),
+        None => request,
+    };
+    let response = request.send().await.unwrap();
+    (response.status().as_u16(), response.json().await.unwrap_or(Value::Null))
+}
+
+/// Each leg of a movement: (wallet, signed amount), in its order.
+fn moved(movement: &Value) -> Vec<(String, i64)> {
+    let legs = movement["legs"].as_array().unwrap();
+    legs.iter()
+        .map(|e| {
+            let amount = e["amount"].as_i64().unwrap();
+            let signed = if e["kind"] == "transfer_out" { -amount } else { amount };
+            (e["wallet_id"].as_str().unwrap().to_owned(), signed)
+        })
+        .collect()
+}
+
+fn of(spec: &[(&str, i64)]) -> Vec<(String, i64)> {
+    spec.iter().map(|(id, amount)| ((*id).to_owned(), *amount)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_is_refunded_every_leg_by_its_share_in_part_then_the_rest_and_never_past_it() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    let wallets = ["sp", "sm", "sf"];
+    app.open_wallet("sp", 10_000).await;
+    app.open_wallet("sm", 0).await;
+    app.open_wallet("sf", 0).await;
+    let made: Value = keyed(&app, "refunded-split", &legs(&[("sp", -1_000), ("sm", 900), ("sf", 100)]))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let id = made["id"].as_str().unwrap();
+
+    // Half of it: each leg back by its share, the money moving the other way.
+    let (status, half) = refund(&app, id, "refund-1", Some(json!({ "amount": 500 }))).await;
+    assert_eq!(status, 201, "{half}");
+    assert_eq!(half["refund_of"].as_str(), Some(id));
+    assert_eq!(moved(&half), of(&[("sp", 500), ("sm", -450), ("sf", -50)]));
+    assert_eq!(balances(&app.db, &wallets).await, [9_500, 450, 50]);
+    let (status, again) = refund(&app, id, "refund-1", Some(json!({ "amount": 500 }))).await;
+    assert_eq!((status, &again["id"]), (201, &half["id"]), "a retry with its key replays it");
+
+    // More than is left is refused, naming what is left; then the rest, then nothing.
+    let (status, beyond) = refund(&app, id, "refund-2", Some(json!({ "amount": 501 }))).await;
+    assert_eq!(
+        (status, beyond["code"].as_str(), beyond["refundable"].as_i64()),
+        (422, Some("refund_exceeds_payment"), Some(500))
+    );
+    let (status, rest) = refund(&app, id, "refund-3", None).await;
+    assert_eq!(status, 201, "{rest}");
+    assert_eq!(moved(&rest), of(&[("sp", 500), ("sm", -450), ("sf", -50)]));
+    assert_eq!(balances(&app.db, &wallets).await, [10_000, 0, 0], "every leg back where it started");
+    let (status, nothing) = refund(&app, id, "refund-4", None).await;
+    assert_eq!((status, nothing["refundable"].as_i64()), (422, Some(0)), "{nothing}");
+
+    // A held split captured in part: each leg takes its share, every hold is released, and only
+    // what was captured can be refunded.
+    let placed: Value =
+        keyed(&app, "held-part", &held_split(&[("sp", -1_000), ("sm", 900), ("sf", 100)], 600))
+            .await
+            .json()
+            .await
+            .unwrap();
+    let held = placed["id"].as_str().unwrap();
+    let (status, problem) = refund(&app, held, "refund-held", None).await;
+    assert_eq!((status, problem["code"].as_str()), (409, Some("movement_not_captured")), "{problem}");
+    let capture = |amount: i64| {
+        let url = app.url(&format!("/movements/{held}/capture"));
+        app.client.post(url).json(&json!({ "amount": amount })).send()
+    };
+    let too_much = capture(1_001).await.unwrap();
+    assert_eq!(too_much.status(), 422);
+    assert_eq!(too_much.json::<Value>().await.unwrap()["code"], "capture_exceeds_hold");
+    let captured: Value = capture(300).await.unwrap().json().await.unwrap();
+    assert_eq!(captured["status"], "captured", "{captured}");
+    assert_eq!(moved(&captured), of(&[("sp", -300), ("sm", 270), ("sf", 30)]));
+    assert_eq!(balance_and_held(&app.db, "sp").await, (9_700, 0), "the rest of the hold released");
+    let (status, beyond) = refund(&app, held, "refund-part", Some(json!({ "amount": 301 }))).await;
+    assert_eq!((status, beyond["refundable"].as_i64()), (422, Some(300)), "{beyond}");
+
+    // A refund takes money only from wallets the caller may use: `tester` may pay into `other`'s
+    // wallet, not take it back; another caller does not see the movement at all.
+    let opened =
+        api_client_with(OTHER_TOKEN).post(app.url("/wallets")).json(&json!({ "id": "sx", "balance": 0 }));
+    assert_eq!(opened.send().await.unwrap().status(), 201);
+    let into_theirs: Value =
+        app.post_json("/movements", legs(&[("sp", -10), ("sx", 10)])).await.json().await.unwrap();
+    let (status, problem) = refund(&app, into_theirs["id"].as_str().unwrap(), "refund-theirs", None).await;
+    assert_eq!((status, problem["code"].as_str()), (404, Some("movement_not_found")), "{problem}");
+    let stranger = api_client_with(OTHER_TOKEN).post(app.url(&format!("/movements/{id}/refund"))).send();
+    assert_eq!(stranger.await.unwrap().status(), 404);
+    assert_eq!(balances(&app.db, &["sp", "sx"]).await, [9_690, 10], "refusals change nothing");
+    let (ok, report) = audit(&app._schema.url);
+    assert!(ok, "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refunds_of_a_split_racing_on_three_replicas_never_give_back_more_than_a_leg_moved() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 3, &[]).await;
+    let wallets = ["qa", "qb", "qc"];
+    open_wallets(&fleet, &wallets, 1_000).await;
+    let made =
+        fleet.client.post(fleet.url("/movements")).json(&legs(&[("qa", -100), ("qb", 60), ("qc", 40)]));
+    let made: Value = made.send().await.unwrap().json().await.unwrap();
+    let id = made["id"].as_str().unwrap().to_owned();
+    let sends = (0..12).map(|n| {
+        let (client, url) =
+            (fleet.client.clone(), fleet.replicas[n % 3].url(&format!("/movements/{id}/refund")));
+        async move {
+            let response = client.post(url).json(&json!({ "amount": 30 })).send().await.unwrap();
+            (response.status().as_u16(), response.json::<Value>().await.unwrap())
+        }
+    });
+    let answers = futures::future::join_all(sends).await;
+    let accepted = answers.iter().filter(|(status, _)| *status == 201).count();
+    assert_eq!(accepted, 3, "3 refunds of 30 fit in 100: {answers:?}");
+    for (status, body) in answers.iter().filter(|(status, _)| *status != 201) {
+        assert_eq!(
+            (*status, body["code"].as_str(), body["refundable"].as_i64()),
+            (422, Some("refund_exceeds_payment"), Some(10)),
+            "{body}"
+        );
+    }
+    // 90 of 100 back: 54 of qb's 60 and 36 of qc's 40, each refund taking its share of each leg.
+    assert_eq!(balances(&fleet.db, &wallets).await, [990, 1_006, 1_004]);
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "{report}");
+}

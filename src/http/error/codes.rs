@@ -121,6 +121,11 @@ pub const MOVEMENT_NOT_HELD: ErrorCode = replica(
     "movement_not_held",
     "the movement was posted, not placed as a hold: there is nothing to capture or void",
 );
+pub const MOVEMENT_NOT_CAPTURED: ErrorCode = replica(
+    S::CONFLICT,
+    "movement_not_captured",
+    "the movement was placed as a hold and is held, voided or expired: it moved no money, so there is nothing to refund",
+);
 pub const HOLD_OF_MOVEMENT: ErrorCode = replica(
     S::CONFLICT,
     "hold_of_movement",
@@ -282,6 +287,7 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &HOLD_VOIDED,
     &HOLD_EXPIRED,
     &MOVEMENT_NOT_HELD,
+    &MOVEMENT_NOT_CAPTURED,
     &HOLD_OF_MOVEMENT,
     &LEASE_LOST,
     &IDEMPOTENCY_KEY_IN_FLIGHT,

@@ -15,13 +15,13 @@
 //! of one movement are captured together or not at all.
 
 use super::{Held, Known, Leg, Links, Settled, as_written, decide_legs, settled};
-use crate::domain::{Funds, HoldLife, HoldStatus, LegRefusal, Parties};
+use crate::domain::{self, Funds, HoldLife, HoldStatus, LegRefusal, Parties, pro_rata};
 use crate::idempotency::{Keyed, Prior};
 use crate::ledger::hold::{Hold, NewHold};
 use crate::ledger::idempotency::StoredResponse;
 use crate::ledger::transfer::{HeldLeg, MovementHold, MovementRecord, MovementStatus, Transfer};
 use crate::ledger::{Entry, EntryKind};
-use crate::wallet::transfer::{Done, MovementRecordOutcome, TransferOutcome};
+use crate::wallet::transfer::{Done, MovementRecordOutcome, RefundOutcome, TransferOutcome};
 use crate::wallet::{Access, Amount, Field, Legs, Refusal, WalletError, WalletId};
 use chrono::{DateTime, Utc};
 use std::collections::{HashMap, HashSet};
@@ -50,13 +50,53 @@ pub enum LegsOp {
         hold: Option<HoldLife>,
         key: Option<Keyed<MovementRecordOutcome>>,
     },
-    /// A held movement captured (`capture`) or voided: every leg at once.
+    /// A held movement captured (all of it, or part) or voided: every leg at once.
     Settle {
         access: Access,
         held: Box<HeldMovement>,
-        capture: bool,
+        settle: SettleAs,
         key: Option<Keyed<MovementRecordOutcome>>,
     },
+    /// Money back for a payment, a transfer or a movement: `amount` (without it, all that is
+    /// left), every leg of the original reversed by its share of it ([`pro_rata`] of what each
+    /// leg has left to refund), so the refunds of one never add up to more than it moved, on any
+    /// leg. The caller may use every wallet the refund takes money from (for a payment's refund,
+    /// which takes from none, the wallet it pays into); the money goes back where it came from,
+    /// whoever owns that.
+    Refund { access: Access, of: RefundOf, legs: Vec<(WalletId, Amount, bool)>, amount: Option<Amount> },
+}
+
+/// How a held movement is settled: captured, all of it or `amount` of it taken from every leg
+/// pro rata ([`pro_rata`]: each debit leg's share of it from its hold, the rest of the hold
+/// released, and each credit leg its share), or voided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettleAs {
+    Capture(Option<Amount>),
+    Void,
+}
+
+/// What a refund gives money back for, with its key if the request had one. The original's legs
+/// never change, so they are read before its leases are taken; what has been refunded of it so
+/// far is read under them ([`Known::refunded`]).
+#[derive(Debug)]
+pub enum RefundOf {
+    /// A wallet's payment (its `pay` entry): a `refund` entry naming it, money from outside.
+    Payment { payment: Uuid, key: Option<Keyed<RefundOutcome>> },
+    /// A transfer: a transfer back from its payee to its payer, naming it.
+    Transfer { transfer: Uuid, key: Option<Keyed<TransferOutcome>> },
+    /// A movement of many legs: a movement of every leg back, naming it.
+    Movement { movement: Uuid, key: Option<Keyed<MovementRecordOutcome>> },
+}
+
+impl RefundOf {
+    /// The payment, transfer or movement refunded.
+    pub fn id(&self) -> Uuid {
+        match self {
+            RefundOf::Payment { payment: id, .. }
+            | RefundOf::Transfer { transfer: id, .. }
+            | RefundOf::Movement { movement: id, .. } => *id,
+        }
+    }
 }
 
 /// A held movement as found before its leases were taken: its legs and holds never change, and
@@ -97,6 +137,32 @@ impl LegsOp {
             }
             LegsOp::Movement { legs, .. } => of(legs),
             LegsOp::Settle { held, .. } => of(&held.legs),
+            // A refund's legs are the original's, reversed.
+            LegsOp::Refund { legs, .. } => {
+                legs.iter().map(|(id, amount, debit)| (id, *amount, !debit)).collect()
+            }
+        }
+    }
+
+    /// The payment, transfer or movement it refunds, if it is a refund.
+    pub fn refunds(&self) -> Option<&RefundOf> {
+        match self {
+            LegsOp::Refund { of, .. } => Some(of),
+            _ => None,
+        }
+    }
+
+    /// The metric's `kind` label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            LegsOp::Transfer { .. } => "transfer",
+            LegsOp::Movement { hold: None, .. } => "movement",
+            LegsOp::Movement { hold: Some(_), .. } => "movement_hold",
+            LegsOp::Settle { settle: SettleAs::Capture(_), .. } => "movement_capture",
+            LegsOp::Settle { settle: SettleAs::Void, .. } => "movement_void",
+            LegsOp::Refund { of: RefundOf::Payment { .. }, .. } => "payment_refund",
+            LegsOp::Refund { of: RefundOf::Transfer { .. }, .. } => "transfer_refund",
+            LegsOp::Refund { of: RefundOf::Movement { .. }, .. } => "movement_refund",
         }
     }
 
@@ -112,13 +178,20 @@ impl LegsOp {
     fn access(&self) -> &Access {
         let (LegsOp::Transfer { access, .. }
         | LegsOp::Movement { access, .. }
-        | LegsOp::Settle { access, .. }) = self;
+        | LegsOp::Settle { access, .. }
+        | LegsOp::Refund { access, .. }) = self;
         access
     }
 
     /// Whether the caller may take money out of (`debit`) or pay into a wallet owned by `owner`.
     fn may_touch(&self, debit: bool, owner: Option<&str>) -> bool {
-        if debit { self.access().may_use(owner) } else { self.access().may_pay_into(owner) }
+        match self {
+            // A refund of a payment takes money from no wallet: its wallet must be the caller's.
+            LegsOp::Refund { of: RefundOf::Payment { .. }, .. } => self.access().may_use(owner),
+            LegsOp::Refund { .. } if !debit => true,
+            _ if debit => self.access().may_use(owner),
+            _ => self.access().may_pay_into(owner),
+        }
     }
 
     /// The answer when the wallet of leg `n` does not exist, or is not the caller's to touch.
@@ -128,6 +201,9 @@ impl LegsOp {
                 WalletError::PartyNotFound { field: if n == 0 { Field::From } else { Field::To } }
             }
             LegsOp::Movement { .. } | LegsOp::Settle { .. } => WalletError::LegNotFound { leg: n },
+            LegsOp::Refund { of: RefundOf::Payment { .. }, .. } => WalletError::NotFound,
+            LegsOp::Refund { of: RefundOf::Transfer { .. }, .. } => WalletError::TransferNotFound,
+            LegsOp::Refund { of: RefundOf::Movement { .. }, .. } => WalletError::MovementNotFound,
         }
     }
 
@@ -135,7 +211,15 @@ impl LegsOp {
     pub fn key(&self) -> Option<(crate::ledger::idempotency::KeyRef<'_>, &[u8; 32])> {
         match self {
             LegsOp::Transfer { key: Some(key), .. } => Some((key.at(), &key.fingerprint)),
-            LegsOp::Movement { key: Some(key), .. } | LegsOp::Settle { key: Some(key), .. } => {
+            LegsOp::Movement { key: Some(key), .. }
+            | LegsOp::Settle { key: Some(key), .. }
+            | LegsOp::Refund { of: RefundOf::Movement { key: Some(key), .. }, .. } => {
+                Some((key.at(), &key.fingerprint))
+            }
+            LegsOp::Refund { of: RefundOf::Transfer { key: Some(key), .. }, .. } => {
+                Some((key.at(), &key.fingerprint))
+            }
+            LegsOp::Refund { of: RefundOf::Payment { key: Some(key), .. }, .. } => {
                 Some((key.at(), &key.fingerprint))
             }
             _ => None,
@@ -229,6 +313,9 @@ struct Deciding<'a, 'k> {
     wallets: &'a [LegsWallet<'a>],
     state: Vec<Option<Held>>,
     status_now: HashMap<Uuid, HoldStatus>,
+    /// What the refunds this job made gave back, beside what [`Known::refunded`] says of those
+    /// before it.
+    refunded_now: super::Refunds,
     known: Known<'k>,
     plan: LegsPlan,
 }
@@ -239,6 +326,8 @@ type Decided = Result<Made, (usize, Refusal)>;
 
 /// A movement accepted, before it is answered.
 enum Made {
+    /// A refund of a payment: its `refund` entry.
+    Entry(Entry),
     Transfer(Box<Transfer>),
     /// A movement posted or placed (`new`: its row is to be written), or one settled.
     Movement {
@@ -278,11 +367,18 @@ impl Deciding<'_, '_> {
         self.plan.entries.extend(entries.iter().cloned());
     }
 
-    /// Settles hold `hold` of wallet `w` as `status`, releasing what it held.
-    fn settle(&mut self, w: usize, hold: &Hold, status: HoldStatus, capture_entry: Option<Uuid>) {
+    /// Settles hold `hold` of wallet `w` as `status`, releasing what it held; a capture charged
+    /// `captured` of it, by its entry `capture_entry` (none for a leg whose share was nothing).
+    fn settle(
+        &mut self,
+        w: usize,
+        hold: &Hold,
+        status: HoldStatus,
+        captured: i64,
+        capture_entry: Option<Uuid>,
+    ) {
         let held = self.state[w].as_mut().expect("touched wallets exist");
         held.held -= hold.amount;
-        let captured = if status == HoldStatus::Captured { hold.amount } else { 0 };
         self.status_now.insert(hold.id, status);
         self.plan.settled.push((w, settled(hold.id, status, captured, capture_entry)));
     }
@@ -294,7 +390,7 @@ impl Deciding<'_, '_> {
         let (reference, parties) = match op {
             LegsOp::Transfer { reference, parties, .. } => (reference, Some(parties)),
             LegsOp::Movement { reference, .. } => (reference, None),
-            LegsOp::Settle { .. } => unreachable!("a settlement is not posted"),
+            LegsOp::Settle { .. } | LegsOp::Refund { .. } => unreachable!("posted by its own arm"),
         };
         let links = Links { movement: Some(id), reference: reference.as_deref(), refund_of: None, now };
         let entries = decide_legs(&legs, (EntryKind::TransferOut, EntryKind::TransferIn), links)?;
@@ -321,6 +417,7 @@ impl Deciding<'_, '_> {
                     status: MovementStatus::Posted,
                     legs: entries,
                     hold: None,
+                    refund_of: None,
                     created_at: now,
                 },
                 new: true,
@@ -372,6 +469,7 @@ impl Deciding<'_, '_> {
             status: MovementStatus::Held,
             legs: Vec::new(),
             hold: Some(MovementHold { expires_at, legs: held_legs }),
+            refund_of: None,
             created_at: now,
         };
         Ok(Made::Movement { record, new: true })
@@ -385,7 +483,7 @@ impl Deciding<'_, '_> {
         touched: &[usize],
         now: DateTime<Utc>,
     ) -> Result<Decided, WalletError> {
-        let LegsOp::Settle { held, capture, .. } = op else { unreachable!("only a settlement settles") };
+        let LegsOp::Settle { held, settle, .. } = op else { unreachable!("only a settlement settles") };
         let mut holds: Vec<Option<Hold>> = Vec::with_capacity(held.holds.len());
         for id in &held.holds {
             holds.push(match id {
@@ -417,15 +515,25 @@ impl Deciding<'_, '_> {
             // Expired: this write releases every hold of it, so no capture can come after.
             for (hold, &w) in holds.iter().zip(touched) {
                 if let Some(hold) = hold {
-                    self.settle(w, hold, HoldStatus::Expired, None);
+                    self.settle(w, hold, HoldStatus::Expired, 0, None);
                 }
             }
             return Ok(Err((first_debit, Refusal::HoldExpired)));
         }
         let mut record = MovementRecord { status: MovementStatus::Voided, ..held.record.clone() };
-        if *capture {
+        // Each leg's entry and what it captured, if this settlement writes one: a capture's leg
+        // whose share is not nothing.
+        let mut written: Vec<Option<(Uuid, i64)>> = vec![None; holds.len()];
+        if let SettleAs::Capture(amount) = settle {
             let held_off: Vec<i64> = holds.iter().map(|hold| hold.as_ref().map_or(0, |h| h.amount)).collect();
-            let legs = self.legs(op, touched, &held_off);
+            let all = self.legs(op, touched, &held_off);
+            let reserved: i64 = all.iter().filter(|leg| leg.debit).map(|leg| leg.amount.get()).sum();
+            let total = amount.map_or(reserved, Amount::get);
+            if total > reserved {
+                return Ok(Err((first_debit, Refusal::CaptureExceedsHold { held: reserved })));
+            }
+            let sizes: Vec<i64> = all.iter().map(|leg| leg.amount.get()).collect();
+            let (legs, at) = shares(&all, &sizes, total);
             let links = Links {
                 movement: Some(held.record.id),
                 reference: held.record.reference.as_deref(),
@@ -435,24 +543,123 @@ impl Deciding<'_, '_> {
             let mut entries = match decide_legs(&legs, (EntryKind::TransferOut, EntryKind::TransferIn), links)
             {
                 Ok(entries) => entries,
-                Err(refused) => return Ok(Err(refused)),
+                Err((n, refusal)) => return Ok(Err((at[n], refusal))),
             };
-            for (entry, hold) in entries.iter_mut().zip(&holds) {
-                entry.hold_id = hold.as_ref().map(|h| h.id);
+            for (entry, &n) in entries.iter_mut().zip(&at) {
+                entry.hold_id = holds[n].as_ref().map(|h| h.id);
+                written[n] = Some((entry.id, entry.amount));
             }
-            self.apply(&entries, touched);
+            self.apply(&entries, &at.iter().map(|&n| touched[n]).collect::<Vec<_>>());
             record =
                 MovementRecord { status: MovementStatus::Captured, legs: entries, ..held.record.clone() };
         }
-        let status = if *capture { HoldStatus::Captured } else { HoldStatus::Voided };
-        for (n, (hold, &w)) in holds.iter().zip(touched).enumerate() {
+        let status = match settle {
+            SettleAs::Capture(_) => HoldStatus::Captured,
+            SettleAs::Void => HoldStatus::Voided,
+        };
+        for ((hold, &w), written) in holds.iter().zip(touched).zip(&written) {
             if let Some(hold) = hold {
-                let entry = record.legs.get(n).map(|e| e.id);
-                self.settle(w, hold, status, entry);
+                let captured = written.map_or(0, |(_, amount)| amount);
+                self.settle(w, hold, status, captured, written.map(|(entry, _)| entry));
             }
         }
         Ok(Ok(Made::Movement { record, new: false }))
     }
+
+    /// A refund: every leg of the original back by its share of the amount refunded, in
+    /// proportion to what each leg has left to refund ([`LegsOp::Refund`]).
+    fn refund(&mut self, op: &LegsOp, touched: &[usize], now: DateTime<Utc>) -> Result<Decided, WalletError> {
+        let LegsOp::Refund { of, amount, .. } = op else { unreachable!("only a refund refunds") };
+        let refunded = self
+            .known
+            .refunded
+            .get(&of.id())
+            .ok_or_else(|| WalletError::internal("the refunds so far of a refund's original not read"))?;
+        let refunded_now = self.refunded_now.get(&of.id());
+        let refunded_on = |wallet: &WalletId| {
+            let now = refunded_now.and_then(|by_wallet| by_wallet.get(wallet.as_str())).copied();
+            refunded.get(wallet.as_str()).copied().unwrap_or(0) + now.unwrap_or(0)
+        };
+        // The original's legs reversed: a refund's credits are the original's debits.
+        let all = self.legs(op, touched, &vec![0; touched.len()]);
+        let left: Vec<i64> = all.iter().map(|leg| leg.amount.get() - refunded_on(leg.wallet)).collect();
+        let moved: i64 = all.iter().filter(|leg| !leg.debit).map(|leg| leg.amount.get()).sum();
+        let left_in: i64 = all.iter().zip(&left).filter(|(leg, _)| !leg.debit).map(|(_, left)| left).sum();
+        let total = match domain::refund_amount(*amount, moved, moved - left_in) {
+            Ok(total) => total.get(),
+            Err(refusal) => return Ok(Err((0, refusal))),
+        };
+        let (legs, at) = shares(&all, &left, total);
+        let id = Uuid::new_v4();
+        let (kinds, links) = match of {
+            RefundOf::Payment { payment, .. } => (
+                (EntryKind::Refund, EntryKind::Refund),
+                Links { movement: None, reference: None, refund_of: Some(*payment), now },
+            ),
+            RefundOf::Transfer { .. } | RefundOf::Movement { .. } => (
+                (EntryKind::TransferOut, EntryKind::TransferIn),
+                Links { movement: Some(id), reference: None, refund_of: None, now },
+            ),
+        };
+        let entries = match decide_legs(&legs, kinds, links) {
+            Ok(entries) => entries,
+            Err((n, refusal)) => return Ok(Err((at[n], refusal))),
+        };
+        self.apply(&entries, &at.iter().map(|&n| touched[n]).collect::<Vec<_>>());
+        let refunded_now = self.refunded_now.entry(of.id()).or_default();
+        for entry in &entries {
+            *refunded_now.entry(entry.wallet_id.clone()).or_default() += entry.amount;
+        }
+        Ok(Ok(match of {
+            RefundOf::Payment { .. } => Made::Entry(entries.into_iter().next().expect("one leg, one entry")),
+            RefundOf::Transfer { transfer, .. } => {
+                let leg = |kind| entries.iter().find(|e| e.kind == kind).cloned().expect("both legs");
+                let (from_entry, to_entry) = (leg(EntryKind::TransferOut), leg(EntryKind::TransferIn));
+                Made::Transfer(Box::new(Transfer {
+                    id,
+                    from: from_entry.wallet_id.clone(),
+                    to: to_entry.wallet_id.clone(),
+                    amount: total,
+                    reference: None,
+                    refund_of: Some(*transfer),
+                    from_entry,
+                    to_entry,
+                    created_at: now,
+                }))
+            }
+            RefundOf::Movement { movement, .. } => Made::Movement {
+                record: MovementRecord {
+                    id,
+                    reference: None,
+                    status: MovementStatus::Posted,
+                    legs: entries,
+                    hold: None,
+                    refund_of: Some(*movement),
+                    created_at: now,
+                },
+                new: true,
+            },
+        }))
+    }
+}
+
+/// `total` taken from `legs` in proportion to `sizes` (one a leg), on each side alike: the debits
+/// share it by their sizes, and so do the credits ([`pro_rata`]), so the legs still sum to zero.
+/// The legs whose share is not nothing, each of its share, and the index of each among `legs`.
+fn shares<'o>(legs: &[Leg<'o>], sizes: &[i64], total: i64) -> (Vec<Leg<'o>>, Vec<usize>) {
+    let mut amounts = vec![0; legs.len()];
+    for debit in [true, false] {
+        let side: Vec<usize> = (0..legs.len()).filter(|&n| legs[n].debit == debit).collect();
+        let of_side: Vec<i64> = side.iter().map(|&n| sizes[n]).collect();
+        for (&n, share) in side.iter().zip(pro_rata(total, &of_side)) {
+            amounts[n] = share;
+        }
+    }
+    legs.iter()
+        .zip(amounts)
+        .enumerate()
+        .filter_map(|(n, (leg, share))| Some((Leg { amount: Amount::new(share).ok()?, ..*leg }, n)))
+        .unzip()
 }
 
 /// Decides a job's movements, in order, against `wallets` as read. `Err` names the wallets one of
@@ -469,6 +676,7 @@ pub fn decide_between(
         wallets,
         state: wallets.iter().map(|w| w.held.cloned()).collect(),
         status_now: HashMap::new(),
+        refunded_now: super::Refunds::new(),
         known,
         plan: LegsPlan {
             decisions: Vec::with_capacity(ops.len()),
@@ -489,7 +697,7 @@ pub fn decide_between(
         }
         for hold in known.holds.values().filter(|h| h.wallet_id == wallet.id.as_str()) {
             if hold.status == HoldStatus::Held && hold.expires_at <= now {
-                job.settle(n, hold, HoldStatus::Expired, None);
+                job.settle(n, hold, HoldStatus::Expired, 0, None);
             }
         }
     }
@@ -539,13 +747,19 @@ pub fn decide_between(
         let decided = match op {
             LegsOp::Transfer { .. } | LegsOp::Movement { hold: None, .. } => job.post(op, &touched, now),
             LegsOp::Movement { hold: Some(life), .. } => job.place(op, &touched, *life, now),
-            LegsOp::Settle { .. } => match job.settle_movement(op, &touched, now) {
-                Ok(decided) => decided,
-                Err(err) => {
-                    job.plan.decisions.push(LegsDecision::Answered(err));
-                    continue;
+            LegsOp::Settle { .. } | LegsOp::Refund { .. } => {
+                let decided = match op {
+                    LegsOp::Settle { .. } => job.settle_movement(op, &touched, now),
+                    _ => job.refund(op, &touched, now),
+                };
+                match decided {
+                    Ok(decided) => decided,
+                    Err(err) => {
+                        job.plan.decisions.push(LegsDecision::Answered(err));
+                        continue;
+                    }
                 }
-            },
+            }
         };
         // Short of funds while something is held: the holds that expired may cover it, and only a
         // write that releases them may count on that.
@@ -559,15 +773,31 @@ pub fn decide_between(
             }
         }
         let first_entry = match &decided {
+            Ok(Made::Entry(entry)) => Some(entry.id),
             Ok(Made::Transfer(t)) => Some(t.from_entry.id),
             Ok(Made::Movement { record, .. }) => record.legs.first().map(|e| e.id),
             Err(_) => None,
         };
         let (decision, response) = match op {
-            LegsOp::Transfer { key, .. } => {
+            LegsOp::Refund { of: RefundOf::Payment { key, .. }, .. } => {
+                let outcome: RefundOutcome = match decided {
+                    Ok(Made::Entry(entry)) => Ok(entry),
+                    Ok(Made::Transfer(_) | Made::Movement { .. }) => {
+                        unreachable!("a payment's refund is an entry")
+                    }
+                    Err((_, refusal)) => Err(refusal),
+                };
+                let response = key.as_ref().map(|key| (key.render)(&outcome));
+                let decision = match outcome {
+                    Ok(entry) => LegsDecision::Accepted(Done::Entry(entry)),
+                    Err(refusal) => LegsDecision::Refused(WalletError::Refused(refusal)),
+                };
+                (decision, response)
+            }
+            LegsOp::Transfer { key, .. } | LegsOp::Refund { of: RefundOf::Transfer { key, .. }, .. } => {
                 let outcome: TransferOutcome = match decided {
                     Ok(Made::Transfer(transfer)) => Ok(*transfer),
-                    Ok(Made::Movement { .. }) => unreachable!("a transfer posts one"),
+                    Ok(Made::Movement { .. } | Made::Entry(_)) => unreachable!("a transfer posts one"),
                     Err((_, refusal)) => Err(refusal),
                 };
                 let response = key.as_ref().map(|key| (key.render)(&outcome));
@@ -580,7 +810,9 @@ pub fn decide_between(
                 };
                 (decision, response)
             }
-            LegsOp::Movement { key, .. } | LegsOp::Settle { key, .. } => {
+            LegsOp::Movement { key, .. }
+            | LegsOp::Settle { key, .. }
+            | LegsOp::Refund { of: RefundOf::Movement { key, .. }, .. } => {
                 let outcome: MovementRecordOutcome = match decided {
                     Ok(Made::Movement { record, new }) => {
                         if new {
@@ -588,7 +820,7 @@ pub fn decide_between(
                         }
                         Ok(record)
                     }
-                    Ok(Made::Transfer(_)) => unreachable!("a movement posts no transfer"),
+                    Ok(Made::Transfer(_) | Made::Entry(_)) => unreachable!("a movement posts no transfer"),
                     Err((leg, refusal)) => Err(LegRefusal { leg, refusal }),
                 };
                 let response = key.as_ref().map(|key| (key.render)(&outcome));
@@ -685,6 +917,7 @@ mod tests {
         keys: HashMap<(String, String, String), FoundKey>,
         holds: HashMap<Uuid, Hold>,
         expired_read: HashSet<String>,
+        refunded: super::super::Refunds,
     }
 
     impl Fixture {
@@ -695,6 +928,7 @@ mod tests {
                 keys: HashMap::new(),
                 holds: HashMap::new(),
                 expired_read: HashSet::new(),
+                refunded: super::super::Refunds::new(),
             }
         }
 
@@ -709,6 +943,7 @@ mod tests {
                 keys: &self.keys,
                 holds: &self.holds,
                 expired_read: &self.expired_read,
+                refunded: &self.refunded,
                 now: Utc::now(),
             };
             decide_between(&wallets, ops, known)
@@ -818,20 +1053,20 @@ mod tests {
 
     /// Places a held split of w0 and w1 into w2, and returns the settlement of it, the holds it
     /// placed and the wallets it left.
-    fn placed(fixture: &Fixture, capture: bool) -> (LegsOp, Vec<Hold>, Vec<Option<Held>>) {
+    fn placed(fixture: &Fixture, settle: SettleAs) -> (LegsOp, Vec<Hold>, Vec<Option<Held>>) {
         let plan = fixture.decide(&[split(Some(HoldLife::DEFAULT))]).unwrap();
         let Ok(Done::Movement(record)) = plan.results(Ok(true)).remove(0) else { panic!("placed") };
         assert_eq!((record.status, record.legs.len()), (MovementStatus::Held, 0));
         let held = HeldMovement::of(*record).expect("a held movement");
         let settle =
-            LegsOp::Settle { access: Access::own_wallets(OWNER), held: Box::new(held), capture, key: None };
+            LegsOp::Settle { access: Access::own_wallets(OWNER), held: Box::new(held), settle, key: None };
         (settle, plan.placed, plan.after)
     }
 
     #[test]
     fn a_held_movement_reserves_every_debit_and_settles_every_leg_at_once() {
         let mut fixture = Fixture::of(&[Some((100, 0)), Some((50, 10)), Some((0, 0))]);
-        let (capture, holds, after) = placed(&fixture, true);
+        let (capture, holds, after) = placed(&fixture, SettleAs::Capture(None));
         assert_eq!(
             holds.iter().map(|h| (h.wallet_id.as_str(), h.amount)).collect::<Vec<_>>(),
             [("w0", 60), ("w1", 40)]
@@ -854,7 +1089,8 @@ mod tests {
         assert!(plan.movements.is_empty(), "the movement's row is written once, when placed");
 
         // A hold settled already refuses the other settlement, naming its leg, and changes nothing.
-        let (void, _, _) = placed(&Fixture::of(&[Some((100, 0)), Some((50, 0)), Some((0, 0))]), false);
+        let (void, _, _) =
+            placed(&Fixture::of(&[Some((100, 0)), Some((50, 0)), Some((0, 0))]), SettleAs::Void);
         let LegsOp::Settle { held, .. } = &void else { unreachable!() };
         let mut settled_holds: HashMap<Uuid, Hold> = HashMap::new();
         for (n, hold) in held.holds.iter().flatten().enumerate() {
@@ -875,10 +1111,10 @@ mod tests {
     #[test]
     fn a_held_movement_past_its_expiry_is_refused_and_its_write_releases_every_hold() {
         let mut fixture = Fixture::of(&[Some((100, 0)), Some((50, 0)), Some((0, 0))]);
-        let (capture, holds, after) = placed(&fixture, true);
-        let LegsOp::Settle { mut held, access, capture: true, key } = capture else { unreachable!() };
+        let (capture, holds, after) = placed(&fixture, SettleAs::Capture(None));
+        let LegsOp::Settle { mut held, access, settle, key } = capture else { unreachable!() };
         held.expires_at = Utc::now() - chrono::Duration::seconds(1);
-        let capture = LegsOp::Settle { access, held, capture: true, key };
+        let capture = LegsOp::Settle { access, held, settle, key };
         fixture.held = after;
         fixture.holds = holds.iter().map(|h| (h.id, h.clone())).collect();
         let plan = fixture.decide(&[capture]).unwrap();
@@ -890,6 +1126,124 @@ mod tests {
         assert!(plan.settled.iter().all(|(_, s)| s.status == HoldStatus::Expired) && plan.settled.len() == 2);
         assert_eq!(plan.after.iter().map(|h| h.as_ref().unwrap().held).collect::<Vec<_>>(), [0, 0, 0]);
         assert!(plan.entries.is_empty());
+    }
+
+    #[test]
+    fn a_capture_of_part_takes_each_legs_share_and_releases_the_rest_of_every_hold() {
+        let mut fixture = Fixture::of(&[Some((100, 0)), Some((50, 0)), Some((0, 0))]);
+        let (capture, holds, after) = placed(&fixture, SettleAs::Capture(Some(Amount::new(51).unwrap())));
+        fixture.held = after;
+        fixture.holds = holds.iter().map(|h| (h.id, h.clone())).collect();
+        let plan = fixture.decide(&[capture]).unwrap();
+        let Ok(Done::Movement(record)) = plan.results(Ok(true)).remove(0) else { panic!("captured") };
+        // 51 of the 60 + 40 held: 30.6 and 20.4, rounded down, and the unit left to the first.
+        let moved: Vec<(&str, EntryKind, i64)> =
+            record.legs.iter().map(|e| (e.wallet_id.as_str(), e.kind, e.amount)).collect();
+        assert_eq!(
+            moved,
+            [
+                ("w0", EntryKind::TransferOut, 31),
+                ("w1", EntryKind::TransferOut, 20),
+                ("w2", EntryKind::TransferIn, 51)
+            ]
+        );
+        assert_eq!(balances(&plan), [69, 30, 51]);
+        assert_eq!(plan.after.iter().map(|h| h.as_ref().unwrap().held).collect::<Vec<_>>(), [0, 0, 0]);
+        let captured: Vec<i64> = plan.settled.iter().map(|(_, s)| s.captured).collect();
+        assert_eq!(captured, [31, 20]);
+
+        // More than is held is refused, and changes nothing.
+        let mut fixture = Fixture::of(&[Some((100, 0)), Some((50, 0)), Some((0, 0))]);
+        let (capture, holds, after) = placed(&fixture, SettleAs::Capture(Some(Amount::new(101).unwrap())));
+        fixture.held = after;
+        fixture.holds = holds.iter().map(|h| (h.id, h.clone())).collect();
+        let plan = fixture.decide(&[capture]).unwrap();
+        assert!(matches!(
+            plan.results(Ok(true))[0],
+            Err(WalletError::LegRefused { leg: 0, refusal: Refusal::CaptureExceedsHold { held: 100 } })
+        ));
+        assert!(plan.entries.is_empty() && plan.settled.is_empty());
+    }
+
+    fn refund(of: RefundOf, legs: &[(usize, i64)], amount: Option<i64>) -> LegsOp {
+        let legs = legs.iter().map(|&(w, a)| (id(w), Amount::new(a.abs()).unwrap(), a < 0)).collect();
+        LegsOp::Refund {
+            access: Access::own_wallets(OWNER),
+            of,
+            legs,
+            amount: amount.map(|a| Amount::new(a).unwrap()),
+        }
+    }
+
+    #[test]
+    fn a_refund_moves_each_leg_back_by_its_share_of_what_is_left_and_never_past_it() {
+        // A split of 100 out of w0: 90 to w1 and 10 to w2, of which 45 and 5 were refunded already.
+        let movement = Uuid::new_v4();
+        let original = [(0, -100), (1, 90), (2, 10)];
+        let mut fixture = Fixture::of(&[Some((0, 0)), Some((45, 0)), Some((5, 0))]);
+        let of = || RefundOf::Movement { movement, key: None };
+        let op = refund(of(), &original, Some(30));
+        assert!(
+            matches!(
+                fixture.decide(std::slice::from_ref(&op)).unwrap().results(Ok(true))[0],
+                Err(WalletError::Internal(_))
+            ),
+            "a refund decided without what was refunded before is never made"
+        );
+        fixture
+            .refunded
+            .insert(movement, HashMap::from([("w0".into(), 50), ("w1".into(), 45), ("w2".into(), 5)]));
+        let plan =
+            fixture.decide(&[op, refund(of(), &original, Some(21)), refund(of(), &original, None)]).unwrap();
+        let results = plan.results(Ok(true));
+        let Ok(Done::Movement(first)) = &results[0] else { panic!("refunded: {:?}", results[0]) };
+        assert_eq!(first.refund_of, Some(movement));
+        let moved: Vec<(&str, EntryKind, i64)> =
+            first.legs.iter().map(|e| (e.wallet_id.as_str(), e.kind, e.amount)).collect();
+        assert_eq!(
+            moved,
+            [
+                ("w0", EntryKind::TransferIn, 30),
+                ("w1", EntryKind::TransferOut, 27),
+                ("w2", EntryKind::TransferOut, 3)
+            ]
+        );
+        assert!(
+            matches!(
+                results[1],
+                Err(WalletError::LegRefused {
+                    refusal: Refusal::RefundExceedsPayment { refundable: 20 },
+                    ..
+                })
+            ),
+            "20 is left once 30 of the 50 left is refunded: {:?}",
+            results[1]
+        );
+        let Ok(Done::Movement(rest)) = &results[2] else { panic!("the rest: {:?}", results[2]) };
+        assert_eq!(rest.legs.iter().map(|e| e.amount).collect::<Vec<_>>(), [20, 18, 2]);
+        assert_eq!(balances(&plan), [50, 0, 0], "every leg back to where it started");
+    }
+
+    #[test]
+    fn a_payments_refund_is_one_entry_into_its_wallet_and_a_transfers_moves_it_back() {
+        let (payment, transfer) = (Uuid::new_v4(), Uuid::new_v4());
+        let mut fixture = Fixture::of(&[Some((10, 0)), Some((70, 0))]);
+        fixture.refunded.insert(payment, HashMap::from([("w0".into(), 30)]));
+        fixture.refunded.insert(transfer, HashMap::from([("w0".into(), 0), ("w1".into(), 0)]));
+        let ops = [
+            refund(RefundOf::Payment { payment, key: None }, &[(0, -100)], None),
+            refund(RefundOf::Transfer { transfer, key: None }, &[(0, -60), (1, 60)], Some(60)),
+        ];
+        let plan = fixture.decide(&ops).unwrap();
+        let results = plan.results(Ok(true));
+        let Ok(Done::Entry(entry)) = &results[0] else { panic!("refunded: {:?}", results[0]) };
+        assert_eq!((entry.kind, entry.amount, entry.refund_of), (EntryKind::Refund, 70, Some(payment)));
+        let Ok(Done::Transfer(back)) = &results[1] else { panic!("moved back: {:?}", results[1]) };
+        assert_eq!(
+            (back.from.as_str(), back.to.as_str(), back.amount, back.refund_of),
+            ("w1", "w0", 60, Some(transfer))
+        );
+        assert_eq!(balances(&plan), [140, 10]);
     }
 
     /// Wallets as (balance, held), and movements among them as (from, to, amount).
@@ -904,8 +1258,52 @@ mod tests {
         })
     }
 
+    /// A movement's legs, summing to zero: debits (negative) and the credits that share their total.
+    fn movement_legs() -> impl Strategy<Value = Vec<i64>> {
+        (prop::collection::vec(1i64..300, 1..4), 1usize..5).prop_map(|(debits, credits)| {
+            let total: i64 = debits.iter().sum();
+            let mut legs: Vec<i64> = debits.iter().map(|d| -d).collect();
+            let shares = pro_rata(total, &vec![1; credits]);
+            legs.extend(shares.into_iter().filter(|&share| share > 0));
+            legs
+        })
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn a_movements_refunds_never_give_back_more_than_a_leg_moved_and_the_last_gives_back_the_rest(
+            legs in movement_legs(),
+            amounts in prop::collection::vec(proptest::option::of(1i64..400), 0..6),
+        ) {
+            // The wallets as the movement left them: each credited wallet holds what it was paid.
+            let wallets: Vec<Option<(i64, i64)>> = legs.iter().map(|&a| Some((a.max(0), 0))).collect();
+            let fixture = {
+                let mut fixture = Fixture::of(&wallets);
+                let movement = Uuid::nil();
+                fixture.refunded.insert(movement, HashMap::new());
+                fixture
+            };
+            let original: Vec<(usize, i64)> = legs.iter().copied().enumerate().collect();
+            let of = || RefundOf::Movement { movement: Uuid::nil(), key: None };
+            let mut ops: Vec<LegsOp> = amounts.iter().map(|&a| refund(of(), &original, a)).collect();
+            ops.push(refund(of(), &original, None));
+            let plan = fixture.decide(&ops).unwrap();
+            let mut back = vec![0_i64; legs.len()];
+            for result in plan.results(Ok(true)) {
+                let Ok(Done::Movement(record)) = result else { continue };
+                prop_assert_eq!(record.legs.iter().map(|e| if e.kind.is_debit() { -e.amount } else { e.amount }).sum::<i64>(), 0);
+                for entry in &record.legs {
+                    let n: usize = entry.wallet_id[1..].parse().unwrap();
+                    prop_assert_eq!(entry.kind.is_debit(), legs[n] > 0, "each leg moves back the other way");
+                    back[n] += entry.amount;
+                }
+            }
+            let moved: Vec<i64> = legs.iter().map(|a| a.abs()).collect();
+            prop_assert_eq!(&back, &moved, "all of it back, and no leg more than it moved");
+            prop_assert_eq!(balances(&plan).iter().sum::<i64>(), legs.iter().map(|&a| a.max(0)).sum::<i64>());
+        }
 
         #[test]
         fn a_job_conserves_money_keeps_every_available_balance_at_or_above_zero_and_decides_in_order(

@@ -20,7 +20,7 @@
 
 mod legs;
 
-pub use legs::{HeldMovement, LegsOp, LegsPlan, LegsWallet, decide_between, wallets_of};
+pub use legs::{HeldMovement, LegsOp, LegsPlan, LegsWallet, RefundOf, SettleAs, decide_between, wallets_of};
 
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
 use crate::domain::{Amount, FenceStanding, Funds, HoldStatus, capture_amount};
@@ -114,6 +114,9 @@ impl Held {
 
 /// Stored keys by `(caller, scope, key)`.
 pub type FoundKeys = HashMap<(String, String, String), FoundKey>;
+
+/// What the refunds so far of a payment, transfer or movement (by its id) gave back, by wallet.
+pub type Refunds = HashMap<Uuid, HashMap<String, i64>>;
 
 /// How one op fared.
 #[derive(Debug)]
@@ -215,6 +218,9 @@ pub struct Known<'a> {
     pub holds: &'a HashMap<Uuid, Hold>,
     /// The wallets for which `holds` has every hold still held that expired by `now`.
     pub expired_read: &'a HashSet<String>,
+    /// What the refunds so far of each original a refund of the round names gave back, as read
+    /// under the leases (or row locks) of the original's wallets, which every refund of it holds.
+    pub refunded: &'a Refunds,
     /// The time of the round's entries, and what "expired" is decided against.
     pub now: DateTime<Utc>,
 }
@@ -592,17 +598,30 @@ mod tests {
         keys: FoundKeys,
         holds: HashMap<Uuid, Hold>,
         expired_read: HashSet<String>,
+        refunded: Refunds,
         now: DateTime<Utc>,
     }
 
     impl World {
         fn new() -> Self {
             let now = Utc::now();
-            Self { keys: FoundKeys::new(), holds: HashMap::new(), expired_read: HashSet::new(), now }
+            Self {
+                keys: FoundKeys::new(),
+                holds: HashMap::new(),
+                expired_read: HashSet::new(),
+                refunded: Refunds::new(),
+                now,
+            }
         }
 
         fn known(&self) -> Known<'_> {
-            Known { keys: &self.keys, holds: &self.holds, expired_read: &self.expired_read, now: self.now }
+            Known {
+                keys: &self.keys,
+                holds: &self.holds,
+                expired_read: &self.expired_read,
+                refunded: &self.refunded,
+                now: self.now,
+            }
         }
 
         /// Decides one wallet's batch, reading its expired holds when the decision asks for them,
