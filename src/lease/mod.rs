@@ -250,18 +250,40 @@ impl LeaseClient {
     /// them together: the multi-lock of bsm/redislock's `ObtainMulti` or Redisson's `MultiLock`.
     /// Returned in name order, each with its watchdog running.
     ///
-    /// Never deadlocks: every caller takes its names one at a time in one global order (sorted), so
-    /// no two callers each hold a name the other waits for; and each wait is bounded by the
-    /// configured wait, so no holder waits unboundedly for the next name while holding the earlier
-    /// ones. Each lease's watchdog starts as soon as it is taken, so it does not expire while its
-    /// holder waits for the next. If one is not obtained, those already held are released (waking
-    /// their waiters) before the error is returned.
+    /// First every name is asked for at once, without waiting ([`LeaseClient::try_acquire_each`]):
+    /// uncontended, that is one round trip for all of them. Past the first name found busy, it
+    /// waits for each in turn.
+    ///
+    /// Never deadlocks: a caller waits for a name only while it holds none above it in one global
+    /// order (sorted): the ones it got above the first busy name are let go first, and taken again
+    /// in order. So no two callers each hold a name the other waits for; and each wait is bounded
+    /// by the configured wait, so no holder waits unboundedly for the next name while holding the
+    /// earlier ones. Each lease's watchdog starts as soon as it is taken, so it does not expire
+    /// while its holder waits for the next. If one is not obtained, those already held are
+    /// released (waking their waiters) before the error is returned.
     pub async fn acquire_all(&self, names: &[&str]) -> Result<Vec<Lease>, LeaseError> {
         let mut ordered = names.to_vec();
         ordered.sort_unstable();
         ordered.dedup();
         let mut held: Vec<Lease> = Vec::with_capacity(ordered.len());
-        for name in ordered {
+        let mut above_busy: Vec<Lease> = Vec::new();
+        let mut first_busy: Option<usize> = None;
+        for (n, asked) in self.try_acquire_each(&ordered).await.into_iter().enumerate() {
+            match asked {
+                Ok(Some(mut lease)) if first_busy.is_none() => {
+                    lease.keep_alive();
+                    held.push(lease);
+                }
+                Ok(Some(lease)) => above_busy.push(lease),
+                // Busy, or Redis failed to answer (the wait below retries it).
+                Ok(None) | Err(_) => {
+                    first_busy.get_or_insert(n);
+                }
+            }
+        }
+        release_all(above_busy).await;
+        let Some(first_busy) = first_busy else { return Ok(held) };
+        for name in &ordered[first_busy..] {
             match self.acquire(name).await {
                 Ok(mut lease) => {
                     lease.keep_alive();
@@ -294,6 +316,14 @@ impl LeaseClient {
             Err(LeaseError::NotObtained { .. }) => Ok(None),
             Err(err) => Err(err),
         }
+    }
+
+    /// Asks for the leases on each of `names` (distinct) once, all at once, without waiting for
+    /// any: each taken, or `None` where another holder has it, in `names`' order. The asks go
+    /// together over the shared connection (pipelined), so many cost about one round trip, not one
+    /// each. Not waiting, they close no cycle, whatever other leases the caller holds.
+    pub async fn try_acquire_each(&self, names: &[&str]) -> Vec<Result<Option<Lease>, LeaseError>> {
+        futures::future::join_all(names.iter().map(|name| self.try_acquire(name))).await
     }
 
     /// Like [`LeaseClient::acquire_until`], but first lets those already waiting go: marks the lease
@@ -744,9 +774,18 @@ impl Lease {
 
     /// Whether someone is waiting for this lease right now.
     pub async fn contended(&self) -> Result<bool, LeaseError> {
-        let mut exists = redis::cmd("EXISTS");
-        exists.arg(&self.keys.contended);
-        Ok(self.client.query::<i64>(&exists).await? == 1)
+        self.contention().await
+    }
+
+    /// [`Lease::contended`] as a future of its own, which does not borrow the lease: a holder asks
+    /// it while it works under the lease (its write in flight), instead of after.
+    pub fn contention(&self) -> impl Future<Output = Result<bool, LeaseError>> + Send + 'static {
+        let (client, key) = (self.client.clone(), self.keys.contended.clone());
+        async move {
+            let mut exists = redis::cmd("EXISTS");
+            exists.arg(&key);
+            Ok(client.query::<i64>(&exists).await? == 1)
+        }
     }
 
     /// Releases the lease if it is still ours, waking whoever waits for it; [`LeaseError::NotHeld`]
@@ -787,12 +826,14 @@ fn count_timeout(err: &LeaseError) {
 /// token-checked. A lease found already gone is only logged: whatever it guarded has been decided
 /// by its fence by now.
 pub async fn release_all(leases: Vec<Lease>) {
-    for lease in leases {
+    // All at once, pipelined over the shared connection: each release is its own token's.
+    futures::future::join_all(leases.into_iter().map(|lease| async move {
         let name = lease.name.clone();
         if let Err(err) = lease.release().await {
             tracing::debug!(lease = %name, error = %err, "release found the lease gone");
         }
-    }
+    }))
+    .await;
 }
 
 impl Drop for Lease {

@@ -23,6 +23,8 @@ use super::{Access, Between, WalletError, WalletId, Wallets, lease_name};
 use crate::idempotency::Keyed;
 use crate::lease::{self, Lease};
 use crate::ledger::transfer::Transfer;
+use futures::future::OptionFuture;
+use std::collections::HashMap;
 use std::time::Instant;
 use tokio::sync::oneshot;
 use tracing::Instrument;
@@ -141,12 +143,19 @@ impl Wallets {
                 return;
             }
             metrics::histogram!(crate::telemetry::metrics::PAYEE_BATCH).record(batch.len() as f64);
-            self.run_batch(lease, batch).await;
+            // Asked while the batch is written (see the wallets' worker, `queue`).
+            let contention: OptionFuture<_> =
+                (!self.payees.is_empty(payee)).then(|| lease.contention()).into();
+            let (_, contended) = tokio::join!(self.run_batch(lease, batch), contention);
             if held_since.elapsed() >= MAX_HOLD || self.payees.is_empty(payee) {
                 return;
             }
             // Another replica waits for this payee: hand the lease over after each batch.
-            if lease.contended().await.unwrap_or(true) {
+            let contended = match contended {
+                Some(contended) => contended,
+                None => lease.contended().await,
+            };
+            if contended.unwrap_or(true) {
                 return;
             }
         }
@@ -174,22 +183,32 @@ impl Wallets {
     /// One batch under the payee's `lease`: the payers' leases asked for once each, those
     /// transfers decided and written together, the rest sent on alone.
     async fn run_batch(&self, lease: &mut Lease, batch: Vec<Queued>) {
+        let mut names: Vec<String> =
+            batch.iter().map(|queued| lease_name(&queued.between.parties.from)).collect();
+        names.sort_unstable();
+        names.dedup();
+        let asked = self.leases.try_acquire_each(&names.iter().map(String::as_str).collect::<Vec<_>>()).await;
+        // Each payer's lease as asked: taken, busy (`None`), or the failure that answers its transfers.
         let mut payer_leases: Vec<Lease> = Vec::new();
-        let (mut ready, mut alone) = (Vec::new(), Vec::new());
-        for queued in batch {
-            let name = lease_name(&queued.between.parties.from);
-            if payer_leases.iter().any(|held| held.name() == name) {
-                ready.push(queued);
-                continue;
-            }
-            match self.leases.try_acquire(&name).await {
+        let mut standing: HashMap<String, Result<bool, WalletError>> = HashMap::new();
+        for (name, asked) in names.into_iter().zip(asked) {
+            let taken = match asked {
                 Ok(Some(mut payer)) => {
                     payer.keep_alive();
                     payer_leases.push(payer);
-                    ready.push(queued);
+                    Ok(true)
                 }
-                Ok(None) => alone.push(queued),
-                Err(err) => queued.answer(Err(err.into())),
+                Ok(None) => Ok(false),
+                Err(err) => Err(err.into()),
+            };
+            standing.insert(name, taken);
+        }
+        let (mut ready, mut alone) = (Vec::new(), Vec::new());
+        for queued in batch {
+            match &standing[&lease_name(&queued.between.parties.from)] {
+                Ok(true) => ready.push(queued),
+                Ok(false) => alone.push(queued),
+                Err(err) => queued.answer(Err(err.clone())),
             }
         }
         if !ready.is_empty() {
@@ -200,7 +219,8 @@ impl Wallets {
             let outcome = self.commit_under(&mut leases, ops).await;
             answer_each(replies, outcome, Path::Lease);
         }
-        lease::release_all(payer_leases).await;
+        // The payers' leases are let go while the worker goes on with its next batch.
+        self.in_flight.spawn(lease::release_all(payer_leases));
         metrics::counter!("walletlock_payee_batch_alone_total").increment(alone.len() as u64);
         for queued in alone {
             let (op, reply) = queued.into_op();

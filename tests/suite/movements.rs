@@ -720,8 +720,16 @@ async fn refunds_of_a_split_racing_on_three_replicas_never_give_back_more_than_a
         let (client, url) =
             (fleet.client.clone(), fleet.replicas[n % 3].url(&format!("/movements/{id}/refund")));
         async move {
-            let response = client.post(url).json(&json!({ "amount": 30 })).send().await.unwrap();
-            (response.status().as_u16(), response.json::<Value>().await.unwrap())
+            // A `lock_timeout` applied nothing: sent again, as clients are told, at most five times.
+            let mut tries = 0;
+            loop {
+                let response = client.post(&url).json(&json!({ "amount": 30 })).send().await.unwrap();
+                let answer = (response.status().as_u16(), response.json::<Value>().await.unwrap());
+                tries += 1;
+                if answer.1["code"] != "lock_timeout" || tries == 5 {
+                    return answer;
+                }
+            }
         }
     });
     let answers = futures::future::join_all(sends).await;
