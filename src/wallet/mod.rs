@@ -9,32 +9,32 @@
 //! Redis commands or SQL itself: those live in [`crate::lease`] and [`crate::ledger`].
 //!
 //! The files, by what they do:
-//! - queueing and rounds: `queue` (each wallet's requests behind one worker, which holds the
-//!   lease), `group` (the rounds that write every worker's batch, many wallets per statement),
-//!   `payee` (transfers queued by the wallet they pay into);
-//! - the decision: `decision` (every movement of a round decided, with no I/O: a wallet's batch,
-//!   and in `decision::legs` the movements between wallets), `holds`;
-//! - money between wallets: `transfer` (transfers, movements placed, posted, captured or voided,
-//!   and refunds, each under its wallets' leases; on one Postgres transfers and movements ride the
-//!   rounds, elsewhere a transaction of their own decides them the same way);
-//! - outage: `outage` (when Redis cannot be reached), `unleased` (the rounds under Postgres alone);
-//! - the tutorial's strategy ([`Strategy::Tutorial`]): `tutorial`;
+//! - `rounds/`: queueing and rounds: `queue` (each wallet's requests behind one worker, which
+//!   holds the lease), `payee` (transfers queued by the wallet they pay into), `group` (the
+//!   rounds that write every worker's batch, many wallets per statement);
+//! - `decision/`: every movement decided, with no I/O: a wallet's batch (`mod.rs`), and the
+//!   movements between wallets (`legs`);
+//! - `transfer`: the movements between wallets (transfers, movements posted, placed, captured or
+//!   voided, refunds), each under its wallets' leases: on one Postgres they ride the rounds,
+//!   elsewhere (and refunds) a transaction of their own decides them the same way;
+//! - `outage/`: when Redis cannot be reached (`mod.rs`), and the rounds under Postgres alone
+//!   (`unleased`);
+//! - `tutorial`: the tutorial's strategy ([`Strategy::Tutorial`]), a product setting (the
+//!   benchmark's baseline) and so here, not in `crate::tutorial`, which the product never imports;
 //! - around them: `service` (building the service, running movements to their end, draining),
-//!   `open` (opening and reading wallets), `error`, `instruments` (metrics).
+//!   `open` (opening and reading wallets), `holds` (finding holds, the sweeper), `error`,
+//!   `instruments` (metrics).
 
 mod decision;
 mod error;
-mod group;
 mod holds;
 mod instruments;
 mod open;
 mod outage;
-mod payee;
-mod queue;
+mod rounds;
 mod service;
 mod transfer;
 mod tutorial;
-mod unleased;
 
 pub use crate::domain::{
     Access, Amount, Field, HoldLife, InvalidInput, LegRefusal, Legs, Movement, Parties, Refusal, SameWallet,
@@ -44,11 +44,13 @@ pub use decision::SettleAs;
 pub use error::{SharedError, WalletError};
 pub use instruments::describe_metrics;
 pub use outage::RedisOutage;
-pub use queue::{MAX_BATCH, MAX_HOLD};
+pub use rounds::queue::{MAX_BATCH, MAX_HOLD};
 pub use transfer::{Between, MovementRecordOutcome, Refund, RefundOutcome, TransferOutcome};
 pub use tutorial::raise_fence;
 
 use error::{commit, commit_failure};
+use outage::unleased;
+use rounds::{group, payee, queue};
 
 use crate::idempotency::{self, Keyed};
 use crate::lease::LeaseClient;

@@ -32,8 +32,8 @@ use super::decision::{
     FoundKeys, Held, HeldMovement, Known, LegsOp, LegsWallet, RefundOf, Refunds, SettleAs, decide_between,
     wallets_of,
 };
-use super::group;
 use super::outage::{Path, count_one};
+use super::rounds::group;
 use super::{Access, Amount, Refusal, WalletError, WalletId, Wallets, lease_name};
 use crate::domain::{self, FenceStanding, LegRefusal, Legs, Parties};
 use crate::idempotency::Keyed;

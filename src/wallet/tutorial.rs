@@ -3,7 +3,7 @@
 //! tutorial's two-step fence raise, which its demos and the fence tests call.
 
 use super::decision::Op;
-use super::group::{self, BUSY_PAUSE};
+use super::rounds::group::{self, BUSY_PAUSE};
 use super::{Moved, WalletError, WalletId, Wallets, lease_name};
 use crate::lease::Lease;
 use crate::ledger::{self, StoreError};

@@ -5,7 +5,7 @@
 //! a wallet's worker cannot take a lease because Redis does not answer (refused, reset, or silent
 //! for the operation timeout), not because another holder has it, the replica enters an outage
 //! ([`RedisOutage::Postgres`], the default): every wallet's worker on it serves its queue without a
-//! lease ([`super::unleased`]), each batch one transaction that locks the wallet's row, decides,
+//! lease ([`unleased`]), each batch one transaction that locks the wallet's row, decides,
 //! and writes conditionally on that row as locked. The replica logs once when it enters, probes
 //! Redis every [`PROBE_EVERY`] with a real lease, and logs once when it is back on leases.
 //!
@@ -17,6 +17,8 @@
 //! as it holds the row's lock from its read to its commit. A writer under Postgres alone leaves the
 //! row's fence as it found it, so the fence keeps ordering the leases: a holder whose lease passed
 //! on is still refused.
+
+pub(in crate::wallet) mod unleased;
 
 use crate::lease::{LeaseClient, RedisFailure};
 use std::sync::{Arc, Mutex};

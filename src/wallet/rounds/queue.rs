@@ -14,12 +14,12 @@
 //! retry, with the same idempotency key) may still want to learn its outcome.
 //!
 //! While Redis cannot be reached, the worker serves the queue the same way without a lease, under
-//! Postgres alone ([`super::outage`]), and takes leases again once Redis answers.
+//! Postgres alone ([`crate::wallet::outage`]), and takes leases again once Redis answers.
 
-use super::decision::{Held, Op};
-use super::group::{Job, JobOutcome};
-use super::{Moved, WalletError, WalletId, Wallets, lease_name};
 use crate::lease::{Lease, LeaseError, Released};
+use crate::wallet::decision::{Held, Op};
+use crate::wallet::rounds::group::{Job, JobOutcome};
+use crate::wallet::{Moved, WalletError, WalletId, Wallets, lease_name};
 use futures::future::OptionFuture;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -40,7 +40,7 @@ pub struct Reply {
     pub db: Duration,
 }
 
-pub(super) struct Pending {
+pub(in crate::wallet) struct Pending {
     op: Op,
     enqueued: Instant,
     deadline: Instant,
@@ -49,19 +49,19 @@ pub(super) struct Pending {
 
 impl Pending {
     /// When it was queued and where its reply goes; and its op.
-    pub(super) fn into_parts(self) -> ((Instant, oneshot::Sender<Reply>), Op) {
+    pub(in crate::wallet) fn into_parts(self) -> ((Instant, oneshot::Sender<Reply>), Op) {
         ((self.enqueued, self.reply), self.op)
     }
 }
 
 /// A queued request: served by its deadline, or answered `lock_timeout`.
-pub(super) trait Waiting {
+pub(in crate::wallet) trait Waiting {
     fn deadline(&self) -> Instant;
 }
 
 /// A kind of queue a wallet's worker serves ([`Wallets::serve`]): movements of the wallet
 /// ([`Movements`]), or transfers into it ([`super::payee::Transfers`]).
-pub(super) trait Lane {
+pub(in crate::wallet) trait Lane {
     type Item: Waiting + Send;
 
     fn queues(wallets: &Wallets) -> &Queues<Self::Item>;
@@ -74,7 +74,7 @@ pub(super) trait Lane {
     ) -> impl Future<Output = Option<String>> + Send;
 
     /// Serves the wallet's queue without a lease, under Postgres alone (a Redis outage, see
-    /// [`super::outage`]), for at most [`MAX_HOLD`] or until the outage ends.
+    /// [`crate::wallet::outage`]), for at most [`MAX_HOLD`] or until the outage ends.
     fn hold_unleased(wallets: &Wallets, id: &WalletId) -> impl Future<Output = ()> + Send;
 
     /// Answers a request that waited its whole wait without the lease being had.
@@ -82,7 +82,7 @@ pub(super) trait Lane {
 }
 
 /// The deposits and payments of a wallet, written by the rounds.
-pub(super) struct Movements;
+pub(in crate::wallet) struct Movements;
 
 impl Lane for Movements {
     type Item = Pending;
@@ -114,7 +114,7 @@ impl Waiting for Pending {
 /// The queues of this replica, one a wallet: of movements ([`Pending`]), or of transfers into a
 /// payee ([`super::payee`]). A wallet has an entry exactly while its worker runs.
 #[derive(Debug)]
-pub(super) struct Queues<P = Pending> {
+pub(in crate::wallet) struct Queues<P = Pending> {
     /// Guarded by a std mutex: held only to push or pop, never across an `.await`.
     inner: Arc<Mutex<HashMap<WalletId, VecDeque<P>>>>,
 }
@@ -142,7 +142,12 @@ impl<P: Waiting> Queues<P> {
     /// with `limit` requests waiting (its batch being written aside) takes no more: the request is
     /// refused [`WalletError::Overloaded`] before anything is done, so a flood on one wallet holds
     /// a bounded queue in memory.
-    pub(super) fn push(&self, id: &WalletId, pending: P, limit: usize) -> Result<bool, WalletError> {
+    pub(in crate::wallet) fn push(
+        &self,
+        id: &WalletId,
+        pending: P,
+        limit: usize,
+    ) -> Result<bool, WalletError> {
         let mut queues = self.inner.lock().expect("queues lock");
         match queues.get_mut(id) {
             Some(queue) if queue.len() >= limit => Err(WalletError::Overloaded),
@@ -160,7 +165,7 @@ impl<P: Waiting> Queues<P> {
     /// The earliest deadline among the queued requests; `None`, and the wallet's entry is
     /// removed (its worker retires), once nothing is queued. Decided under the lock, so a request
     /// queued meanwhile either is seen here or starts a new worker.
-    pub(super) fn earliest_deadline(&self, id: &WalletId) -> Option<Instant> {
+    pub(in crate::wallet) fn earliest_deadline(&self, id: &WalletId) -> Option<Instant> {
         let mut queues = self.inner.lock().expect("queues lock");
         let earliest = queues.get(id).and_then(|queue| queue.iter().map(Waiting::deadline).min());
         if earliest.is_none() {
@@ -170,7 +175,7 @@ impl<P: Waiting> Queues<P> {
     }
 
     /// Up to `max` requests from the front of the queue.
-    pub(super) fn take(&self, id: &WalletId, max: usize) -> Vec<P> {
+    pub(in crate::wallet) fn take(&self, id: &WalletId, max: usize) -> Vec<P> {
         let mut queues = self.inner.lock().expect("queues lock");
         let Some(queue) = queues.get_mut(id) else { return Vec::new() };
         let n = queue.len().min(max);
@@ -178,7 +183,7 @@ impl<P: Waiting> Queues<P> {
     }
 
     /// Every queued request whose deadline has passed.
-    pub(super) fn take_expired(&self, id: &WalletId, now: Instant) -> Vec<P> {
+    pub(in crate::wallet) fn take_expired(&self, id: &WalletId, now: Instant) -> Vec<P> {
         let mut queues = self.inner.lock().expect("queues lock");
         let Some(queue) = queues.get_mut(id) else { return Vec::new() };
         let (expired, live): (VecDeque<P>, VecDeque<P>) =
@@ -187,14 +192,14 @@ impl<P: Waiting> Queues<P> {
         expired.into()
     }
 
-    pub(super) fn is_empty(&self, id: &WalletId) -> bool {
+    pub(in crate::wallet) fn is_empty(&self, id: &WalletId) -> bool {
         self.inner.lock().expect("queues lock").get(id).is_none_or(VecDeque::is_empty)
     }
 }
 
 impl Wallets {
     /// Queues a movement for its wallet's worker (starting one if none runs) and waits for it.
-    pub(super) async fn apply_queued(&self, id: &WalletId, op: Op) -> Reply {
+    pub(in crate::wallet) async fn apply_queued(&self, id: &WalletId, op: Op) -> Reply {
         let (reply, answer) = oneshot::channel();
         let enqueued = Instant::now();
         let deadline = enqueued + self.leases.settings().wait;
@@ -220,7 +225,7 @@ impl Wallets {
 
     /// The wallet's worker for the queue of lane `L`: takes the lease, has the queue served under
     /// it, releases; until the queue is empty.
-    pub(super) async fn serve<L: Lane>(&self, id: &WalletId) {
+    pub(in crate::wallet) async fn serve<L: Lane>(&self, id: &WalletId) {
         let name = lease_name(id);
         let mut yield_first = false;
         while let Some(deadline) = L::queues(self).earliest_deadline(id) {
@@ -346,7 +351,7 @@ impl Wallets {
                 }
                 JobOutcome::Done { held: after, results } => {
                     let db = started.elapsed();
-                    super::outage::count_path(super::outage::Path::Lease, &results);
+                    crate::wallet::outage::count_path(crate::wallet::outage::Path::Lease, &results);
                     for ((enqueued, _, reply), result) in waiters.into_iter().zip(results) {
                         let waited = enqueued.elapsed().saturating_sub(db);
                         let _ = reply.send(Reply { result, waited, db });

@@ -15,14 +15,14 @@
 //! twice in one batch (a client's retry racing its first try) runs once: the second is answered
 //! with the first's response.
 
-use super::decision::LegsOp;
-use super::outage::{Path, count_path};
-use super::queue::{Lane, MAX_BATCH, MAX_HOLD, Queues, Waiting};
-use super::transfer::{Done, TransferOutcome, count_outcome};
-use super::{Access, Between, WalletError, WalletId, Wallets, lease_name};
 use crate::idempotency::Keyed;
 use crate::lease::{self, Lease};
 use crate::ledger::transfer::Transfer;
+use crate::wallet::decision::LegsOp;
+use crate::wallet::outage::{Path, count_path};
+use crate::wallet::rounds::queue::{Lane, MAX_BATCH, MAX_HOLD, Queues, Waiting};
+use crate::wallet::transfer::{Done, TransferOutcome, count_outcome};
+use crate::wallet::{Access, Between, WalletError, WalletId, Wallets, lease_name};
 use futures::future::OptionFuture;
 use std::collections::HashMap;
 use std::time::Instant;
@@ -30,7 +30,7 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 /// A transfer waiting for its payee's worker.
-pub(super) struct Queued {
+pub(in crate::wallet) struct Queued {
     access: Access,
     between: Between,
     key: Option<Keyed<TransferOutcome>>,
@@ -64,7 +64,7 @@ impl Queued {
 }
 
 /// The transfers into a payee, committed in batches under its lease.
-pub(super) struct Transfers;
+pub(in crate::wallet) struct Transfers;
 
 impl Lane for Transfers {
     type Item = Queued;
@@ -108,7 +108,7 @@ fn answer_each(
 
 impl Wallets {
     /// Queues a transfer for its payee's worker (starting one if none runs) and waits for it.
-    pub(super) async fn transfer_queued(
+    pub(in crate::wallet) async fn transfer_queued(
         &self,
         access: &Access,
         between: Between,

@@ -21,15 +21,15 @@
 //! Under Citus ([`crate::ledger::storage`]) a round is one wallet, so that it runs on the one node
 //! holding it, and up to `CITUS_CONCURRENT_ROUNDS` rounds run at once.
 
-use super::decision::{self, Batch, FoundKeys, Held, Known, LegsOp, LegsPlan, LegsWallet, Op, Plan};
-use super::transfer::Done;
-use super::{Moved, WalletError, WalletId};
 use crate::ledger::group::{
     self as store, GroupWrite, HoldsToRead, KeyWrite, ReadOutcome, Settlement, ToRead, WalletWrite,
 };
 use crate::ledger::hold::Hold;
 use crate::ledger::idempotency::KeyRef;
 use crate::ledger::storage::{KnownStorage, Storage};
+use crate::wallet::decision::{self, Batch, FoundKeys, Held, Known, LegsOp, LegsPlan, LegsWallet, Op, Plan};
+use crate::wallet::transfer::Done;
+use crate::wallet::{Moved, WalletError, WalletId};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
 use std::collections::{HashMap, HashSet};
@@ -52,7 +52,7 @@ const CITUS_CONCURRENT_ROUNDS: usize = 8;
 
 /// How long a holder that found its wallet's row busy waits before it tries again (while its
 /// lease lasts: a holder that stays busy longer has lost the wallet to the one writing it).
-pub(super) const BUSY_PAUSE: Duration = Duration::from_millis(10);
+pub(in crate::wallet) const BUSY_PAUSE: Duration = Duration::from_millis(10);
 
 /// One wallet's movements for a round, from the holder of its lease.
 #[derive(Debug)]
@@ -449,7 +449,7 @@ async fn run_round(
             }
             Err(err) => {
                 conn.close_on_drop();
-                let err = super::commit_failure(err);
+                let err = crate::wallet::commit_failure(err);
                 for (r, plan) in jobs.ready.into_iter().zip(plans) {
                     let results = plan.results(if plan.runs() { Err(&err) } else { Ok(true) });
                     let _ = r.reply.send(JobOutcome::Done { held: None, results });
@@ -684,7 +684,7 @@ fn group_write<'a>(batches: &[Batch<'a>], plans: &'a [Plan]) -> GroupWrite<'a> {
 
 /// Adds to `write` the write of a [`LegsJob`]'s wallets (`wallets`, as read) as `plan` decided
 /// them: one group, so every wallet of it is written or none.
-pub(super) fn add_legs<'a>(
+pub(in crate::wallet) fn add_legs<'a>(
     write: &mut GroupWrite<'a>,
     wallets: &[LegsWallet<'a>],
     ops: &'a [LegsOp],
@@ -730,7 +730,7 @@ pub(super) fn add_legs<'a>(
 }
 
 /// Adds to `write` the write of `batch`'s wallet as `plan` decided it.
-pub(super) fn add_wallet<'a>(write: &mut GroupWrite<'a>, batch: &Batch<'a>, plan: &'a Plan) {
+pub(in crate::wallet) fn add_wallet<'a>(write: &mut GroupWrite<'a>, batch: &Batch<'a>, plan: &'a Plan) {
     let Batch { id, fence, held, ops } = *batch;
     let id = id.as_str();
     // A batch is one wallet's, written on its own: a group of its own.
@@ -771,7 +771,7 @@ pub(super) fn add_wallet<'a>(write: &mut GroupWrite<'a>, batch: &Batch<'a>, plan
 
 /// The time of a round's entries, at Postgres's precision (microseconds), so a response rendered
 /// before the write says exactly what the ledger stores.
-pub(super) fn round_time() -> chrono::DateTime<chrono::Utc> {
+pub(in crate::wallet) fn round_time() -> chrono::DateTime<chrono::Utc> {
     use chrono::{DurationRound, TimeDelta};
     let now = chrono::Utc::now();
     now.duration_trunc(TimeDelta::microseconds(1)).unwrap_or(now)

@@ -1,5 +1,5 @@
 //! Wallets' queues served without a lease, under Postgres alone, during a Redis outage (see
-//! [`super::outage`]).
+//! [`super`]).
 //!
 //! Every batch is written in a transaction that holds its wallet's row locked from its read to its
 //! commit: the lock is what makes writers on several replicas take turns, as the lease does
@@ -17,16 +17,16 @@
 //!   bounded by [`ROW_LOCK_TIMEOUT`] (then `503 lock_timeout`), so contended wallets queue in
 //!   Postgres's lock queue, first come first served, rather than polling.
 
-use super::decision::{self, Batch, Held, Known, Op, Plan};
-use super::group::{self, MAX_ROUND_OPS, round_time};
-use super::outage::{Path, count_path};
-use super::queue::{MAX_BATCH, MAX_HOLD, Reply};
-use super::transfer::ROW_LOCK_TIMEOUT;
-use super::{Moved, WalletError, WalletId, Wallets};
 use crate::ledger::group::{self as store, GroupWrite, HoldsToRead};
 use crate::ledger::idempotency::KeyRef;
 use crate::ledger::storage::{KnownStorage, Storage};
 use crate::ledger::transfer::{LockedWallet, lock_free_wallets, lock_wallets};
+use crate::wallet::decision::{self, Batch, Held, Known, Op, Plan};
+use crate::wallet::outage::{Path, count_path};
+use crate::wallet::rounds::group::{self, MAX_ROUND_OPS, round_time};
+use crate::wallet::rounds::queue::{MAX_BATCH, MAX_HOLD, Reply};
+use crate::wallet::transfer::ROW_LOCK_TIMEOUT;
+use crate::wallet::{Moved, WalletError, WalletId, Wallets};
 use sqlx::{PgConnection, PgPool};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -36,7 +36,7 @@ use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
 /// How one wallet's batch fared in a round under Postgres alone.
-pub(super) enum RoundOutcome {
+pub(in crate::wallet) enum RoundOutcome {
     /// Each op's result.
     Done(Vec<Result<Moved, WalletError>>),
     /// Nothing ran (the row was held by another transaction, or another writer stored one of the
@@ -48,14 +48,14 @@ type BatchWithReply = (WalletId, Vec<Op>, oneshot::Sender<RoundOutcome>);
 
 /// The replica's rounds under Postgres alone. Cheap to clone.
 #[derive(Debug, Clone)]
-pub(super) struct UnleasedRounds {
+pub(in crate::wallet) struct UnleasedRounds {
     batches: mpsc::UnboundedSender<BatchWithReply>,
 }
 
 impl UnleasedRounds {
     /// Starts gathering batches into rounds, one round at a time (what queues meanwhile joins the
     /// next); stops when the last clone is dropped, or once `tracker` is closed and empty.
-    pub(super) fn start(
+    pub(in crate::wallet) fn start(
         db: PgPool,
         retention: Duration,
         storage: KnownStorage,
@@ -227,7 +227,7 @@ async fn decide_write_commit(
         }
     }
     crate::failpoint::hit("before_commit");
-    let committed = super::commit(tx).await;
+    let committed = crate::wallet::commit(tx).await;
     crate::failpoint::hit("after_commit");
     Ok(plans
         .iter()
@@ -292,7 +292,7 @@ async fn decide_all(
 impl Wallets {
     /// Serves the wallet's queue under Postgres alone, batch after batch, for at most
     /// [`MAX_HOLD`], or until the outage ends.
-    pub(super) async fn hold_unleased(&self, id: &WalletId) {
+    pub(in crate::wallet) async fn hold_unleased(&self, id: &WalletId) {
         let since = Instant::now();
         loop {
             let batch = self.queues.take(id, MAX_BATCH);
