@@ -1336,5 +1336,48 @@ mod tests {
                 prop_assert!(after.balance - after.held >= 0, "no available balance below zero");
             }
         }
+
+        #[test]
+        fn a_key_decides_once_in_a_job_and_a_refusal_changes_nothing(
+            (wallets, movements) in job(),
+            keys in prop::collection::vec(proptest::option::of((0..3_u8, 1..3_u8)), 24),
+        ) {
+            let mut fixture = Fixture::of(&wallets.iter().map(|&(b, h)| Some((b.max(h), h))).collect::<Vec<_>>());
+            fixture.expired_read = fixture.ids.iter().map(|id| id.as_str().to_owned()).collect();
+            let ops: Vec<LegsOp> = movements
+                .iter()
+                .zip(&keys)
+                .map(|(&(a, b, amount), key)| match key {
+                    Some((key, request)) => keyed(transfer(a, b, amount), &format!("k{key}"), *request),
+                    None => transfer(a, b, amount),
+                })
+                .collect();
+            let plan = fixture.decide(&ops).unwrap();
+            let results = plan.results(Ok(true));
+            // A key decides once: only the first movement carrying it runs, and its response is the
+            // one stored; every later one is answered without running.
+            let mut first_of: HashMap<u8, usize> = HashMap::new();
+            for (n, key) in keys.iter().take(ops.len()).enumerate() {
+                let Some((key, _)) = key else { continue };
+                if *first_of.entry(*key).or_insert(n) != n {
+                    prop_assert!(matches!(results[n], Err(WalletError::AlreadyRan(_))), "{:?}", results[n]);
+                }
+            }
+            prop_assert_eq!(plan.responses.len(), first_of.len());
+            // A refusal changes nothing: the movements that ran, alone and in order, make the same
+            // entries and leave the same wallets.
+            let ran: Vec<LegsOp> = movements
+                .iter()
+                .zip(&results)
+                .filter(|(_, result)| result.is_ok())
+                .map(|(&(a, b, amount), _)| transfer(a, b, amount))
+                .collect();
+            let again = fixture.decide(&ran).unwrap();
+            let shape = |plan: &LegsPlan| -> Vec<(String, i64, i64)> {
+                plan.entries.iter().map(|e| (e.wallet_id.clone(), e.amount, e.balance)).collect()
+            };
+            prop_assert_eq!(shape(&again), shape(&plan));
+            prop_assert_eq!(balances(&again), balances(&plan));
+        }
     }
 }
