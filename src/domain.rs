@@ -321,9 +321,9 @@ impl Refusal {
 
 /// How much a capture charges: `requested`, or without it the whole of a hold of `held`; never
 /// more than was held.
-pub fn capture_amount(requested: Option<Amount>, held: i64) -> Result<i64, Refusal> {
+pub fn capture_amount(requested: Option<Amount>, held: i64) -> Result<Amount, Refusal> {
     match requested.map_or(held, Amount::get) {
-        amount if amount <= held => Ok(amount),
+        amount if amount <= held => Amount::new(amount).map_err(|_| Refusal::CaptureExceedsHold { held }),
         _ => Err(Refusal::CaptureExceedsHold { held }),
     }
 }
@@ -600,8 +600,8 @@ mod tests {
     #[test]
     fn a_capture_charges_at_most_what_was_held() {
         let some = |amount| Some(Amount::new(amount).unwrap());
-        assert_eq!(capture_amount(None, 40), Ok(40), "all of it");
-        assert_eq!(capture_amount(some(25), 40), Ok(25));
+        assert_eq!(capture_amount(None, 40), Ok(Amount(40)), "all of it");
+        assert_eq!(capture_amount(some(25), 40), Ok(Amount(25)));
         assert_eq!(capture_amount(some(41), 40), Err(Refusal::CaptureExceedsHold { held: 40 }));
         assert_eq!(HoldStatus::Held.refusal(), None);
         assert_eq!(HoldStatus::Voided.refusal(), Some(Refusal::HoldVoided));

@@ -299,29 +299,26 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             }
             first_with_key.insert((at.caller, at.scope, at.key), (n, &key.fingerprint));
         }
-        let entry = |kind, amount, balance, reference, hold_id| Entry {
-            id: ledger::new_entry_id(),
-            wallet_id: id.as_str().to_owned(),
-            kind,
-            amount,
-            balance,
-            version: held.version + plan.entries.len() as i64 + 1,
-            fence,
-            reference,
-            transfer_id: None,
-            refund_of: None,
-            hold_id,
-            created_at: now,
+        // A deposit, a payment, a capture: one leg, into the wallet from outside the ledger or out
+        // of it, decided as every leg of every movement is (`decide_legs`).
+        let version = held.version + plan.entries.len() as i64;
+        let one_leg = |funds: Funds, amount: Amount, debit: bool, reference: Option<&str>| {
+            let leg = Leg { wallet: id, funds, version, fence, amount, debit };
+            let links = Links { movement: None, reference, refund_of: None, now };
+            let entries = decide_legs(&[leg], (EntryKind::Pay, EntryKind::Deposit), links);
+            entries.map(|mut entries| entries.remove(0)).map_err(|(_, refusal)| refusal)
         };
         let outcome: MovementOutcome = match &op.movement {
-            Movement::Deposit { amount } => funds.deposit(*amount).map(|after| {
-                funds.balance = after;
-                Moved::Entry(entry(EntryKind::Deposit, amount.get(), after, None, None))
+            Movement::Deposit { amount } => one_leg(funds, *amount, false, None).map(|entry| {
+                funds.balance = entry.balance;
+                Moved::Entry(entry)
             }),
-            Movement::Pay { amount, reference } => funds.pay(*amount).map(|after| {
-                funds.balance = after;
-                Moved::Entry(entry(EntryKind::Pay, amount.get(), after, reference.clone(), None))
-            }),
+            Movement::Pay { amount, reference } => {
+                one_leg(funds, *amount, true, reference.as_deref()).map(|entry| {
+                    funds.balance = entry.balance;
+                    Moved::Entry(entry)
+                })
+            }
             Movement::Hold { amount, life, reference } => funds.hold(*amount).map(|after| {
                 funds.held = after;
                 let new = NewHold {
@@ -348,17 +345,14 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
                 let hold = &known.holds[hold_id];
                 match standing(hold, &mut status_now, &mut funds, &mut plan.settled, now) {
                     Err(refusal) => Err(refusal),
-                    Ok(()) => capture_amount(*amount, hold.amount).map(|charged| {
-                        funds.balance -= charged;
-                        funds.held -= hold.amount;
+                    Ok(()) => capture_amount(*amount, hold.amount).and_then(|charged| {
+                        // The hold's own amount is released as it is charged.
+                        let released = Funds { held: funds.held - hold.amount, ..funds };
+                        let mut paid = one_leg(released, charged, true, hold.reference.as_deref())?;
+                        paid.hold_id = Some(hold.id);
+                        (funds.balance, funds.held) = (paid.balance, released.held);
                         status_now.insert(hold.id, HoldStatus::Captured);
-                        let paid = entry(
-                            EntryKind::Pay,
-                            charged,
-                            funds.balance,
-                            hold.reference.clone(),
-                            Some(hold.id),
-                        );
+                        let charged = charged.get();
                         plan.settled.push(settled(hold.id, HoldStatus::Captured, charged, Some(paid.id)));
                         let hold = Hold {
                             captured: charged,
@@ -367,7 +361,7 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
                             capture_entry: Some(paid.id),
                             ..hold.clone()
                         };
-                        Moved::Hold { hold, entry: Some(paid) }
+                        Ok(Moved::Hold { hold, entry: Some(paid) })
                     }),
                 }
             }
