@@ -437,12 +437,13 @@ async fn keys(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreE
                      and k.scope = $1 || h.wallet_id
                      and convert_from(k.body, 'UTF8')::jsonb -> 'entry' is null)
                 and not exists (
-                   -- Nor a held movement placed or voided, reporting the movement.
+                   -- Nor a held movement placed or voided, reporting the movement (its key, or
+                   -- its key's alias in a wallet it takes money out of).
                    select 1 from movement m
                    where m.id = case when convert_from(k.body, 'UTF8')::jsonb ->> 'id'
                                           ~ '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
                                      then (convert_from(k.body, 'UTF8')::jsonb ->> 'id')::uuid end
-                     and k.scope = 'transfers' and m.expires_at is not null))
+                     and (k.scope = 'transfers' or k.scope like $1 || '%') and m.expires_at is not null))
                -- A capture: it reports its hold, and the `pay` entry that charged it (a held
                -- movement's capture reports the movement, as below).
                or (e.hold_id is not null and e.kind = 'pay'
@@ -450,9 +451,15 @@ async fn keys(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreE
                         or convert_from(k.body, 'UTF8')::jsonb -> 'entry' ->> 'id' is distinct from e.id::text
                         or k.scope <> $1 || e.wallet_id))
                -- A deposit, payment or refund: it reports its entry, of the scope's wallet.
-               or (e.id is not null and e.hold_id is null and k.scope like $1 || '%'
+               or (e.id is not null and e.hold_id is null and e.transfer_id is null and k.scope like $1 || '%'
                    and (convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.id::text
                         or k.scope <> $1 || e.wallet_id))
+               -- A movement between wallets' key aliased in a wallet it takes money out of: it
+               -- reports the movement of its entry, which has a leg of the scope's wallet.
+               or (e.transfer_id is not null and k.scope like $1 || '%'
+                   and (convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.transfer_id::text
+                        or not exists (select 1 from ledger_entry l
+                                       where l.transfer_id = e.transfer_id and k.scope = $1 || l.wallet_id)))
                or (k.scope = 'wallets'
                    and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.wallet_id)
                or (k.scope = 'transfers' and e.id is not null

@@ -40,6 +40,7 @@ use crate::idempotency::Keyed;
 use crate::lease::{self, Lease};
 use crate::ledger::Entry;
 use crate::ledger::group as store_round;
+use crate::ledger::idempotency::KeyRef;
 use crate::ledger::storage::Storage;
 use crate::ledger::transfer::{
     self as store, FoundMovement, FoundTransfer, LockedWallet, MovementRecord, Transfer,
@@ -560,9 +561,15 @@ impl Wallets {
             .map(|(id, (fence, held))| LegsWallet { id, fence: *fence, held: held.as_ref() })
             .collect();
         let mut keys = FoundKeys::new();
-        for (at, _) in ops.iter().filter_map(LegsOp::key) {
-            if let Some(found) = store::find_key(&mut tx, at).await? {
-                keys.insert((at.caller.to_owned(), at.scope.to_owned(), at.key.to_owned()), found);
+        for op in ops {
+            let Some((at, _)) = op.key() else { continue };
+            let aliases = op.key_aliases();
+            let scopes = std::iter::once((at.wallet, at.scope))
+                .chain(aliases.iter().map(|(wallet, scope)| (wallet.as_str(), scope.as_str())));
+            for (wallet, scope) in scopes {
+                if let Some(found) = store::find_key(&mut tx, KeyRef { wallet, scope, ..at }).await? {
+                    keys.insert((at.caller.to_owned(), scope.to_owned(), at.key.to_owned()), found);
+                }
             }
         }
         let mut refunded = Refunds::new();

@@ -747,3 +747,48 @@ async fn refunds_of_a_split_racing_on_three_replicas_never_give_back_more_than_a
     let (ok, report) = audit(&fleet.database_url);
     assert!(ok, "{report}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_is_one_requests_whichever_route_it_is_sent_to() {
+    let env = TestEnv::new();
+    let app = spawn_app(&env).await;
+    let wallets = ["ka", "kb", "kc"];
+    app.open_wallet("ka", 1_000).await;
+    app.open_wallet("kb", 0).await;
+    app.open_wallet("kc", 0).await;
+    let send = |path: &'static str, key: &'static str, body: Value| {
+        let request = app.client.post(app.url(path)).header("idempotency-key", key).json(&body);
+        async move {
+            let response = request.send().await.unwrap();
+            let replayed = response.headers().get("idempotent-replayed").is_some();
+            (response.status().as_u16(), replayed, response.json::<Value>().await.unwrap())
+        }
+    };
+    let reused = |(status, _, body): (u16, bool, Value)| {
+        assert_eq!((status, body["code"].as_str()), (422, Some("idempotency_key_reused")), "{body}");
+    };
+
+    // A payment's key, sent again for a movement or a transfer out of the same wallet.
+    assert_eq!(send("/wallets/ka/pay", "k-pay", json!({ "amount": 10 })).await.0, 200);
+    reused(send("/movements", "k-pay", legs(&[("ka", -5), ("kb", 5)])).await);
+    reused(send("/transfers", "k-pay", json!({ "from": "ka", "to": "kb", "amount": 5 })).await);
+
+    // A movement's key, sent again for a payment or a deposit on a wallet it took money out of;
+    // and for itself, replayed.
+    let split = legs(&[("ka", -20), ("kb", 15), ("kc", 5)]);
+    let (status, _, made) = send("/movements", "k-split", split.clone()).await;
+    assert_eq!(status, 201, "{made}");
+    reused(send("/wallets/ka/pay", "k-split", json!({ "amount": 1 })).await);
+    reused(send("/wallets/ka/deposit", "k-split", json!({ "amount": 1 })).await);
+    let (status, replayed, again) = send("/movements", "k-split", split).await;
+    assert_eq!((status, replayed, &again["id"]), (201, true, &made["id"]));
+    // A transfer's key, the same way.
+    let (status, _, _) =
+        send("/transfers", "k-transfer", json!({ "from": "ka", "to": "kc", "amount": 7 })).await;
+    assert_eq!(status, 200);
+    reused(send("/wallets/ka/pay", "k-transfer", json!({ "amount": 7 })).await);
+
+    assert_eq!(balances(&app.db, &wallets).await, [963, 15, 12], "each ran once, the refused not at all");
+    let (ok, report) = audit(&app._schema.url);
+    assert!(ok, "{report}");
+}

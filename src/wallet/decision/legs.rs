@@ -144,6 +144,17 @@ impl LegsOp {
         }
     }
 
+    /// The wallets it takes money out of, each with the scope of that wallet's keys, if it has a
+    /// key: its key is stored there too, as an alias of its own (same request, same response). A
+    /// key is then one request's whichever route it is sent to: a payment's key is refused
+    /// (`idempotency_key_reused`) to a movement out of that wallet, and this one's to a payment.
+    pub fn key_aliases(&self) -> Vec<(&WalletId, String)> {
+        if self.key().is_none() {
+            return Vec::new();
+        }
+        self.legs().into_iter().filter(|(_, _, debit)| *debit).map(|(id, _, _)| (id, id.scope())).collect()
+    }
+
     /// The payment, transfer or movement it refunds, if it is a refund.
     pub fn refunds(&self) -> Option<&RefundOf> {
         match self {
@@ -266,6 +277,9 @@ pub struct LegsPlan {
     pub movements: Vec<MovementRecord>,
     /// The response to store for each keyed movement that ran: (index, response, its first entry).
     pub responses: Vec<(usize, StoredResponse, Option<Uuid>)>,
+    /// Where each of those keys is stored again ([`LegsOp::key_aliases`]): (index, the wallet's
+    /// index in the job, the scope).
+    pub key_aliases: Vec<(usize, usize, String)>,
 }
 
 impl LegsPlan {
@@ -687,6 +701,7 @@ pub fn decide_between(
             transfers: Vec::new(),
             movements: Vec::new(),
             responses: Vec::new(),
+            key_aliases: Vec::new(),
         },
     };
     // A hold is only treated as expired by the write that releases it (see the module doc of
@@ -728,7 +743,12 @@ pub fn decide_between(
         };
         if let Some((at, fingerprint)) = op.key() {
             let at: KeyAt<'_> = (at.caller, at.scope, at.key);
-            if let Some(stored) = known.keys.get(&(at.0.to_owned(), at.1.to_owned(), at.2.to_owned())) {
+            // Its own key, or the same key stored in the scope of a wallet it takes money out of
+            // (a payment's, or another movement's alias: see `LegsOp::key_aliases`).
+            let stored = std::iter::once(at.1.to_owned())
+                .chain(op.key_aliases().into_iter().map(|(_, scope)| scope))
+                .find_map(|scope| known.keys.get(&(at.0.to_owned(), scope, at.2.to_owned())));
+            if let Some(stored) = stored {
                 job.plan
                     .decisions
                     .push(LegsDecision::Answered(WalletError::AlreadyRan(Prior::of(stored, fingerprint))));
@@ -836,6 +856,8 @@ pub fn decide_between(
         job.plan.decisions.push(decision);
         if let Some(response) = response {
             job.plan.responses.push((n, response, first_entry));
+            let debited = op.key_aliases().into_iter().map(|(wallet, scope)| (n, index[wallet], scope));
+            job.plan.key_aliases.extend(debited);
         }
     }
     if !short.is_empty() {

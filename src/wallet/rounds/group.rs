@@ -587,13 +587,23 @@ async fn read(
     let wallet_jobs = jobs.pending.iter().map(|(job, _)| job).chain(jobs.ready.iter().map(|r| &r.job));
     let legs_jobs =
         jobs.legs_pending.iter().map(|(job, _)| job).chain(jobs.legs_ready.iter().map(|r| &r.job));
+    // The keys of movements between wallets, with their aliases in the wallets they take money
+    // out of (`LegsOp::key_aliases`).
+    let legs_keys: Vec<(KeyRef<'_>, Vec<(&WalletId, String)>)> = legs_jobs
+        .clone()
+        .flat_map(|job| job.ops.iter().filter_map(|op| op.key().map(|(at, _)| (at, op.key_aliases()))))
+        .collect();
     let keys: Vec<KeyRef<'_>> = if look_up_keys || !to_read.is_empty() || !holds.is_empty() {
         wallet_jobs
             .clone()
             .flat_map(|job| job.ops.iter().filter_map(|op| op.key.as_ref().map(|key| key.at())))
-            .chain(
-                legs_jobs.clone().flat_map(|job| job.ops.iter().filter_map(|op| op.key().map(|(at, _)| at))),
-            )
+            .chain(legs_keys.iter().flat_map(|(at, aliases)| {
+                std::iter::once(*at).chain(aliases.iter().map(|(wallet, scope)| KeyRef {
+                    wallet: wallet.as_str(),
+                    scope,
+                    ..*at
+                }))
+            }))
             .collect()
     } else {
         Vec::new()
@@ -726,6 +736,11 @@ pub(in crate::wallet) fn add_legs<'a>(
     for (op, response, entry_id) in &plan.responses {
         let Some((at, fingerprint)) = ops[*op].key() else { continue };
         write.keys.push(KeyWrite { wallet_id: first, at, fingerprint, response, entry_id: *entry_id });
+        // Its aliases, in the scopes of the wallets it takes money out of.
+        for (_, wallet, scope) in plan.key_aliases.iter().filter(|(n, _, _)| n == op) {
+            let at = KeyRef { wallet: wallets[*wallet].id.as_str(), scope, ..at };
+            write.keys.push(KeyWrite { wallet_id: first, at, fingerprint, response, entry_id: *entry_id });
+        }
     }
 }
 
