@@ -314,7 +314,7 @@ def main():
          "id = :id AND balance >= 1` on one row (hot) or a random one of 10,000 (spread), in a scratch "
          "database `pgbench_anchor` of the fleet's own Postgres (deploy/local: fsync and "
          "synchronous_commit on). rps = pgbench's tps; latencies from its per-transaction log."),
-        (f"walletlock: loadtest/pay.js (k6, closed model, {vus} VUs, GOGC={os.environ.get('GOGC', '400')}: "
+        (f"walletlock: loadtest/k6/ (k6, closed model, {vus} VUs, GOGC={os.environ.get('GOGC', '400')}: "
          "its garbage collector takes less of the cores it shares; loadtest/run) through nginx to "
          f"{replicas} replicas (deploy/local, deploy/defaults.env); every payment carries an Idempotency-Key. "
          "rps = payment requests answered per second over the run; p50/p99 over those requests. "

@@ -5,7 +5,7 @@
 
 (API_TOKEN in the environment, if the API wants one: sent as `Authorization: Bearer`.)
 
-The client's side is the k6 console log of the run (pay.js with ACK_LOG=1): one `WL {...}` line
+The client's side is the k6 console log of the run (loadtest/run, ACK_LOG=1): one `WL {...}` line
 (a console message may hold several, one per line) per wallet it opened (with the balance the API
 acknowledged) and per deposit, payment, transfer, split, hold placed, capture or void, with its
 final outcome as the client saw it: 200 with the ledger entry's id (both legs', for a transfer; the
@@ -62,7 +62,7 @@ from collections import defaultdict
 from datetime import datetime
 
 MAX_PROBLEMS_SHOWN = 20
-# How long the check waits for the last hold not settled by the client to expire (pay.js places
+# How long the check waits for the last hold not settled by the client to expire (loadtest/k6/holds.js places
 # them for 1 s or HOLD_EXPIRES_IN, 30 s); one that expires later is a problem, not waited for.
 MAX_HOLD_WAIT_S = 120
 TEXT_MSG = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
@@ -434,7 +434,7 @@ def check_hold(client, hold):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--acks", required=True, help="the k6 console log of the run (pay.js, ACK_LOG=1)")
+    parser.add_argument("--acks", required=True, help="the k6 console log of the run (loadtest/run, ACK_LOG=1)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8080")
     parser.add_argument("--audit", default="", help="command that audits the whole database (walletlock audit)")
     parser.add_argument("--threads", type=int, default=16)
@@ -443,7 +443,7 @@ def main():
     started = time.monotonic()
     opened, ops, problems = load_acks(args.acks)
     if not opened:
-        raise SystemExit(f"books: no opened wallets in {args.acks}: was pay.js run with ACK_LOG=1?")
+        raise SystemExit(f"books: no opened wallets in {args.acks}: was k6 run with ACK_LOG=1?")
     for record in ops.values():
         for wallet in wallets_of(record):
             if wallet not in opened:
