@@ -67,26 +67,3 @@ lt_peak_rss() {
     fi
   done >"$1"
 }
-
-# lt_idle_pct SECONDS: the percentage of CPU time the whole machine spent idle over SECONDS.
-lt_idle_pct() {
-  local a b
-  a=$(awk '/^cpu / {print $5 + $6, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9}' /proc/stat)
-  sleep "$1"
-  b=$(awk '/^cpu / {print $5 + $6, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9}' /proc/stat)
-  awk -v a="$a" -v b="$b" 'BEGIN {split(a, x, " "); split(b, y, " ");
-    t = y[2] - x[2]; idle = (t > 0) ? 100 * (y[1] - x[1]) / t : 100; printf "%d\n", idle}'
-}
-
-# lt_wait_quiet MIN_IDLE_PCT MAX_WAIT_S: waits until the machine is at least MIN_IDLE_PCT idle over
-# 3 s (so that a benchmark does not share the cores with a build), at most MAX_WAIT_S; prints the
-# last idle percentage measured.
-lt_wait_quiet() {
-  local min=$1 deadline=$((SECONDS + $2)) idle
-  while true; do
-    idle=$(lt_idle_pct 3)
-    if [ "$idle" -ge "$min" ] || [ "$SECONDS" -ge "$deadline" ]; then break; fi
-    wl_log "  the machine is only $idle% idle (something else is running); waiting for it to quiet down"
-  done
-  echo "$idle"
-}
