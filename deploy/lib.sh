@@ -348,7 +348,7 @@ wl_start_redis() {
 # the files it includes: listen.conf (LISTEN, e.g. 127.0.0.1:8080), status_listen.conf (loopback,
 # port WALLETLOCK_NGINX_STATUS_PORT, 8090 by default) and upstream.conf (one replica per PORT on
 # 127.0.0.1, each taking at most WALLETLOCK_NGINX_MAX_CONNS connections, 512 by default: see
-# nginx.conf's "no live upstreams"). With WALLETLOCK_NGINX_HTTPS (an address, e.g. 127.0.0.1:8443)
+# nginx.conf's "no live upstreams"; the rest as compose has it). With WALLETLOCK_NGINX_HTTPS (an address, e.g. 127.0.0.1:8443)
 # and WALLETLOCK_NGINX_TLS_DIR (holding nginx.pem and nginx.key, see wl_tls_issue), listen.conf
 # also gets an HTTPS listener (HTTP/2 allowed) with the TLS settings of the top-level nginx-tls.conf.
 wl_nginx_prepare() {
@@ -366,26 +366,17 @@ wl_nginx_prepare() {
       "ssl_certificate_key $certs/nginx.key;" "include tls.conf;" >>"$dir/listen.conf"
   fi
   printf 'listen 127.0.0.1:%s;\n' "${WALLETLOCK_NGINX_STATUS_PORT:-8090}" >"$dir/status_listen.conf"
-  {
-    echo "# Written by deploy/lib.sh (wl_nginx_prepare): the local replicas."
-    echo "upstream walletlock {"
-    echo "    # One replica per wallet while it is up (see \$walletlock_route in nginx.conf)."
-    echo "    hash \$walletlock_route consistent;"
-    echo "    # Shared by the workers, so max_conns bounds each replica's connections in total."
-    echo "    zone walletlock 64k;"
-    local port max_conns=${WALLETLOCK_NGINX_MAX_CONNS:-512}
-    for port in "$@"; do
-      # One failed connection takes a replica out of rotation for 1 s (passive health check).
-      # max_conns: above the replica's MAX_IN_FLIGHT (256), so the replica sheds first, and low
-      # enough that its connections' buffers stay within its memory (docs/operating/overload.md).
-      echo "    server 127.0.0.1:$port max_fails=1 fail_timeout=1s max_conns=$max_conns;"
-    done
-    echo "    keepalive 64;"
-    echo "    # Below the replicas' 30 s idle timeout: nginx, not the replica, closes idle connections,"
-    echo "    # so it never sends a request down a connection the replica is closing."
-    echo "    keepalive_timeout 5s;"
-    echo "}"
-  } >"$dir/upstream.conf"
+  # Compose's upstream (deploy/compose.d/upstream.conf), for fixed ports: its `server app:8080
+  # resolve ...` line becomes one server per PORT, and Docker's resolver goes.
+  awk -v ports="$*" -v max_conns="${WALLETLOCK_NGINX_MAX_CONNS:-512}" '
+    /^[[:space:]]*resolver[[:space:]]/ { next }
+    $1 == "server" && / resolve[ ;]/ {
+      sub(/ resolve/, ""); sub(/max_conns=[0-9]+/, "max_conns=" max_conns)
+      n = split(ports, port, " ")
+      for (i = 1; i <= n; i++) { line = $0; sub(/app:8080/, "127.0.0.1:" port[i], line); print line }
+      next
+    }
+    { print }' "$root/deploy/compose.d/upstream.conf" >"$dir/upstream.conf"
 }
 
 # wl_nginx_command DIR: the command that runs nginx in the foreground from DIR (see
