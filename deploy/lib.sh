@@ -219,15 +219,12 @@ wl_postgres_tls_settings() {
     ssl_min_protocol_version=TLSv1.2 "hba_file=$dir/tls/pg_hba.conf"
 }
 
-# wl_free_port: a TCP port nothing listens on right now (deploy/free_port.py).
-wl_free_port() {
-  python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py"
-}
-
-# wl_free_ports N: the first of N consecutive ports on 127.0.0.1 that are free now.
+# wl_free_ports [N]: the first of N (1) consecutive ports on 127.0.0.1 that are free now
+# (deploy/free_port.py); wl_free_port: one.
 wl_free_ports() {
-  python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py" "$1"
+  python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py" "$@"
 }
+wl_free_port() { wl_free_ports 1; }
 
 # wl_wait_for WHAT SECONDS COMMAND...: runs COMMAND every 50 ms until it succeeds.
 wl_wait_for() {
