@@ -2,7 +2,7 @@
 // the two answers must agree on one charge, the same ledger entry (loadtest/README.md).
 import http from 'k6/http';
 import { check } from 'k6';
-import { anyWallet, classify, doubleCharges, finish, iteration, payment, randomInt, scenario, settle } from './lib.js';
+import { anyWallet, classify, count, finish, iteration, payment, randomInt, scenario, settle } from './lib.js';
 
 export { setup, handleSummary } from './lib.js';
 export const options = scenario('doubletap', { wallets: 1000, initial: 1000000000, vus: 32, p95_ms: 1000, p99_ms: 2000 });
@@ -20,7 +20,7 @@ export default iteration((runId) => {
     // dependency) and the other request then ran; a stored refusal and a charge cannot both be.
     agree = refused[0].code !== 'insufficient_funds';
   }
-  if (!agree) doubleCharges.add(1);
+  if (!agree) count.double_charges.add(1);
   check(null, { 'doubletap: both answers agree on one charge': () => agree });
   // A charge decides it even if the other one was refused; else the first decided answer.
   finish(op, charged.length > 0 ? charged[0] : settle(op, [a, b]));

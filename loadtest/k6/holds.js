@@ -2,7 +2,7 @@
 // fifth placed for 1 s and left to expire, the rest placed for HOLD_EXPIRES_IN (30) s and at once
 // captured in full, captured in part (1 to the amount) or voided, a third each; every placing,
 // capture and void with a key of its own (loadtest/README.md).
-import { anyWallet, cfg, finish, holdsLeft, iteration, operation, positiveInt, randomInt, scenario, settle } from './lib.js';
+import { anyWallet, cfg, count, finish, iteration, operation, positiveInt, randomInt, scenario, settle } from './lib.js';
 
 export { setup, handleSummary } from './lib.js';
 export const options = scenario('holds', { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 2000, p99_ms: 3000 });
@@ -51,7 +51,7 @@ export default iteration((runId) => {
   finish(hold, placed);
   if (placed === null || placed.decided !== 'charged') return;
   if (left) {
-    holdsLeft.add(1);
+    count.holds_left.add(1);
     return;
   }
   // Captured in full (`{}`: no amount), captured in part, or voided (nothing charged).

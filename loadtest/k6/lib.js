@@ -49,34 +49,20 @@ const TRIES = 5;
 // The run's settings: scenario() fills them in, in the init context of every VU.
 export const cfg = {};
 
-// Outcomes of operations (one payment, however many requests it took); refusals by their code.
-const accepted = new Counter('accepted'); // payments, transfers, splits and captures charged
-const deposited = new Counter('deposited');
-const holdsPlaced = new Counter('holds_placed');
-const captured = new Counter('captured'); // also counted in accepted
-const voided = new Counter('voided');
-export const holdsLeft = new Counter('holds_left'); // placed and left to expire
-const REFUSALS = {};
-for (const code of ['insufficient_funds', 'lock_timeout', 'lease_lost', 'dependency_unavailable', 'overloaded',
-  'rate_limited', 'hold_expired']) {
-  REFUSALS[code] = new Counter(code);
-}
-const droppedConnections = new Counter('dropped_connections'); // no answer at all (status 0)
-const noRetryAfter = new Counter('no_retry_after'); // a 503 or 429 without Retry-After
-const undecided = new Counter('undecided'); // still unknown after TRIES; settled by books.py
-const operations = new Counter('operations');
-// Per response.
-const replayed = new Counter('replayed'); // Idempotent-Replayed: true
-const inFlight = new Counter('in_flight'); // 409 idempotency_key_in_flight
-const unexpected = new Counter('unexpected'); // the count behind unexpected_errors
+// The counters, by name. Per operation (one payment, however many requests it took): accepted
+// (payments, transfers, splits and captures charged; captured counts again), deposited,
+// holds_placed, voided, holds_left (placed and left to expire), the refusals by their code,
+// undecided (still unknown after TRIES; settled by books.py). Per answer: replayed
+// (Idempotent-Replayed: true), in_flight (409 idempotency_key_in_flight), dropped_connections (no
+// answer at all), no_retry_after (a 503 or 429 without it), unexpected (behind unexpected_errors).
+const REFUSALS = new Set(['insufficient_funds', 'lock_timeout', 'lease_lost', 'dependency_unavailable', 'overloaded',
+  'rate_limited', 'hold_expired']);
+const COUNTERS = ['operations', 'accepted', 'deposited', 'holds_placed', 'captured', 'voided', 'holds_left',
+  ...REFUSALS, 'dropped_connections', 'no_retry_after', 'replayed', 'in_flight', 'undecided', 'unexpected',
+  'double_charges'];
+export const count = {};
+for (const name of COUNTERS) count[name] = new Counter(name);
 const unexpectedErrors = new Rate('unexpected_errors');
-export const doubleCharges = new Counter('double_charges');
-
-// The summary's figures, in this order: the counters above, and k6's dropped_iterations.
-const COUNTS = ['accepted', 'deposited', 'holds_placed', 'captured', 'voided', 'holds_left', 'hold_expired',
-  'insufficient_funds', 'lock_timeout', 'lease_lost', 'dependency_unavailable', 'overloaded', 'rate_limited',
-  'dropped_connections', 'no_retry_after', 'replayed', 'in_flight', 'undecided', 'unexpected', 'double_charges',
-  'dropped_iterations'];
 
 // Statuses the API answers by contract; everything else marks http_req_failed.
 http.setResponseCallback(http.expectedStatuses(200, 201, 409, 422, 429, 503));
@@ -320,7 +306,7 @@ const REFUSED = {
 // applied, the API says so), or null (unknown yet).
 export function classify(res, op) {
   const replay = res.headers['Idempotent-Replayed'] === 'true';
-  if (replay) replayed.add(1);
+  if (replay) count.replayed.add(1);
   const errorCode = res.status === op.ok ? '' : code(res);
   let decided = null;
   let expected = true;
@@ -333,7 +319,7 @@ export function classify(res, op) {
   } else if ((REFUSED[res.status] || []).includes(errorCode)) {
     decided = 'refused';
   } else if (res.status === 409 && errorCode === 'idempotency_key_in_flight') {
-    inFlight.add(1);
+    count.in_flight.add(1);
   } else if (res.status >= 400 && res.status < 500 && res.status !== 408 && res.status !== 429) {
     // A request the API rejected (400, 404, 422 idempotency_key_reused): nothing was applied, but
     // these scripts should never send one.
@@ -343,9 +329,9 @@ export function classify(res, op) {
     // Status 0 (no answer), 500, 502/504 from nginx, 503 request_timeout: may or may not have run.
     expected = false;
   }
-  if (res.status === 0) droppedConnections.add(1);
+  if (res.status === 0) count.dropped_connections.add(1);
   if ((res.status === 503 || res.status === 429) && !res.headers['Retry-After']) {
-    noRetryAfter.add(1);
+    count.no_retry_after.add(1);
     expected = false;
   }
   judge(res, expected, `${op.kind}: an answer the API promises`, false);
@@ -355,9 +341,9 @@ export function classify(res, op) {
 // judge RES EXPECTED CHECK [COUNTS]: one answer, expected or not, under a check named CHECK; with
 // COUNTS (reads, health checks: a request is an operation), also an operation.
 export function judge(res, expected, name, counts = true) {
-  if (counts) operations.add(1);
+  if (counts) count.operations.add(1);
   unexpectedErrors.add(!expected);
-  if (!expected) unexpected.add(1);
+  if (!expected) count.unexpected.add(1);
   check(res, { [name]: () => expected });
 }
 
@@ -386,19 +372,19 @@ export function settle(op, first) {
 // Records the final outcome of OP (null: undecided). A transfer, a split and a capture count as
 // accepted, like a payment: money left a wallet.
 export function finish(op, outcome) {
-  operations.add(1);
+  count.operations.add(1);
   const other = op.kind === 'capture' || op.kind === 'void' ? 'hold' : 'to';
   const record = { op: op.kind, w: op.wallet, [other]: op.to, amount: op.amount, key: op.key };
   if (outcome === null) {
-    undecided.add(1);
+    count.undecided.add(1);
     ack({ ...record, s: 'undecided', url: op.url, body: op.body });
   } else if (outcome.decided === 'charged') {
-    ({ deposit: deposited, hold: holdsPlaced, void: voided }[op.kind] || accepted).add(1);
-    if (op.kind === 'capture') captured.add(1);
+    count[{ deposit: 'deposited', hold: 'holds_placed', void: 'voided' }[op.kind] || 'accepted'].add(1);
+    if (op.kind === 'capture') count.captured.add(1);
     ack(`{"op":"${op.kind}","w":"${op.wallet}","amount":${op.amount},"key":"${op.key}","s":${op.ok},` +
       `${op.acked(op, outcome.entry)}}`);
   } else {
-    if (REFUSALS[outcome.code]) REFUSALS[outcome.code].add(1);
+    if (REFUSALS.has(outcome.code)) count[outcome.code].add(1);
     ack({ ...record, s: outcome.status, code: outcome.code });
   }
 }
@@ -443,7 +429,7 @@ export function handleSummary(data) {
     p99_ms: own('http_req_duration', 'p(99)'),
     max_ms: own('http_req_duration', 'max'),
   };
-  for (const name of COUNTS) figures[name] = metric(data, name, 'count');
+  for (const name of [...COUNTERS, 'dropped_iterations']) figures[name] = metric(data, name, 'count');
   figures.unexpected_rate = metric(data, 'unexpected_errors', 'rate');
   figures.failed_thresholds = [];
   for (const [name, m] of Object.entries(data.metrics)) {
