@@ -128,6 +128,22 @@ def walletlock_row(label, scenario, run_dir, status):
     }
 
 
+def markdown(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
+def plain(header, rows, left=False):
+    """The table aligned in columns: the first left, the others right (all left with `left`)."""
+    widths = [max(len(header[i]), *(len(c[i]) for c in rows)) for i in range(len(header))]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 or left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join(line(cells) for cells in [header, *rows])
+
+
 def attempt_figures(run_dir):
     """What an attempt that was not kept measured, and the CPU it shared."""
     make = pgbench_row if os.path.exists(os.path.join(run_dir, "pgbench.out")) else walletlock_row
@@ -303,18 +319,6 @@ def main():
         cells.append(f"{r['other_cpu']['other_pct']:.0f}%" if r.get("other_cpu") else "?")
         table.append(cells)
 
-    def markdown(rows_):
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        lines += ["| " + " | ".join(c) + " |" for c in rows_]
-        return "\n".join(lines)
-
-    def plain(rows_):
-        widths = [max(len(header[i]), *(len(c[i]) for c in rows_)) for i in range(len(header))]
-        def fmt(cells):
-            return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-        return "\n".join([fmt(header)] + [fmt(c) for c in rows_])
-
     secs, vus, clients = settings["seconds"], settings["vus"], settings["clients"]
     title = (
         f"walletlock {info['walletlock'].split()[0]} vs raw Postgres, {info['cpus']} cores ({info['cpu']}), {secs} s per run; "
@@ -348,13 +352,6 @@ def main():
     goals = targets(rows)
     goal_header = ["target", "result", "met?"]
     goal_cells = [[t, res, {True: "yes", False: "no", None: "?", "-": "-"}[met]] for t, res, met in goals]
-    goal_md = "\n".join(
-        ["| " + " | ".join(goal_header) + " |", "|---|---|---|"] + ["| " + " | ".join(c) + " |" for c in goal_cells]
-    )
-    goal_widths = [max(len(goal_header[i]), *(len(c[i]) for c in goal_cells)) for i in range(3)]
-    goal_plain = "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(cells, goal_widths)).rstrip() for cells in [goal_header] + goal_cells
-    )
     machine_lines = [f"- {k}: {v}" for k, v in info.items()]
     command = f"BENCH_SECONDS={secs} BENCH_VUS={vus} loadtest/bench"
     md = "\n".join(
@@ -363,12 +360,12 @@ def main():
             "",
             f"`{command}` (results in `{os.path.relpath(out, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}`), {settings['started']}.",
             "",
-            markdown(table),
+            markdown(header, table),
             "",
             ("Targets (issue 13): rps as in the table (payments or reads answered per second); the "
              "costs and the p99s of the runs above."),
             "",
-            goal_md,
+            markdown(goal_header, goal_cells),
             "",
             "Method and conditions:",
             "",
@@ -389,9 +386,9 @@ def main():
     with open(os.path.join(out, "bench.md"), "w") as f:
         f.write(md)
     print(title)
-    print(plain(table))
+    print(plain(header, table))
     print()
-    print(goal_plain)
+    print(plain(goal_header, goal_cells, left=True))
     for r in rows:
         if r["kind"] == "walletlock" and r.get("failed_thresholds"):
             print(f"  {r['label']}: thresholds failed: {'; '.join(r['failed_thresholds'])}")
