@@ -312,6 +312,13 @@ wl_start_postgres() {
     || { tail -n 20 "$dir/postgres.log" >&2; return 1; }
 }
 
+# wl_psql DIR:PORT DATABASE ARG...: psql as the `postgres` superuser over the socket in DIR of a
+# cluster wl_start_postgres started (trusted there, without a password), stopping at the first error.
+wl_psql() {
+  local node=$1 database=$2; shift 2
+  psql -X -v ON_ERROR_STOP=1 -h "${node%:*}" -p "${node##*:}" -U postgres -d "$database" "$@"
+}
+
 # wl_redis_cli ARG...: redis-cli, over TLS when WALLETLOCK_REDIS_CLI_TLS holds its TLS arguments
 # (see wl_redis_cli_tls).
 wl_redis_cli() {

@@ -22,11 +22,8 @@ lt_k6() {
   command -v k6
 }
 
-# lt_psql DB ARG...: psql as the superuser, over the socket.
-lt_psql() {
-  local db=$1; shift
-  psql -q -X -h "$lt_pg_socket" -p "$lt_pg_port" -U postgres -d "$db" -v ON_ERROR_STOP=1 "$@"
-}
+# lt_psql DB ARG...: psql as the superuser, over the fleet's socket.
+lt_psql() { wl_psql "$lt_pg_socket:$lt_pg_port" "$@" -q; }
 
 # lt_api_token: the API token for the load tests: $API_TOKEN, else `deploy/local token` (empty if
 # this deploy/local has none, for an API without authentication).
