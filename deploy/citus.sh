@@ -77,9 +77,9 @@ wl_citus_join() {
   local database=$1 coordinator=$2; shift 2
   local node
   for node in "$coordinator" "$@"; do
-    wl_citus_psql "$node" postgres -tAc "select 1 from pg_database where datname = '$database'" | grep -q 1 ||
-      wl_citus_psql "$node" postgres -qc "create database \"$database\""
-    wl_citus_psql "$node" "$database" -qc "create extension if not exists citus"
+    wl_psql "$node" postgres -tAc "select 1 from pg_database where datname = '$database'" | grep -q 1 ||
+      wl_psql "$node" postgres -qc "create database \"$database\""
+    wl_psql "$node" "$database" -qc "create extension if not exists citus"
   done
   # Citus copies to a worker only the roles its distributed objects depend on (a table's owner),
   # not the others, such as an app role that only gets grants later, which then fail on the
@@ -89,22 +89,16 @@ wl_citus_join() {
   for node in "$@"; do
     while read -r role; do
       [ -n "$role" ] || continue
-      wl_citus_psql "$node" postgres -q -v role="$role" <<'SQL'
+      wl_psql "$node" postgres -q -v role="$role" <<'SQL'
 select format('create role %I login', :'role') where not exists (select from pg_roles where rolname = :'role') \gexec
 SQL
-    done < <(wl_citus_psql "$coordinator" postgres -tAc \
+    done < <(wl_psql "$coordinator" postgres -tAc \
       "select rolname from pg_roles where rolcanlogin and not rolsuper and rolname !~ '^pg_'")
   done
   # Each node by its socket directory: the nodes connect to each other as the user of the session
   # at hand, which the socket lets in without a password (TCP clients must give one).
-  wl_citus_psql "$coordinator" "$database" -qAtc "select citus_set_coordinator_host('${coordinator%:*}', ${coordinator##*:})" >/dev/null
+  wl_psql "$coordinator" "$database" -qAtc "select citus_set_coordinator_host('${coordinator%:*}', ${coordinator##*:})" >/dev/null
   for node in "$@"; do
-    wl_citus_psql "$coordinator" "$database" -qAtc "select citus_add_node('${node%:*}', ${node##*:})" >/dev/null
+    wl_psql "$coordinator" "$database" -qAtc "select citus_add_node('${node%:*}', ${node##*:})" >/dev/null
   done
-}
-
-# wl_citus_psql DIR:PORT DATABASE ARG...: psql as the `postgres` superuser over the node's socket.
-wl_citus_psql() {
-  local node=$1 database=$2; shift 2
-  psql -X -v ON_ERROR_STOP=1 -h "${node%:*}" -p "${node##*:}" -U postgres -d "$database" "$@"
 }

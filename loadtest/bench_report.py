@@ -128,6 +128,37 @@ def walletlock_row(label, scenario, run_dir, status):
     }
 
 
+def markdown(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
+def plain(header, rows, left=False):
+    """The table aligned in columns: the first left, the others right (all left with `left`)."""
+    widths = [max(len(header[i]), *(len(c[i]) for c in rows)) for i in range(len(header))]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 or left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join(line(cells) for cells in [header, *rows])
+
+
+def attempt_figures(run_dir):
+    """What an attempt that was not kept measured, and the CPU it shared."""
+    make = pgbench_row if os.path.exists(os.path.join(run_dir, "pgbench.out")) else walletlock_row
+    try:
+        row = make("", "", run_dir, 0)
+        figures = f"{row['rps']:,.0f}/s, p99 {fmt_ms(row['p99_ms'])} ms"
+    except (OSError, AttributeError, KeyError, ValueError):
+        figures = "?"
+    try:
+        other = f"{load_json(os.path.join(run_dir, 'other_cpu.json'))['other_pct']:.0f}%"
+    except (OSError, KeyError, ValueError):
+        other = "?"
+    return f"{figures} with {other} other CPU"
+
+
 def machine():
     cpu = "?"
     for line in read("/proc/cpuinfo").splitlines():
@@ -288,18 +319,6 @@ def main():
         cells.append(f"{r['other_cpu']['other_pct']:.0f}%" if r.get("other_cpu") else "?")
         table.append(cells)
 
-    def markdown(rows_):
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        lines += ["| " + " | ".join(c) + " |" for c in rows_]
-        return "\n".join(lines)
-
-    def plain(rows_):
-        widths = [max(len(header[i]), *(len(c[i]) for c in rows_)) for i in range(len(header))]
-        def fmt(cells):
-            return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-        return "\n".join([fmt(header)] + [fmt(c) for c in rows_])
-
     secs, vus, clients = settings["seconds"], settings["vus"], settings["clients"]
     title = (
         f"walletlock {info['walletlock'].split()[0]} vs raw Postgres, {info['cpus']} cores ({info['cpu']}), {secs} s per run; "
@@ -308,78 +327,19 @@ def main():
     notes = [
         (f"Every run lasted {secs} s on the same machine, one after the other: {info['cpus']} cores "
          f"({info['cpu']}), {info['ram_gib']} GiB RAM, {info['os']}; Postgres, Redis, nginx, the "
-         f"{replicas} replicas and the load generator (k6 or pgbench) all share those cores."),
-        (f"Raw-Postgres anchors: pgbench ({info['pgbench']}), {clients} clients, 2 threads, prepared "
-         "statements, one statement per transaction: `UPDATE account SET balance = balance - 1 WHERE "
-         "id = :id AND balance >= 1` on one row (hot) or a random one of 10,000 (spread), in a scratch "
-         "database `pgbench_anchor` of the fleet's own Postgres (deploy/local: fsync and "
-         "synchronous_commit on). rps = pgbench's tps; latencies from its per-transaction log."),
-        (f"walletlock: loadtest/pay.js (k6, closed model, {vus} VUs, GOGC={os.environ.get('GOGC', '400')}: "
-         "its garbage collector takes less of the cores it shares; loadtest/run) through nginx to "
-         f"{replicas} replicas (deploy/local, deploy/defaults.env); every payment carries an Idempotency-Key. "
-         "rps = payment requests answered per second over the run; p50/p99 over those requests. "
-         "`hot`: every payment from one wallet; `spread`: 10,000 wallets; the replicas run their default "
-         "lease strategy. `tutorial lock`: the same hot run with the replicas restarted with "
-         "LEASE_STRATEGY=tutorial (the tutorial's lock: every waiting request polls the lease "
-         "every 5-15 ms). `Redis gone`: the same hot and spread runs with the replicas' Redis user "
-         "switched off for the run, so every replica that pays is in a Redis outage and moves money "
-         "under Postgres alone (REDIS_OUTAGE=postgres, row locks; docs/operating/redis-outages.md)."),
-        ("`transfer`: `POST /transfers` of 1 to 100 from a payer picked at random among 9,900 "
-         "wallets to one of 100 payees picked by a Zipf law (the k-th most popular paid 1/k as often "
-         "as the first, so the first takes about a fifth of all transfers): both wallets' leases, "
-         "both legs in one transaction. rps there is transfers answered per second, and its costs "
-         "are per accepted transfer; it has no raw-Postgres anchor (`-`). `split`: `POST /movements` "
-         "of three legs, 2 to 100 out of a wallet picked at random among 10,000, a tenth (at least 1) "
-         "to a second and the rest to a third: every leg's lease, all three legs in one transaction; "
-         "rps there is splits answered per second, its costs per accepted split."),
-        ("`Citus: spread`: the spread run on a second fleet (deploy/local up --postgres citus, 3 "
-         "replicas) whose Postgres is a Citus coordinator and two workers, all on this machine: "
-         "every wallet's rows on one worker, each payment one transaction routed by the coordinator "
-         "to that worker (docs/operating/citus.md). Three Postgres servers share "
-         "the same cores, so it is slower here; it shows the cost of the extra hop, not the gain of "
-         "workers on machines of their own. Its ratio to anchor is to the one-Postgres pgbench "
-         "anchor. Its WAL flushes and transactions are summed over the three nodes; its statements "
-         "are the coordinator's (the ones the replicas sent)."),
-        (f"The ceilings, with the same fleet and the same {vus} VUs: `read`, `GET /wallets/{{id}}` (with "
-         "the token) on 10,000 wallets picked at random (the read ceiling: one Postgres read per "
-         "request, nothing moves); `health`, `GET /healthz` through nginx (the health ceiling: nginx "
-         "and a replica, neither Redis nor Postgres). rps there is requests answered per second; "
-         "they move no money, so they have no books and no lock_timeout (`-`)."),
-        ("Costs per payment: from Postgres's and Redis's own statistics, read right before and right "
-         "after the k6 run (loadtest/costs.py, called by `COSTS=1 loadtest/run`), before the book "
-         "check, with the wallets opened by a k6 run of their own and a CHECKPOINT (on every node) "
-         "before the first reading, as the anchors get one before pgbench; the "
-         "deltas over the run divided by its accepted payments (read and health: by its requests, "
-         "`/req`). WAL flushes: pg_stat_wal.wal_sync (the whole cluster, so a checkpoint or "
-         "autovacuum during the run counts too); transactions: pg_stat_database xact_commit + "
-         "xact_rollback of the walletlock database; statements: the sum of pg_stat_statements' calls "
-         "in the walletlock database (top-level statements, BEGIN and COMMIT included); Redis "
-         "commands: the sum of INFO commandstats' calls on the primary (commands run inside a Lua "
-         "script count, as well as the EVALSHA that ran it). Each reading waits 11 s after the "
-         "traffic stops, since Postgres backends report their statistics up to 10 s late; the "
-         "first reading's own query is subtracted. costs.json in each run's directory has the "
-         "deltas, WAL records and bytes, and Redis's calls per command."),
-        ("unexpected errors: answers outside the API's contract (pgbench: failed transactions). "
-         "lock_timeout (503, nothing applied) is an expected outcome, counted apart; it is included "
-         "in rps. ratio to anchor = rps / the pgbench rps of the same scenario."),
-        ("peak RSS: VmHWM of each replica, which was restarted just before the run (so the peak of "
-         "that run, its wallet seeding included). pgbench runs do not involve the replicas."),
-        ("books: after each run, loadtest/books.py (walletlock) or a sum over the table (pgbench): "
-         "balance = initial - accepted payments (+ transfers in - transfers out), never negative; "
-         "plus `walletlock audit`."),
+         f"{replicas} replicas and the load generator (pgbench {clients} clients, or k6 {vus} VUs with "
+         f"GOGC={os.environ.get('GOGC', '400')}) all share those cores. What each run measures, and how: "
+         "loadtest/README.md, `loadtest/bench`."),
         "The machine was idle before each run (whole-machine idle CPU over 3 s: "
         + ", ".join(f"{r['label']} {r['idle_before_pct']}%" for r in rows)
-        + "); the bench waits for that before starting a run. other CPU: the share of the "
-        "machine's CPU used during the run by processes outside the benchmark (anything but the "
-        "stack's Postgres, Redis, nginx and replicas and the bench's own k6, pgbench and book "
-        "check), sampled every second (a lower bound): a run that shared the cores with a build "
-        "shows it here.",
+        + "). other CPU: the share of the machine's CPU that processes outside the benchmark used "
+        "during the run (a lower bound).",
     ]
     discarded = []
     try:
         for line in read(os.path.join(out, "discarded.tsv")).splitlines():
-            label, attempt, other, figures, _path = line.rstrip("\n").split("\t")
-            discarded.append(f"{label} attempt {attempt}: {figures} with {other}% other CPU")
+            label, attempt, path = line.rstrip("\n").split("\t")
+            discarded.append(f"{label} attempt {attempt}: {attempt_figures(path)}")
     except (OSError, ValueError):
         pass
     notes.append(
@@ -392,13 +352,6 @@ def main():
     goals = targets(rows)
     goal_header = ["target", "result", "met?"]
     goal_cells = [[t, res, {True: "yes", False: "no", None: "?", "-": "-"}[met]] for t, res, met in goals]
-    goal_md = "\n".join(
-        ["| " + " | ".join(goal_header) + " |", "|---|---|---|"] + ["| " + " | ".join(c) + " |" for c in goal_cells]
-    )
-    goal_widths = [max(len(goal_header[i]), *(len(c[i]) for c in goal_cells)) for i in range(3)]
-    goal_plain = "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(cells, goal_widths)).rstrip() for cells in [goal_header] + goal_cells
-    )
     machine_lines = [f"- {k}: {v}" for k, v in info.items()]
     command = f"BENCH_SECONDS={secs} BENCH_VUS={vus} loadtest/bench"
     md = "\n".join(
@@ -407,14 +360,14 @@ def main():
             "",
             f"`{command}` (results in `{os.path.relpath(out, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}`), {settings['started']}.",
             "",
-            markdown(table),
+            markdown(header, table),
             "",
             ("Targets (issue 13): rps as in the table (payments or reads answered per second); the "
              "costs and the p99s of the runs above."),
             "",
-            goal_md,
+            markdown(goal_header, goal_cells),
             "",
-            "Method:",
+            "Method and conditions:",
             "",
             *[f"- {n}" for n in notes],
             "",
@@ -433,9 +386,9 @@ def main():
     with open(os.path.join(out, "bench.md"), "w") as f:
         f.write(md)
     print(title)
-    print(plain(table))
+    print(plain(header, table))
     print()
-    print(goal_plain)
+    print(plain(goal_header, goal_cells, left=True))
     for r in rows:
         if r["kind"] == "walletlock" and r.get("failed_thresholds"):
             print(f"  {r['label']}: thresholds failed: {'; '.join(r['failed_thresholds'])}")

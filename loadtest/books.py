@@ -5,45 +5,17 @@
 
 (API_TOKEN in the environment, if the API wants one: sent as `Authorization: Bearer`.)
 
-The client's side is the k6 console log of the run (pay.js with ACK_LOG=1): one `WL {...}` line
-(a console message may hold several, one per line) per wallet it opened (with the balance the API
-acknowledged) and per deposit, payment, transfer, split, hold placed, capture or void, with its
-final outcome as the client saw it: 200 with the ledger entry's id (both legs', for a transfer; the
-pay entry, and what it charged, for a capture; none for a void), 201 with the hold's id and expiry
-for a hold placed, 201 with every leg's wallet, signed amount and entry for a split (a movement of
-three legs), a refusal (nothing applied), or undecided.
-Undecided operations are settled first, the way a client would: by sending the same request with
-the same Idempotency-Key until the API decides it (a stored answer is replayed; a request that
-never ran runs now).
-
-Then, for every wallet of the run, through the API (GET /wallets/{id} and every page of
-GET /wallets/{id}/transactions):
-
-  balance == opening balance + accepted deposits - accepted payments
-             + accepted transfers in - accepted transfers out
-             + accepted split legs (each signed)                         (what the client was told)
-  balance == the ledger's signed sum, and the ledger's entries chain 1..version
-  balance >= 0
-  every accepted operation is in the ledger exactly once (its entry id, both legs of a transfer,
-  every leg of a split; a payment's, a transfer's or a split's reference is its key), and the
-  ledger holds no payment, deposit, transfer or split leg the client was not told was accepted
-
-and, for a run with holds, where a capture counts as a payment of what it charged:
-
-  every acknowledged capture's pay entry is in the ledger once, with its hold_id and amount, and
-  the ledger charges no hold the client was not told was captured (voided and expired holds
-  charge nothing)
-  after every hold not acknowledged captured or voided has expired (the check waits for the last
-  expiry, at most MAX_HOLD_WAIT_S): available == balance (no hold is left active), and
-  GET /holds/{id} of every hold placed shows what the client was told: captured (that much, by
-  that entry), voided, or else expired
-
-Last, `walletlock audit` checks every wallet in the database. Prints the tutorial's line, summed
-over the run's wallets:
+The client's side is the k6 console log of the run (ACK_LOG=1): one `WL {...}` record per wallet
+opened and per operation, with its final outcome as the client saw it. Undecided operations are
+settled first, as a client would: by sending the same request with the same Idempotency-Key. Then
+every wallet of the run is read through the API and checked against what the client was told, the
+holds are checked once every one not settled has expired, and `walletlock audit` checks the whole
+database (loadtest/README.md, "The book check", lists every check). Prints one line per problem,
+then the tutorial's line, summed over the run's wallets:
 
   accepted=N balance=B expected=E OK|BROKEN
 
-with one line per problem before it, and exits 0 on OK, 1 on BROKEN.
+and exits 0 on OK, 1 on BROKEN.
 """
 
 import argparse
@@ -62,7 +34,7 @@ from collections import defaultdict
 from datetime import datetime
 
 MAX_PROBLEMS_SHOWN = 20
-# How long the check waits for the last hold not settled by the client to expire (pay.js places
+# How long the check waits for the last hold not settled by the client to expire (loadtest/k6/holds.js places
 # them for 1 s or HOLD_EXPIRES_IN, 30 s); one that expires later is a problem, not waited for.
 MAX_HOLD_WAIT_S = 120
 TEXT_MSG = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
@@ -434,7 +406,7 @@ def check_hold(client, hold):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--acks", required=True, help="the k6 console log of the run (pay.js, ACK_LOG=1)")
+    parser.add_argument("--acks", required=True, help="the k6 console log of the run (loadtest/run, ACK_LOG=1)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8080")
     parser.add_argument("--audit", default="", help="command that audits the whole database (walletlock audit)")
     parser.add_argument("--threads", type=int, default=16)
@@ -443,7 +415,7 @@ def main():
     started = time.monotonic()
     opened, ops, problems = load_acks(args.acks)
     if not opened:
-        raise SystemExit(f"books: no opened wallets in {args.acks}: was pay.js run with ACK_LOG=1?")
+        raise SystemExit(f"books: no opened wallets in {args.acks}: was k6 run with ACK_LOG=1?")
     for record in ops.values():
         for wallet in wallets_of(record):
             if wallet not in opened:

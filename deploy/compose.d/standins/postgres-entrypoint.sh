@@ -1,16 +1,9 @@
 #!/usr/bin/env bash
-# deploy/compose.d/standins/postgres-entrypoint.sh: the official postgres image's entrypoint, the part
-# docker-compose.yml uses, for the Debian stand-in (postgres.Dockerfile):
-#
-#   POSTGRES_USER (postgres), POSTGRES_PASSWORD (required), POSTGRES_DB (POSTGRES_USER),
-#   POSTGRES_INITDB_ARGS, POSTGRES_HOST_AUTH_METHOD (scram-sha-256)
-#
-# On an empty $PGDATA, as the postgres user: initdb with that superuser and password, host logins
-# by password, a temporary server on the unix socket only (so nothing outside sees it before the
-# init scripts ran), the database, then every /docker-entrypoint-initdb.d/*.sh (run if executable,
-# else sourced) and *.sql in name order, then the temporary server stops and the real one starts.
-# A $PGDATA that holds a cluster is started as it is. Not implemented: the *_FILE variables,
-# compressed .sql files, POSTGRES_INITDB_WALDIR, arbitrary uids (nss_wrapper).
+# deploy/compose.d/standins/postgres-entrypoint.sh: the part of the official postgres image's
+# entrypoint that docker-compose.yml uses, for the Debian stand-in (postgres.Dockerfile;
+# docs/operating/compose-and-kubernetes.md lists what it implements). On an empty $PGDATA: initdb,
+# a temporary socket-only server while the database is made and /docker-entrypoint-initdb.d runs
+# (so nothing outside sees it before), then the real server.
 set -Eeo pipefail
 
 init_cluster() {
