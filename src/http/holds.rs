@@ -45,9 +45,11 @@ super::extract::uuid_path!(
 );
 
 /// A hold to place. Unknown fields are refused.
+// `NewHold` in the document, as published; `PlaceHold` in the code, beside the store's `NewHold`.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct NewHold {
+#[schema(as = NewHold)]
+struct PlaceHold {
     /// Minor units to reserve of the available balance.
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 4000)]
     amount: i64,
@@ -68,7 +70,7 @@ struct NewHold {
     tag = "holds",
     security(("bearer" = [])),
     params(WalletPath, IdempotencyHeader),
-    request_body(content = NewHold, content_type = "application/json"),
+    request_body(content = PlaceHold, content_type = "application/json"),
     responses(
         (status = 201, description = "The hold", body = Hold,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
@@ -103,9 +105,9 @@ async fn place_hold(
     WalletPath(id): WalletPath,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
-    body: JsonBody<NewHold>,
+    body: JsonBody<PlaceHold>,
 ) -> Result<Response, ApiError> {
-    let NewHold { amount, expires_in, reference } = &body.value;
+    let PlaceHold { amount, expires_in, reference } = &body.value;
     let life = expires_in.map_or(Ok(HoldLife::DEFAULT), HoldLife::seconds)?;
     let movement = Movement::Hold {
         amount: Amount::new(*amount)?,

@@ -1247,10 +1247,10 @@ mod tests {
     }
 
     /// Wallets as (balance, held), and movements among them as (from, to, amount).
-    type Job = (Vec<(i64, i64)>, Vec<(usize, usize, i64)>);
+    type Scenario = (Vec<(i64, i64)>, Vec<(usize, usize, i64)>);
 
-    /// A job: wallets and movements among them.
-    fn job() -> impl Strategy<Value = Job> {
+    /// A scenario: wallets and movements among them.
+    fn scenario() -> impl Strategy<Value = Scenario> {
         prop::collection::vec((0i64..1_000, 0i64..300), 2..6).prop_flat_map(|wallets| {
             let n = wallets.len();
             let movement = (0..n, 0..n, 1i64..600).prop_filter("two wallets", |(a, b, _)| a != b);
@@ -1307,7 +1307,7 @@ mod tests {
 
         #[test]
         fn a_job_conserves_money_keeps_every_available_balance_at_or_above_zero_and_decides_in_order(
-            (wallets, movements) in job(),
+            (wallets, movements) in scenario(),
         ) {
             let mut fixture = Fixture::of(&wallets.iter().map(|&(b, h)| Some((b.max(h), h))).collect::<Vec<_>>());
             // The expired holds are known read (and there are none): every short debit is refused.
