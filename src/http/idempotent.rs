@@ -3,9 +3,8 @@
 
 use super::ApiContext;
 use super::error::ApiError;
-use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed, Prior, Scope};
+use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed, Prior, Scope, StoredResponse};
 use crate::ledger::Entry;
-use crate::ledger::idempotency::StoredResponse;
 use crate::wallet::{
     AlreadyExists, LegRefusal, Moved, MovementOutcome, MovementRecordOutcome, OpenOutcome, RefundOutcome,
     Refusal, TransferOutcome, WalletError,

@@ -10,7 +10,7 @@
 //! nothing.
 
 use super::group::FoundKey;
-use super::idempotency::{KeyRef, StoredResponse};
+use super::idempotency::{KeyRef, ResponseRow};
 use super::{Entry, StoreError, entry_columns};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -288,15 +288,8 @@ pub async fn find_key(tx: &mut PgConnection, at: KeyRef<'_>) -> Result<Option<Fo
     .fetch_optional(tx)
     .await?;
     let Some(row) = row else { return Ok(None) };
-    let status: Option<i16> = row.try_get("status")?;
-    let content_type: Option<String> = row.try_get("content_type")?;
-    let body: Option<Vec<u8>> = row.try_get("body")?;
-    let response = match (status, content_type, body) {
-        (Some(status), Some(content_type), Some(body)) => {
-            Some(StoredResponse { status: status as u16, content_type, body })
-        }
-        _ => None,
-    };
+    let response =
+        ResponseRow::of_columns(row.try_get("status")?, row.try_get("content_type")?, row.try_get("body")?);
     Ok(Some(FoundKey { fingerprint: row.try_get("fingerprint")?, response }))
 }
 

@@ -725,7 +725,15 @@ pub(super) fn add_legs<'a>(
     // Every wallet of the group is written or none: each key's response depends on the first.
     for (op, response, entry_id) in &plan.responses {
         let Some((at, fingerprint)) = ops[*op].key() else { continue };
-        write.keys.push(KeyWrite { wallet_id: first, at, fingerprint, response, entry_id: *entry_id });
+        write.keys.push(KeyWrite {
+            wallet_id: first,
+            at,
+            fingerprint,
+            status: response.status,
+            content_type: &response.content_type,
+            body: &response.body,
+            entry_id: *entry_id,
+        });
     }
 }
 
@@ -763,7 +771,9 @@ pub(super) fn add_wallet<'a>(write: &mut GroupWrite<'a>, batch: &Batch<'a>, plan
             wallet_id: id,
             at: key.at(),
             fingerprint: &key.fingerprint,
-            response,
+            status: response.status,
+            content_type: &response.content_type,
+            body: &response.body,
             entry_id: plan.entry_of(*op).map(|entry| entry.id),
         });
     }

@@ -16,9 +16,8 @@
 
 use super::{Held, Known, Leg, Links, Settled, as_written, decide_legs, settled};
 use crate::domain::{self, Funds, HoldLife, HoldStatus, LegRefusal, Parties, pro_rata};
-use crate::idempotency::{Keyed, Prior};
+use crate::idempotency::{Keyed, Prior, StoredResponse};
 use crate::ledger::hold::{Hold, NewHold};
-use crate::ledger::idempotency::StoredResponse;
 use crate::ledger::transfer::{HeldLeg, MovementHold, MovementRecord, MovementStatus, Transfer};
 use crate::ledger::{Entry, EntryKind};
 use crate::wallet::transfer::{Done, MovementRecordOutcome, RefundOutcome, TransferOutcome};
@@ -868,6 +867,7 @@ mod tests {
     use crate::idempotency::{IdempotencyKey, Scope};
     use crate::ledger::group::FoundKey;
     use crate::ledger::hold::Hold;
+    use crate::ledger::idempotency::ResponseRow;
     use chrono::Utc;
     use proptest::prelude::*;
     use std::sync::Arc;
@@ -991,9 +991,10 @@ mod tests {
     #[test]
     fn a_key_decides_once_whether_stored_before_or_carried_twice_in_the_job() {
         let mut fixture = Fixture::of(&[Some((100, 0)), Some((0, 0))]);
-        let stored = StoredResponse { status: 200, content_type: "text/plain".into(), body: b"7".to_vec() };
+        let stored = ResponseRow { status: 200, content_type: "text/plain".into(), body: b"7".to_vec() };
         let at = (OWNER.to_owned(), "transfers".to_owned(), "old".to_owned());
         fixture.keys.insert(at, FoundKey { fingerprint: vec![1; 32], response: Some(stored.clone()) });
+        let stored = StoredResponse::from(stored);
         let ops = [
             keyed(transfer(0, 1, 7), "old", 1),
             keyed(transfer(0, 1, 10), "new", 2),
