@@ -2,15 +2,15 @@
 //! it (charge it, in full or in part), void it, or let it expire.
 
 use super::ApiContext;
+use super::bodies::{HoldBody, HoldReceipt};
 use super::error::described::{
     MOVEMENT_CONFLICT, MOVEMENT_UNAVAILABLE as UNAVAILABLE, NOT_JSON, TOO_LARGE, UNAUTHORIZED,
 };
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
-use super::idempotent::{self, HoldReceipt, KeyedRequest, render_hold_placed, render_movement};
+use super::idempotent::{self, KeyedRequest, render_hold_placed, render_movement};
 use crate::domain::{self, Access, Field, HoldLife};
 use crate::idempotency::Scope;
-use crate::ledger::hold::Hold;
 use crate::wallet::{Amount, Movement, WalletId};
 use axum::{
     Json,
@@ -72,7 +72,7 @@ struct PlaceHold {
     params(WalletPath, IdempotencyHeader),
     request_body(content = PlaceHold, content_type = "application/json"),
     responses(
-        (status = 201, description = "The hold", body = Hold,
+        (status = 201, description = "The hold", body = HoldBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
             links(
                 ("GetHold" = (operation_id = "get_hold", parameters(("id" = "$response.body#/id")))),
@@ -128,7 +128,7 @@ async fn place_hold(
     security(("bearer" = [])),
     params(HoldPath),
     responses(
-        (status = 200, description = "The hold", body = Hold),
+        (status = 200, description = "The hold", body = HoldBody),
         (status = 400, description = "`invalid_hold_id`", body = ProblemDocument, content_type = PROBLEM_JSON),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
@@ -142,8 +142,8 @@ async fn get_hold(
     State(ctx): State<ApiContext>,
     Extension(access): Extension<Access>,
     HoldPath(id): HoldPath,
-) -> Result<Json<Hold>, ApiError> {
-    Ok(Json(ctx.wallets.find_hold(&access, id).await?))
+) -> Result<Json<HoldBody>, ApiError> {
+    Ok(Json(ctx.wallets.find_hold(&access, id).await?.into()))
 }
 
 /// How much of a hold to charge. Unknown fields are refused.
@@ -206,7 +206,7 @@ async fn capture(
     security(("bearer" = [])),
     params(HoldPath, IdempotencyHeader),
     responses(
-        (status = 200, description = "The hold, `voided`", body = Hold,
+        (status = 200, description = "The hold, `voided`", body = HoldBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
             description = "`invalid_hold_id`, `invalid_idempotency_key`"),

@@ -39,7 +39,7 @@ use super::idempotency::{KeyRef, ResponseRow};
 use super::storage::Storage;
 use super::transfer::{MovementRecord, Transfer};
 use super::{Entry, StoreError, WalletRead};
-use crate::domain::FenceStanding;
+use crate::domain::{EntryKind, FenceStanding};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, QueryBuilder, Row};
 use std::collections::{HashMap, HashSet};
@@ -326,7 +326,7 @@ struct EntryWriteRow<'a> {
     id: Uuid,
     wallet_id: &'a str,
     seq: i64,
-    kind: super::EntryKind,
+    kind: EntryKind,
     amount: i64,
     balance_after: i64,
     fence: i64,

@@ -15,11 +15,13 @@
 //! of one movement are captured together or not at all.
 
 use super::{Held, Known, Leg, Links, Settled, as_written, decide_legs, settled};
-use crate::domain::{self, Funds, HoldLife, HoldStatus, LegRefusal, Parties, pro_rata};
+use crate::domain::{
+    self, EntryKind, Funds, HoldLife, HoldStatus, LegRefusal, MovementStatus, Parties, pro_rata,
+};
 use crate::idempotency::{Keyed, Prior, StoredResponse};
+use crate::ledger::Entry;
 use crate::ledger::hold::{Hold, NewHold};
-use crate::ledger::transfer::{HeldLeg, MovementHold, MovementRecord, MovementStatus, Transfer};
-use crate::ledger::{Entry, EntryKind};
+use crate::ledger::transfer::{HeldLeg, MovementHold, MovementRecord, Transfer};
 use crate::wallet::transfer::{Done, MovementRecordOutcome, RefundOutcome, TransferOutcome};
 use crate::wallet::{Access, Amount, Field, Legs, Refusal, WalletError, WalletId};
 use chrono::{DateTime, Utc};

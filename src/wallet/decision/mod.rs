@@ -23,11 +23,11 @@ mod legs;
 pub use legs::{HeldMovement, LegsOp, LegsPlan, LegsWallet, RefundOf, SettleAs, decide_between, wallets_of};
 
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
-use crate::domain::{Amount, FenceStanding, Funds, HoldStatus, capture_amount};
+use crate::domain::{Amount, EntryKind, FenceStanding, Funds, HoldStatus, capture_amount};
 use crate::idempotency::{Keyed, Prior, StoredResponse};
 use crate::ledger::group::FoundKey;
 use crate::ledger::hold::{Hold, NewHold};
-use crate::ledger::{self, Entry, EntryKind};
+use crate::ledger::{self, Entry};
 use crate::wallet::{Movement, Refusal};
 use chrono::{DateTime, Utc};
 use std::collections::{HashMap, HashSet};
