@@ -22,7 +22,8 @@
 //!   neither Redis commands nor SQL.
 //! - [`idempotency`] is the Idempotency-Key service: claims, replays, takeovers, over the keys
 //!   [`ledger`] stores; a stored response is its type, whose parts the store keeps.
-//! - [`config`] declares every setting, as a flag and an environment variable; [`telemetry`] sets
+//! - [`config`] declares every setting, as a flag and an environment variable, and builds nothing
+//!   (the pools and clients are built from them in `app::connect`); [`telemetry`] sets
 //!   up logging and the Prometheus recorder; [`failpoint`] holds the fault tests' crash and stall
 //!   points (feature `failpoints`).
 //! - [`http`] is the API: routes, the problem format for errors, middleware, the accept loop and its

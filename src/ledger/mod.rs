@@ -150,7 +150,7 @@ impl StoreError {
             sqlx::Error::Database(db) => db.code().is_some_and(|code| {
                 // 53300: too many connections; 40001/40P01: serialization failure or deadlock;
                 // 25P03/57014: the server ended the session idle in its transaction, or cancelled a
-                // statement, past the replica's session bounds (`config::SESSION_BOUNDS`): rolled
+                // statement, past the replica's session bounds (`app::connect::SESSION_BOUNDS`): rolled
                 // back, so nothing of it was applied.
                 ["53300", "40001", "40P01", "25P03", "57014"].contains(&code.as_ref())
             }),

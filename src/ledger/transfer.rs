@@ -38,7 +38,7 @@ pub struct LockedWallet {
 /// One statement per wallet: under Citus a `FOR UPDATE` must name rows of one shard, and the
 /// wallets of a transfer may be on two workers. `SET LOCAL` rather than `set_config`: Citus passes
 /// the former on to the workers whose rows the transaction locks (`citus.propagate_set_commands`,
-/// see `crate::config`), where the waiting happens.
+/// see [`super::storage::Storage::prepare_session`]), where the waiting happens.
 ///
 /// With its rows locked here, a later write of several wallets ([`super::group::commit`]) waits for no
 /// row lock, so it needs no other guard against deadlock. Citus would add one: by default it
