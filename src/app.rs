@@ -1,8 +1,12 @@
-//! One replica: build it from its settings, run it until a shutdown signal, drain.
+//! One replica: build it from its settings, run it until a shutdown signal, drain. Its pools and
+//! clients are built in [`connect`], which the other subcommands use too.
+
+pub mod connect;
 
 use crate::config::ServeArgs;
 use crate::http::auth::Callers;
 use crate::http::{self, ApiContext, Draining};
+use crate::idempotency::KeySettings;
 use crate::wallet::Wallets;
 use secrecy::ExposeSecret;
 use std::sync::Arc;
@@ -85,7 +89,7 @@ impl Application {
         let callers = Callers::parse(args.api_tokens()?.expose_secret()).map_err(|err| {
             anyhow::anyhow!("API_TOKENS / API_TOKENS_FILE: {err} (`walletlock token` makes a token)")
         })?;
-        let leases = args.lease.client(&args.redis)?;
+        let leases = connect::lease_client(&args.lease, &args.redis)?;
         // Logs whether the lease scripts go as Redis Functions or EVALSHA; a Redis still down
         // leaves it to the first payment.
         tokio::spawn({
@@ -96,10 +100,12 @@ impl Application {
                 }
             }
         });
-        let wallets = Wallets::new(args.database.serving_pool()?, leases)
+        let keys =
+            KeySettings { retention: args.idempotency_retention, stale_after: args.idempotency_stale_after };
+        let wallets = Wallets::new(connect::serving_postgres_pool(&args.database)?, leases)
             .with_strategy(args.lease.lease_strategy)
             .with_redis_outage(args.lease.outage())
-            .with_keys(args.key_settings())
+            .with_keys(keys)
             .with_queue_limit(args.wallet_queue_limit as usize);
         let listener = http::server::bind(args.listen, args.listen_backlog)
             .map_err(|err| anyhow::anyhow!("cannot listen on {}: {err}", args.listen))?;

@@ -1,6 +1,6 @@
 //! The `walletlock` command line: one subcommand per job.
 
-use crate::app::Application;
+use crate::app::{Application, connect};
 use crate::config::{DatabaseArgs, RedisArgs, ServeArgs};
 use crate::generated_docs;
 use crate::http::server::shutdown_signal;
@@ -123,7 +123,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Migrate { database, app_role } => {
-            let pool = database.pool()?;
+            let pool = connect::postgres_pool(&database)?;
             schema::migrate(&pool).await?;
             tracing::info!("migrations applied");
             if let Some(role) = app_role {
@@ -133,7 +133,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Audit { database } => {
-            let pool = database.pool()?;
+            let pool = connect::postgres_pool(&database)?;
             let report = crate::ledger::audit::run(&mut *pool.acquire().await?).await?;
             for problem in &report.problems {
                 println!("{problem}");
@@ -155,7 +155,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::RedisFunctions { redis, keep } => {
-            let pool = redis.connect()?.0;
+            let pool = connect::redis_pool(&redis)?.0;
             let library = crate::lease::load_library(&pool).await?;
             tracing::info!(library, "lease scripts loaded as Redis Functions");
             if let Some(every) = keep {
@@ -183,7 +183,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }),
         Command::Demo { name, database, redis } => {
-            let sandbox = Sandbox::create(database.database_url.expose_secret(), redis.connect()?.0).await?;
+            let sandbox =
+                Sandbox::create(database.database_url.expose_secret(), connect::redis_pool(&redis)?.0)
+                    .await?;
             let outcome = tutorial::run(name, &sandbox).await;
             sandbox.drop().await?;
             for line in outcome? {

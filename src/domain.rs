@@ -269,6 +269,59 @@ pub enum HoldStatus {
     Expired,
 }
 
+/// What an entry did to its wallet's balance.
+// Stored as `text` (the column's check lists the kinds), not as a Postgres enum type: adding a
+// kind is then a change of that check, not an `ALTER TYPE`. (A plain comment: doc comments are
+// the API document's descriptions.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema, sqlx::Type)]
+#[serde(rename_all = "snake_case")]
+#[sqlx(type_name = "text", rename_all = "snake_case")]
+pub enum EntryKind {
+    Open,
+    Deposit,
+    Pay,
+    /// A transfer's leg out of the paying wallet.
+    TransferOut,
+    /// A transfer's leg into the paid wallet.
+    TransferIn,
+    /// Money back into a wallet, for one of its payments.
+    Refund,
+}
+
+impl EntryKind {
+    /// The stored name (as the derive's renames spell it), for array binds: a `Vec<EntryKind>`
+    /// binds as an array declared by name, which sqlx looks up in the catalog on each new
+    /// connection, and `query!` takes it for a `text[]` parameter only unchecked (`as _`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EntryKind::Open => "open",
+            EntryKind::Deposit => "deposit",
+            EntryKind::Pay => "pay",
+            EntryKind::TransferOut => "transfer_out",
+            EntryKind::TransferIn => "transfer_in",
+            EntryKind::Refund => "refund",
+        }
+    }
+
+    /// Whether the entry takes money out of its wallet (else it puts money in).
+    pub fn is_debit(self) -> bool {
+        matches!(self, EntryKind::Pay | EntryKind::TransferOut)
+    }
+}
+
+/// Where a movement stands: `posted` (every leg written when it was made) or, for one placed as a
+/// hold, `held` until it is `captured` (every leg written then), `voided`, or `expired` (past
+/// `expires_at` uncaptured; its amounts are available again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MovementStatus {
+    Posted,
+    Held,
+    Captured,
+    Voided,
+    Expired,
+}
+
 impl Movement {
     /// The `kind` label of its metrics.
     pub fn kind(&self) -> &'static str {

@@ -28,7 +28,7 @@ use crate::domain::{Field, InvalidInput, WalletId};
 use crate::ledger::StoreError;
 use crate::ledger::group::FoundKey;
 pub use crate::ledger::idempotency::KeySettings;
-use crate::ledger::idempotency::{self as store, KeyRef, StoredResponse};
+use crate::ledger::idempotency::{self as store, KeyRef, ResponseRow};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -130,6 +130,21 @@ fn canonical_json(value: &serde_json::Value) -> Vec<u8> {
         }
     }
     serde_json::to_vec(&sorted(value)).unwrap_or_default()
+}
+
+/// A response as the HTTP layer rendered and sent it, to be sent again, byte for byte, on a retry
+/// with its key. The store keeps its parts in the key's row ([`ResponseRow`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    pub status: u16,
+    pub content_type: String,
+    pub body: Vec<u8>,
+}
+
+impl From<ResponseRow> for StoredResponse {
+    fn from(ResponseRow { status, content_type, body }: ResponseRow) -> Self {
+        StoredResponse { status, content_type, body }
+    }
 }
 
 /// A claim on a key, held by the one request that runs.
@@ -247,7 +262,7 @@ async fn begin(
             Begin::Reused
         } else {
             match row.response {
-                Some(response) => Begin::Replay(response),
+                Some(response) => Begin::Replay(response.into()),
                 None => Begin::InFlight,
             }
         });
@@ -298,7 +313,7 @@ impl Prior {
     pub fn of(found: &FoundKey, fingerprint: &[u8]) -> Self {
         match &found.response {
             _ if found.fingerprint != fingerprint => Prior::Reused,
-            Some(response) => Prior::Replay(response.clone()),
+            Some(response) => Prior::Replay(response.clone().into()),
             None => Prior::InFlight,
         }
     }
@@ -312,8 +327,8 @@ pub async fn complete<T>(
     outcome: &T,
     entry_id: Option<Uuid>,
 ) -> Result<bool, StoreError> {
-    let response = (receipt.render)(outcome);
-    store::complete(tx, receipt.claim.at(), receipt.claim.token, &response, entry_id).await
+    let StoredResponse { status, content_type, body } = (receipt.render)(outcome);
+    store::complete(tx, receipt.claim.at(), receipt.claim.token, status, &content_type, &body, entry_id).await
 }
 
 #[cfg(test)]

@@ -7,8 +7,7 @@
 
 pub mod codes;
 
-use crate::idempotency::Prior;
-use crate::ledger::idempotency::StoredResponse;
+use crate::idempotency::{Prior, StoredResponse};
 use crate::wallet::{Field, InvalidInput, Refusal, SameWallet, WalletError};
 use axum::{
     extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection},

@@ -2,15 +2,15 @@
 //! it (charge it, in full or in part), void it, or let it expire.
 
 use super::ApiContext;
+use super::bodies::{HoldBody, HoldReceipt};
 use super::error::described::{
     MOVEMENT_CONFLICT, MOVEMENT_UNAVAILABLE as UNAVAILABLE, NOT_JSON, TOO_LARGE, UNAUTHORIZED,
 };
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
-use super::idempotent::{self, HoldReceipt, KeyedRequest, render_hold_placed, render_movement};
+use super::idempotent::{self, KeyedRequest, render_hold_placed, render_movement};
 use crate::domain::{self, Access, Field, HoldLife};
 use crate::idempotency::Scope;
-use crate::ledger::hold::Hold;
 use crate::wallet::{Amount, Movement, WalletId};
 use axum::{
     Json,
@@ -45,9 +45,11 @@ super::extract::uuid_path!(
 );
 
 /// A hold to place. Unknown fields are refused.
+// `NewHold` in the document, as published; `PlaceHold` in the code, beside the store's `NewHold`.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct NewHold {
+#[schema(as = NewHold)]
+struct PlaceHold {
     /// Minor units to reserve of the available balance.
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 4000)]
     amount: i64,
@@ -68,9 +70,9 @@ struct NewHold {
     tag = "holds",
     security(("bearer" = [])),
     params(WalletPath, IdempotencyHeader),
-    request_body(content = NewHold, content_type = "application/json"),
+    request_body(content = PlaceHold, content_type = "application/json"),
     responses(
-        (status = 201, description = "The hold", body = Hold,
+        (status = 201, description = "The hold", body = HoldBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
             links(
                 ("GetHold" = (operation_id = "get_hold", parameters(("id" = "$response.body#/id")))),
@@ -103,9 +105,9 @@ async fn place_hold(
     WalletPath(id): WalletPath,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
-    body: JsonBody<NewHold>,
+    body: JsonBody<PlaceHold>,
 ) -> Result<Response, ApiError> {
-    let NewHold { amount, expires_in, reference } = &body.value;
+    let PlaceHold { amount, expires_in, reference } = &body.value;
     let life = expires_in.map_or(Ok(HoldLife::DEFAULT), HoldLife::seconds)?;
     let movement = Movement::Hold {
         amount: Amount::new(*amount)?,
@@ -126,7 +128,7 @@ async fn place_hold(
     security(("bearer" = [])),
     params(HoldPath),
     responses(
-        (status = 200, description = "The hold", body = Hold),
+        (status = 200, description = "The hold", body = HoldBody),
         (status = 400, description = "`invalid_hold_id`", body = ProblemDocument, content_type = PROBLEM_JSON),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
@@ -140,8 +142,8 @@ async fn get_hold(
     State(ctx): State<ApiContext>,
     Extension(access): Extension<Access>,
     HoldPath(id): HoldPath,
-) -> Result<Json<Hold>, ApiError> {
-    Ok(Json(ctx.wallets.find_hold(&access, id).await?))
+) -> Result<Json<HoldBody>, ApiError> {
+    Ok(Json(ctx.wallets.find_hold(&access, id).await?.into()))
 }
 
 /// How much of a hold to charge. Unknown fields are refused.
@@ -204,7 +206,7 @@ async fn capture(
     security(("bearer" = [])),
     params(HoldPath, IdempotencyHeader),
     responses(
-        (status = 200, description = "The hold, `voided`", body = Hold,
+        (status = 200, description = "The hold, `voided`", body = HoldBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
             description = "`invalid_hold_id`, `invalid_idempotency_key`"),

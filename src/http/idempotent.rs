@@ -2,13 +2,12 @@
 //! way whether it is sent now or replayed later (see [`crate::idempotency`]).
 
 use super::ApiContext;
+use super::bodies::{EntryBody, HoldReceipt, MovementBody, TransferBody, WalletBody};
 use super::error::ApiError;
-use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed, Prior, Scope};
-use crate::ledger::Entry;
-use crate::ledger::idempotency::StoredResponse;
+use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed, Prior, Scope, StoredResponse};
 use crate::wallet::{
-    AlreadyExists, LegRefusal, Moved, MovementOutcome, MovementRecordOutcome, OpenOutcome, RefundOutcome,
-    Refusal, TransferOutcome, WalletError,
+    AlreadyExists, Entry, LegRefusal, Moved, MovementOutcome, MovementRecord, MovementRecordOutcome,
+    OpenOutcome, RefundOutcome, Refusal, Transfer, TransferOutcome, WalletError,
 };
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -97,30 +96,20 @@ pub fn render_hold_placed(outcome: &MovementOutcome) -> StoredResponse {
 
 fn render_moved(status: StatusCode, outcome: &MovementOutcome) -> StoredResponse {
     match outcome {
-        Ok(Moved::Entry(entry)) => json(status, entry),
-        Ok(Moved::Hold { hold, entry }) => {
-            json(status, &HoldReceipt { hold: hold.clone(), entry: entry.clone() })
-        }
+        Ok(Moved::Entry(entry)) => json(status, &EntryBody::from(entry.clone())),
+        Ok(Moved::Hold { hold, entry }) => json(
+            status,
+            &HoldReceipt { hold: hold.clone().into(), entry: entry.clone().map(EntryBody::from) },
+        ),
         Ok(Moved::Released) => json(status, &serde_json::json!({})),
         Err(refusal) => ApiError::Wallet(WalletError::Refused(*refusal)).render(),
     }
 }
 
-/// A hold as a hold operation answers: the hold, and the `pay` entry its capture wrote.
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-pub struct HoldReceipt {
-    #[serde(flatten)]
-    pub hold: crate::ledger::hold::Hold,
-    /// The capture's `pay` entry; omitted unless this request captured the hold.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
-    pub entry: Option<Entry>,
-}
-
 /// A payment refund's response: its `refund` entry, or the refusal.
 pub fn render_entry(outcome: &RefundOutcome) -> StoredResponse {
     match outcome {
-        Ok(entry) => json(StatusCode::OK, entry),
+        Ok(entry) => json(StatusCode::OK, &EntryBody::from(entry.clone())),
         Err(refusal) => ApiError::Wallet(WalletError::Refused(*refusal)).render(),
     }
 }
@@ -128,7 +117,7 @@ pub fn render_entry(outcome: &RefundOutcome) -> StoredResponse {
 /// A transfer's (or a refund of one's) response: the transfer, or the refusal.
 pub fn render_transfer(outcome: &TransferOutcome) -> StoredResponse {
     match outcome {
-        Ok(transfer) => json(StatusCode::OK, transfer),
+        Ok(transfer) => json(StatusCode::OK, &TransferBody::from(transfer.clone())),
         Err(refusal) => ApiError::Wallet(WalletError::Refused(*refusal)).render(),
     }
 }
@@ -136,7 +125,7 @@ pub fn render_transfer(outcome: &TransferOutcome) -> StoredResponse {
 /// A movement of many legs' response: the movement (`201`), or the leg it was refused at.
 pub fn render_movement_record(outcome: &MovementRecordOutcome) -> StoredResponse {
     match outcome {
-        Ok(movement) => json(StatusCode::CREATED, movement),
+        Ok(movement) => json(StatusCode::CREATED, &MovementBody::from(movement.clone())),
         Err(LegRefusal { leg, refusal }) => {
             ApiError::Wallet(WalletError::LegRefused { leg: *leg, refusal: *refusal }).render()
         }
@@ -146,7 +135,7 @@ pub fn render_movement_record(outcome: &MovementRecordOutcome) -> StoredResponse
 /// The stored response of a held movement's capture or void: the movement (200), or the refusal.
 pub fn render_movement_settled(outcome: &MovementRecordOutcome) -> StoredResponse {
     match outcome {
-        Ok(movement) => json(StatusCode::OK, movement),
+        Ok(movement) => json(StatusCode::OK, &MovementBody::from(movement.clone())),
         Err(_) => render_movement_record(outcome),
     }
 }
@@ -154,7 +143,7 @@ pub fn render_movement_settled(outcome: &MovementRecordOutcome) -> StoredRespons
 /// The live response for a movement of many legs (rendered by `render`, [`render_movement_record`]
 /// or [`render_movement_settled`]), exactly as a replay of it would be.
 pub fn movement_record_response(
-    result: Result<crate::ledger::transfer::MovementRecord, WalletError>,
+    result: Result<MovementRecord, WalletError>,
     render: fn(&MovementRecordOutcome) -> StoredResponse,
 ) -> Response {
     let outcome: MovementRecordOutcome = match result {
@@ -172,7 +161,7 @@ pub fn movement_record_response(
 /// A wallet creation's response: the wallet, or the conflict.
 pub fn render_open(outcome: &OpenOutcome) -> StoredResponse {
     match outcome {
-        Ok(wallet) => json(StatusCode::CREATED, wallet),
+        Ok(wallet) => json(StatusCode::CREATED, &WalletBody::from(wallet.clone())),
         Err(AlreadyExists) => ApiError::Wallet(WalletError::Exists).render(),
     }
 }
@@ -191,7 +180,7 @@ pub fn entry_response(result: Result<Entry, WalletError>) -> Response {
 }
 
 /// The live response for a transfer, rendered exactly as a replay of it would be.
-pub fn transfer_response(result: Result<crate::ledger::transfer::Transfer, WalletError>) -> Response {
+pub fn transfer_response(result: Result<Transfer, WalletError>) -> Response {
     outcome_response(result, render_transfer)
 }
 

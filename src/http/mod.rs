@@ -2,6 +2,7 @@
 //! through (request id, replica name, tracing, body limit, timeout, panic handling, drain).
 
 pub mod auth;
+mod bodies;
 pub mod error;
 mod extract;
 mod health;

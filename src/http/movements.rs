@@ -2,6 +2,7 @@
 //! between a merchant, a platform's fee and a tax wallet). A transfer is the two-leg case.
 
 use super::ApiContext;
+use super::bodies::MovementBody;
 use super::error::described::{MOVEMENT_CONFLICT as CONFLICT, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, OptionalJsonBody};
@@ -10,7 +11,6 @@ use super::idempotent::{
 };
 use crate::domain::{self, Access, Amount, Field, HoldLife, Legs};
 use crate::idempotency::Scope;
-use crate::ledger::transfer::MovementRecord;
 use crate::wallet::{InvalidInput, SettleAs, WalletId};
 use axum::{
     Json,
@@ -94,7 +94,7 @@ struct NewMovementHold {
     params(IdempotencyHeader),
     request_body(content = NewMovement, content_type = "application/json"),
     responses(
-        (status = 201, description = "The movement, with one ledger entry a leg", body = MovementRecord,
+        (status = 201, description = "The movement, with one ledger entry a leg", body = MovementBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
             links(("GetMovement" = (operation_id = "get_movement", parameters(("id" = "$response.body#/id")))))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
@@ -170,7 +170,7 @@ struct PartOf {
     params(MovementPath, IdempotencyHeader),
     request_body(content = Option<PartOf>, content_type = "application/json"),
     responses(
-        (status = 200, description = "The movement, `captured`, with one ledger entry a leg", body = MovementRecord,
+        (status = 200, description = "The movement, `captured`, with one ledger entry a leg", body = MovementBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
         (status = 400, description = SETTLE_BAD, body = ProblemDocument, content_type = PROBLEM_JSON),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
@@ -209,7 +209,7 @@ async fn capture_movement(
     security(("bearer" = [])),
     params(MovementPath, IdempotencyHeader),
     responses(
-        (status = 200, description = "The movement, `voided`", body = MovementRecord,
+        (status = 200, description = "The movement, `voided`", body = MovementBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
         (status = 400, description = SETTLE_BAD, body = ProblemDocument, content_type = PROBLEM_JSON),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
@@ -259,7 +259,7 @@ async fn settle(
     request_body(content = Option<PartOf>, content_type = "application/json"),
     responses(
         (status = 201, description = "The refund: a movement of every leg back, with one ledger entry a leg \
-                                      whose share is not nothing", body = MovementRecord,
+                                      whose share is not nothing", body = MovementBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
             description = "`invalid_movement_id`, `invalid_amount`, `invalid_idempotency_key`, `malformed_json`, \
@@ -306,7 +306,7 @@ async fn refund_movement(
     security(("bearer" = [])),
     params(MovementPath),
     responses(
-        (status = 200, description = "The movement", body = MovementRecord),
+        (status = 200, description = "The movement", body = MovementBody),
         (status = 400, description = "`invalid_movement_id`", body = ProblemDocument, content_type = PROBLEM_JSON),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
@@ -321,6 +321,6 @@ async fn get_movement(
     State(ctx): State<ApiContext>,
     Extension(access): Extension<Access>,
     MovementPath(id): MovementPath,
-) -> Result<Json<MovementRecord>, ApiError> {
-    Ok(Json(ctx.wallets.find_movement(&access, id).await?))
+) -> Result<Json<MovementBody>, ApiError> {
+    Ok(Json(ctx.wallets.find_movement(&access, id).await?.into()))
 }

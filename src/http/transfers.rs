@@ -1,6 +1,7 @@
 //! `/transfers` and `/wallets/{id}/refunds`: money between wallets, and back.
 
 use super::ApiContext;
+use super::bodies::{EntryBody, TransferBody};
 use super::error::described::{MOVEMENT_CONFLICT as CONFLICT, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
@@ -8,8 +9,6 @@ use super::idempotent::{self, KeyedRequest, render_entry, render_transfer};
 use crate::domain;
 use crate::domain::{Access, Field};
 use crate::idempotency::Scope;
-use crate::ledger::Entry;
-use crate::ledger::transfer::Transfer;
 use crate::wallet::{Amount, Between, InvalidInput, Parties, Refund, WalletId};
 use axum::{
     Json,
@@ -70,7 +69,7 @@ struct NewTransfer {
     params(IdempotencyHeader),
     request_body(content = NewTransfer, content_type = "application/json"),
     responses(
-        (status = 200, description = "The transfer, with its two ledger entries", body = Transfer,
+        (status = 200, description = "The transfer, with its two ledger entries", body = TransferBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
             links(("GetTransfer" = (operation_id = "get_transfer", parameters(("id" = "$response.body#/id")))))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
@@ -114,7 +113,7 @@ async fn transfer(
 #[derive(Debug, Serialize, ToSchema)]
 struct TransferState {
     #[serde(flatten)]
-    transfer: Transfer,
+    transfer: TransferBody,
     /// What the refunds of this transfer add up to so far (at most its amount).
     #[schema(minimum = 0, example = 0)]
     refunded: i64,
@@ -144,7 +143,7 @@ async fn get_transfer(
     TransferPath(id): TransferPath,
 ) -> Result<Json<TransferState>, ApiError> {
     let found = ctx.wallets.find_transfer(&access, id).await?;
-    Ok(Json(TransferState { transfer: found.transfer, refunded: found.refunded }))
+    Ok(Json(TransferState { transfer: found.transfer.into(), refunded: found.refunded }))
 }
 
 /// How much of a transfer to move back. Unknown fields are refused.
@@ -167,7 +166,7 @@ struct TransferRefund {
     request_body(content = TransferRefund, content_type = "application/json"),
     responses(
         (status = 200, description = "The refund: a transfer from the original's `to` to its `from`",
-            body = Transfer,
+            body = TransferBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
             description = "`invalid_transfer_id`, `invalid_amount`, `invalid_idempotency_key`, \
@@ -223,7 +222,7 @@ struct PaymentRefund {
     params(WalletPath, IdempotencyHeader),
     request_body(content = PaymentRefund, content_type = "application/json"),
     responses(
-        (status = 200, description = "The refund's ledger entry", body = Entry,
+        (status = 200, description = "The refund's ledger entry", body = EntryBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
             description = "`invalid_wallet_id`, `invalid_payment_id`, `invalid_amount`, \

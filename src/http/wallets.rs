@@ -1,6 +1,7 @@
 //! `/wallets`: open, read, deposit, pay, and page through the ledger.
 
 use super::ApiContext;
+use super::bodies::{EntryBody, WalletBody};
 use super::error::described::{MOVEMENT_CONFLICT, MOVEMENT_UNAVAILABLE, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, QueryParams, WalletPath};
@@ -8,7 +9,6 @@ use super::idempotent::{self, KeyedRequest, render_movement, render_open};
 use crate::domain;
 use crate::domain::{Access, Field};
 use crate::idempotency::{Receipt, Scope};
-use crate::ledger::{Entry, Wallet};
 use crate::wallet::{AlreadyExists, Amount, InvalidInput, Moved, Movement, WalletError, WalletId};
 use axum::{
     Json,
@@ -57,7 +57,7 @@ struct OpenWallet {
     params(IdempotencyHeader),
     request_body(content = OpenWallet, content_type = "application/json"),
     responses(
-        (status = 201, description = "The new wallet", body = Wallet,
+        (status = 201, description = "The new wallet", body = WalletBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
             links(
                 ("GetWallet" = (operation_id = "get_wallet", parameters(("id" = "$response.body#/id")))),
@@ -121,7 +121,7 @@ async fn open_wallet(
     security(("bearer" = [])),
     params(WalletPath),
     responses(
-        (status = 200, description = "The wallet", body = Wallet),
+        (status = 200, description = "The wallet", body = WalletBody),
         (status = 400, description = "`invalid_wallet_id`", body = ProblemDocument,
             content_type = PROBLEM_JSON),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
@@ -135,8 +135,8 @@ async fn get_wallet(
     State(ctx): State<ApiContext>,
     Extension(access): Extension<Access>,
     WalletPath(id): WalletPath,
-) -> Result<Json<Wallet>, ApiError> {
-    Ok(Json(ctx.wallets.get(&access, &id).await?))
+) -> Result<Json<WalletBody>, ApiError> {
+    Ok(Json(ctx.wallets.get(&access, &id).await?.into()))
 }
 
 /// Money in. Unknown fields are refused.
@@ -157,7 +157,7 @@ struct Deposit {
     params(WalletPath, IdempotencyHeader),
     request_body(content = Deposit, content_type = "application/json"),
     responses(
-        (status = 200, description = "The deposit's ledger entry", body = Entry,
+        (status = 200, description = "The deposit's ledger entry", body = EntryBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
             links(("GetWallet" = (
                 operation_id = "get_wallet",
@@ -215,7 +215,7 @@ struct Pay {
     params(WalletPath, IdempotencyHeader),
     request_body(content = Pay, content_type = "application/json"),
     responses(
-        (status = 200, description = "The payment's ledger entry", body = Entry,
+        (status = 200, description = "The payment's ledger entry", body = EntryBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response")),
             links(("GetWallet" = (
                 operation_id = "get_wallet",
@@ -288,7 +288,7 @@ struct PageQuery {
 /// A page of a wallet's ledger, newest first.
 #[derive(Debug, Serialize, ToSchema)]
 struct Page {
-    transactions: Vec<Entry>,
+    transactions: Vec<EntryBody>,
     /// Pass as `before` to get the next (older) page; null on the last page.
     #[schema(required = true, pattern = "^[1-9][0-9]*$", example = "2")]
     next_cursor: Option<String>,
@@ -338,5 +338,6 @@ async fn transactions(
     // this one is not the wallet's first.
     let next_cursor =
         transactions.last().filter(|oldest| oldest.version > 1).map(|oldest| oldest.version.to_string());
+    let transactions = transactions.into_iter().map(EntryBody::from).collect();
     Ok(Json(Page { transactions, next_cursor }))
 }

@@ -35,11 +35,11 @@
 //! partitioned holder never holds up a round, and two rounds that share wallets never deadlock.
 
 use super::hold::Hold;
-use super::idempotency::{KeyRef, StoredResponse};
+use super::idempotency::{KeyRef, ResponseRow};
 use super::storage::Storage;
 use super::transfer::{MovementRecord, Transfer};
 use super::{Entry, StoreError, WalletRead};
-use crate::domain::FenceStanding;
+use crate::domain::{EntryKind, FenceStanding};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, QueryBuilder, Row};
 use std::collections::{HashMap, HashSet};
@@ -83,7 +83,7 @@ pub struct FoundKey {
     pub fingerprint: Vec<u8>,
     /// `None` while a request that claimed the key is still in flight (wallet creation claims
     /// keys before it runs).
-    pub response: Option<StoredResponse>,
+    pub response: Option<ResponseRow>,
 }
 
 /// What [`read`] found: each wallet's outcome by id, each key still live by
@@ -213,15 +213,11 @@ pub async fn read(
             };
             found.holds.insert(id, hold);
         } else if let Some(caller) = row.try_get::<Option<String>, _>("caller")? {
-            let status: Option<i16> = row.try_get("status")?;
-            let content_type: Option<String> = row.try_get("content_type")?;
-            let body: Option<Vec<u8>> = row.try_get("body")?;
-            let response = match (status, content_type, body) {
-                (Some(status), Some(content_type), Some(body)) => {
-                    Some(StoredResponse { status: status as u16, content_type, body })
-                }
-                _ => None,
-            };
+            let response = ResponseRow::of_columns(
+                row.try_get("status")?,
+                row.try_get("content_type")?,
+                row.try_get("body")?,
+            );
             let at = (caller, row.try_get("scope")?, row.try_get("key")?);
             found.keys.insert(at, FoundKey { fingerprint: row.try_get("fingerprint")?, response });
         }
@@ -283,13 +279,16 @@ pub struct Settlement<'a> {
     pub capture_entry: Option<Uuid>,
 }
 
-/// A response to store for an idempotency key, with the wallet whose write it depends on.
+/// A response to store for an idempotency key (its `status`, `content_type` and `body`), with
+/// the wallet whose write it depends on.
 #[derive(Debug, Clone, Copy)]
 pub struct KeyWrite<'a> {
     pub wallet_id: &'a str,
     pub at: KeyRef<'a>,
     pub fingerprint: &'a [u8],
-    pub response: &'a StoredResponse,
+    pub status: u16,
+    pub content_type: &'a str,
+    pub body: &'a [u8],
     pub entry_id: Option<Uuid>,
 }
 
@@ -327,7 +326,7 @@ struct EntryWriteRow<'a> {
     id: Uuid,
     wallet_id: &'a str,
     seq: i64,
-    kind: super::EntryKind,
+    kind: EntryKind,
     amount: i64,
     balance_after: i64,
     fence: i64,
@@ -625,9 +624,9 @@ fn key_row<'a>(k: &KeyWrite<'a>) -> KeyWriteRow<'a> {
         scope: k.at.scope,
         key: k.at.key,
         fingerprint: k.fingerprint,
-        status: k.response.status as i16,
-        content_type: &k.response.content_type,
-        body: &k.response.body,
+        status: k.status as i16,
+        content_type: k.content_type,
+        body: k.body,
         entry_id: k.entry_id,
     }
 }
@@ -793,8 +792,8 @@ async fn commit_routed(
         );
         insert.push_values(&keys, |mut row, k| {
             row.push_bind(k.at.wallet).push_bind(k.at.caller).push_bind(k.at.scope).push_bind(k.at.key);
-            row.push_bind(k.fingerprint).push_bind(k.response.status as i16);
-            row.push_bind(k.response.content_type.as_str()).push_bind(k.response.body.as_slice());
+            row.push_bind(k.fingerprint).push_bind(k.status as i16);
+            row.push_bind(k.content_type).push_bind(k.body);
             row.push_bind(k.entry_id)
                 .push("now() + make_interval(secs => ")
                 .push_bind_unseparated(retention.as_secs_f64())

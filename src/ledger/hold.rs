@@ -5,42 +5,31 @@
 use super::StoreError;
 use crate::domain::HoldStatus;
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
-/// A hold, as the API shows it. A hold still `held` past `expires_at` shows as `expired`: its
-/// amount is available again, whether or not a movement has released it yet.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+/// A hold as stored, once read as of a time ([`Hold::as_of`]): one still `held` past `expires_at`
+/// reads as `expired`, its amount available again whether or not a movement has released it yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hold {
     pub id: Uuid,
-    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
     pub wallet_id: String,
     /// Minor units reserved.
-    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 4000)]
     pub amount: i64,
     /// What its capture charged; 0 unless captured.
-    #[schema(minimum = 0, example = 0)]
     pub captured: i64,
     pub status: HoldStatus,
     pub expires_at: DateTime<Utc>,
-    #[schema(required = true, max_length = 256, example = "ride-77")]
     pub reference: Option<String>,
     pub created_at: DateTime<Utc>,
-    /// When it was captured, voided or released; null while held.
-    #[schema(required = true)]
+    /// When it was captured, voided or released; `None` while held.
     pub settled_at: Option<DateTime<Utc>>,
-    /// The `pay` entry of its capture; omitted unless captured.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
+    /// The `pay` entry of its capture, once captured.
     pub capture_entry: Option<Uuid>,
-    /// The held movement whose debit leg it reserves; omitted for a hold of its own. Such a hold
+    /// The held movement whose debit leg it reserves; `None` for a hold of its own. Such a hold
     /// is captured or voided with its movement, never alone.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
     pub movement_id: Option<Uuid>,
     /// The fence of the lease it was placed under.
-    #[serde(skip)]
     pub fence: i64,
 }
 

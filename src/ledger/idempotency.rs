@@ -33,12 +33,29 @@ pub struct KeyRef<'a> {
     pub key: &'a str,
 }
 
-/// A response as it was sent, to be sent again on a retry.
+/// The response a key's row holds once its request is done: the HTTP status, content type and
+/// body, as [`complete`] stored them (what they mean is `crate::idempotency`'s `StoredResponse`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredResponse {
+pub struct ResponseRow {
     pub status: u16,
     pub content_type: String,
     pub body: Vec<u8>,
+}
+
+impl ResponseRow {
+    /// The response of a row's nullable columns: `None` while the key's request is in flight.
+    pub(crate) fn of_columns(
+        status: Option<i16>,
+        content_type: Option<String>,
+        body: Option<Vec<u8>>,
+    ) -> Option<Self> {
+        match (status, content_type, body) {
+            (Some(status), Some(content_type), Some(body)) => {
+                Some(ResponseRow { status: status as u16, content_type, body })
+            }
+            _ => None,
+        }
+    }
 }
 
 /// A key as stored.
@@ -47,7 +64,7 @@ pub struct KeyRow {
     pub fingerprint: Vec<u8>,
     /// The in-flight request's token; `None` once a response is stored.
     pub claim: Option<Uuid>,
-    pub response: Option<StoredResponse>,
+    pub response: Option<ResponseRow>,
     /// Past its retention: it behaves as a new key.
     pub expired: bool,
     /// In flight for longer than any live request can be: its replica died.
@@ -103,12 +120,7 @@ pub async fn find(
     Ok(row.map(|row| KeyRow {
         fingerprint: row.fingerprint,
         claim: row.claim,
-        response: match (row.status, row.content_type, row.body) {
-            (Some(status), Some(content_type), Some(body)) => {
-                Some(StoredResponse { status: status as u16, content_type, body })
-            }
-            _ => None,
-        },
+        response: ResponseRow::of_columns(row.status, row.content_type, row.body),
         expired: row.expired,
         stale: row.stale,
     }))
@@ -150,8 +162,8 @@ pub async fn take_over(
     Ok(taken.is_some())
 }
 
-/// Stores the response of the request holding the claim, in the caller's transaction (the one
-/// that made what the response tells). False if the claim is no longer that request's: another
+/// Stores the response of the request holding the claim (its `status`, `content_type` and
+/// `body`), in the caller's transaction (the one that made what the response tells). False if the claim is no longer that request's: another
 /// took it over, and the caller must roll back.
 ///
 /// One key by its whole primary key, so every plan is one index probe. (A batched form, joined
@@ -162,7 +174,9 @@ pub async fn complete(
     tx: &mut PgConnection,
     at: KeyRef<'_>,
     claim: Uuid,
-    response: &StoredResponse,
+    status: u16,
+    content_type: &str,
+    body: &[u8],
     entry_id: Option<Uuid>,
 ) -> Result<bool, StoreError> {
     let done = sqlx::query!(
@@ -175,9 +189,9 @@ pub async fn complete(
         at.scope,
         at.key,
         claim,
-        response.status as i16,
-        response.content_type,
-        response.body,
+        status as i16,
+        content_type,
+        body,
         entry_id,
     )
     .execute(tx)

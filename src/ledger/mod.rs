@@ -32,8 +32,8 @@ pub mod schema;
 pub mod storage;
 pub mod transfer;
 
+use crate::domain::EntryKind;
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
@@ -150,7 +150,7 @@ impl StoreError {
             sqlx::Error::Database(db) => db.code().is_some_and(|code| {
                 // 53300: too many connections; 40001/40P01: serialization failure or deadlock;
                 // 25P03/57014: the server ended the session idle in its transaction, or cancelled a
-                // statement, past the replica's session bounds (`config::SESSION_BOUNDS`): rolled
+                // statement, past the replica's session bounds (`app::connect::SESSION_BOUNDS`): rolled
                 // back, so nothing of it was applied.
                 ["53300", "40001", "40P01", "25P03", "57014"].contains(&code.as_ref())
             }),
@@ -160,105 +160,45 @@ impl StoreError {
 }
 
 /// One wallet as stored.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct Wallet {
-    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
     pub id: String,
-    #[schema(minimum = 0, example = 7500)]
     pub balance: i64,
     /// The balance less what the wallet's active holds reserve: what a payment, a transfer or a
     /// new hold may spend.
-    #[schema(minimum = 0, example = 3500)]
     pub available: i64,
     /// What the wallet's holds not yet settled reserve, expired ones included (see
     /// [`hold::release_expired`]).
-    #[serde(skip)]
     pub held: i64,
-    #[schema(minimum = 1, example = 2)]
     pub version: i64,
-    #[serde(skip)]
     pub fence: i64,
     /// The caller that opened it; `None` for a wallet opened before owners were recorded.
-    #[serde(skip)]
     pub owner: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
 
-/// What an entry did to its wallet's balance.
-///
-/// Stored as `text` (the column's check lists the kinds), not as a Postgres enum type: adding a
-/// kind is then a change of that check, not an `ALTER TYPE`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema, sqlx::Type)]
-#[serde(rename_all = "snake_case")]
-#[sqlx(type_name = "text", rename_all = "snake_case")]
-pub enum EntryKind {
-    Open,
-    Deposit,
-    Pay,
-    /// A transfer's leg out of the paying wallet.
-    TransferOut,
-    /// A transfer's leg into the paid wallet.
-    TransferIn,
-    /// Money back into a wallet, for one of its payments.
-    Refund,
-}
-
-impl EntryKind {
-    /// The stored name (as the derive's renames spell it), for array binds: a `Vec<EntryKind>`
-    /// binds as an array declared by name, which sqlx looks up in the catalog on each new
-    /// connection, and `query!` takes it for a `text[]` parameter only unchecked (`as _`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EntryKind::Open => "open",
-            EntryKind::Deposit => "deposit",
-            EntryKind::Pay => "pay",
-            EntryKind::TransferOut => "transfer_out",
-            EntryKind::TransferIn => "transfer_in",
-            EntryKind::Refund => "refund",
-        }
-    }
-
-    /// Whether the entry takes money out of its wallet (else it puts money in).
-    pub fn is_debit(self) -> bool {
-        matches!(self, EntryKind::Pay | EntryKind::TransferOut)
-    }
-}
-
 /// One ledger entry as stored.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
     pub id: Uuid,
-    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
     pub wallet_id: String,
     pub kind: EntryKind,
     /// Minor units; an `open` entry's amount is the opening balance, which may be 0.
-    #[schema(minimum = 0, maximum = 1_000_000_000_000_i64, example = 2500)]
     pub amount: i64,
     /// The wallet's balance right after this entry.
-    #[schema(minimum = 0, example = 7500)]
     pub balance: i64,
     /// The wallet's version right after this entry (its position in the wallet's ledger).
-    #[schema(minimum = 1, example = 2)]
     pub version: i64,
     /// The fencing token of the lease it was written under (0 for an `open` entry).
-    #[schema(minimum = 0, example = 1)]
     pub fence: i64,
-    /// The payment's reference; omitted when it has none.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false, max_length = 256, example = "order-1001")]
+    /// The payment's reference, if it has one.
     pub reference: Option<String>,
-    /// The transfer a `transfer_out` or `transfer_in` entry is a leg of; omitted otherwise.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
+    /// The transfer a `transfer_out` or `transfer_in` entry is a leg of.
     pub transfer_id: Option<Uuid>,
-    /// The `pay` entry a `refund` entry returns money for; omitted otherwise.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
+    /// The `pay` entry a `refund` entry returns money for.
     pub refund_of: Option<Uuid>,
-    /// The hold a `pay` entry captured; omitted otherwise.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
+    /// The hold a `pay` entry captured.
     pub hold_id: Option<Uuid>,
     pub created_at: DateTime<Utc>,
 }

@@ -5,7 +5,7 @@
 //! node holding it (see [`super::group`]).
 
 use super::StoreError;
-use sqlx::{PgConnection, PgPool};
+use sqlx::{Executor, PgConnection, PgPool};
 use std::sync::Arc;
 use tokio::sync::OnceCell;
 
@@ -26,6 +26,21 @@ impl Storage {
                 .fetch_one(conn)
                 .await?;
         Ok(if citus { Storage::Citus } else { Storage::OnePostgres })
+    }
+
+    /// Sets up the session of a new connection for where the tables live. Citus routes a statement
+    /// to the node of its wallet by the values of its parameters, which a generic plan does not
+    /// have: it refuses to plan most of them ("could not create distributed plan"). There, each
+    /// execution is planned (whatever plan mode the pool asked for), and a `SET LOCAL` (a lock
+    /// timeout) reaches the workers the transaction runs on.
+    pub async fn prepare_session(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+        if Storage::of(conn).await? == Storage::Citus {
+            conn.execute(
+                "set plan_cache_mode = force_custom_plan; set citus.propagate_set_commands = 'local'",
+            )
+            .await?;
+        }
+        Ok(())
     }
 }
 

@@ -10,10 +10,10 @@
 //! nothing.
 
 use super::group::FoundKey;
-use super::idempotency::{KeyRef, StoredResponse};
+use super::idempotency::{KeyRef, ResponseRow};
 use super::{Entry, StoreError, entry_columns};
+use crate::domain::{EntryKind, MovementStatus};
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use sqlx::{PgConnection, Row};
 use std::collections::HashMap;
 use std::time::Duration;
@@ -38,7 +38,7 @@ pub struct LockedWallet {
 /// One statement per wallet: under Citus a `FOR UPDATE` must name rows of one shard, and the
 /// wallets of a transfer may be on two workers. `SET LOCAL` rather than `set_config`: Citus passes
 /// the former on to the workers whose rows the transaction locks (`citus.propagate_set_commands`,
-/// see `crate::config`), where the waiting happens.
+/// see [`super::storage::Storage::prepare_session`]), where the waiting happens.
 ///
 /// With its rows locked here, a later write of several wallets ([`super::group::commit`]) waits for no
 /// row lock, so it needs no other guard against deadlock. Citus would add one: by default it
@@ -107,22 +107,15 @@ fn locked_rows(rows: &[sqlx::postgres::PgRow]) -> Result<HashMap<String, LockedW
 }
 
 /// Money from one wallet to another, as stored: the transfer and its two legs.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Transfer {
     pub id: Uuid,
-    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
     pub from: String,
-    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "bob")]
     pub to: String,
-    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 2500)]
     pub amount: i64,
-    /// The caller's own note, or null.
-    #[schema(required = true, max_length = 256, example = "invoice-77")]
+    /// The caller's own note, if any.
     pub reference: Option<String>,
-    /// The transfer this one refunds (it moves money back from that one's `to` to its `from`);
-    /// omitted when it refunds none.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
+    /// The transfer this one refunds (it moves money back from that one's `to` to its `from`).
     pub refund_of: Option<Uuid>,
     /// The `transfer_out` entry of `from`.
     pub from_entry: Entry,
@@ -174,7 +167,7 @@ pub async fn find_transfer(conn: &mut PgConnection, id: Uuid) -> Result<Option<F
     .bind(id)
     .fetch_all(&mut *conn)
     .await?;
-    let leg = |kind: super::EntryKind| {
+    let leg = |kind: EntryKind| {
         legs.iter().find(|e| e.kind == kind).cloned().ok_or_else(|| {
             StoreError::Database(sqlx::Error::Decode(
                 format!("transfer {id} has no {} leg", kind.as_str()).into(),
@@ -188,8 +181,8 @@ pub async fn find_transfer(conn: &mut PgConnection, id: Uuid) -> Result<Option<F
         amount: row.try_get("amount")?,
         reference: row.try_get("reference")?,
         refund_of: row.try_get("refund_of")?,
-        from_entry: leg(super::EntryKind::TransferOut)?,
-        to_entry: leg(super::EntryKind::TransferIn)?,
+        from_entry: leg(EntryKind::TransferOut)?,
+        to_entry: leg(EntryKind::TransferIn)?,
         created_at: row.try_get("created_at")?,
     };
     let owners = [owner(&from), owner(&to)];
@@ -288,15 +281,8 @@ pub async fn find_key(tx: &mut PgConnection, at: KeyRef<'_>) -> Result<Option<Fo
     .fetch_optional(tx)
     .await?;
     let Some(row) = row else { return Ok(None) };
-    let status: Option<i16> = row.try_get("status")?;
-    let content_type: Option<String> = row.try_get("content_type")?;
-    let body: Option<Vec<u8>> = row.try_get("body")?;
-    let response = match (status, content_type, body) {
-        (Some(status), Some(content_type), Some(body)) => {
-            Some(StoredResponse { status: status as u16, content_type, body })
-        }
-        _ => None,
-    };
+    let response =
+        ResponseRow::of_columns(row.try_get("status")?, row.try_get("content_type")?, row.try_get("body")?);
     Ok(Some(FoundKey { fingerprint: row.try_get("fingerprint")?, response }))
 }
 
@@ -309,26 +295,19 @@ impl StoreError {
 
 /// Money between 2 to 16 wallets at once, as stored: the movement and its legs, in the order the
 /// request listed them (migration 0014); for one placed as a hold, what it reserves (0016).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MovementRecord {
     pub id: Uuid,
-    /// The caller's own note, or null.
-    #[schema(required = true, max_length = 256, example = "order-1001")]
+    /// The caller's own note, if any.
     pub reference: Option<String>,
     pub status: MovementStatus,
     /// One entry a leg: a `transfer_out` of each wallet it takes from, a `transfer_in` of each it
     /// pays into, each with the wallet's balance after it. Empty while a held movement is not
     /// captured.
     pub legs: Vec<Entry>,
-    /// For a movement placed as a hold: its legs as asked and the hold of each debit; omitted
-    /// otherwise.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
+    /// For a movement placed as a hold: its legs as asked and the hold of each debit.
     pub hold: Option<MovementHold>,
-    /// The movement this one refunds (every leg of that one back, in part or whole); omitted when
-    /// it refunds none.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
+    /// The movement this one refunds (every leg of that one back, in part or whole).
     pub refund_of: Option<Uuid>,
     pub created_at: DateTime<Utc>,
 }
@@ -344,21 +323,8 @@ impl MovementRecord {
     }
 }
 
-/// Where a movement stands: `posted` (every leg written when it was made) or, for one placed as a
-/// hold, `held` until it is `captured` (every leg written then), `voided`, or `expired` (past
-/// `expires_at` uncaptured; its amounts are available again).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum MovementStatus {
-    Posted,
-    Held,
-    Captured,
-    Voided,
-    Expired,
-}
-
 /// What a held movement reserves, and until when.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MovementHold {
     pub expires_at: DateTime<Utc>,
     /// Every leg as asked, in order.
@@ -367,14 +333,10 @@ pub struct MovementHold {
 
 /// One leg of a held movement: its wallet, its amount (negative out of the wallet), and for a
 /// debit the hold that reserves it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeldLeg {
-    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "payer")]
     pub wallet_id: String,
-    #[schema(example = -1000)]
     pub amount: i64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false)]
     pub hold_id: Option<Uuid>,
 }
 

@@ -14,8 +14,9 @@
 //! | `fenced` | the same short lease, with the fenced commit | OK, stale writes refused |
 //! | `lockstep` | the lease, fixed vs jittered retries | the time each takes |
 
+use crate::domain::EntryKind;
 use crate::lease::{Backoff, LeaseClient, LeaseSettings, RedisPool, Ttl};
-use crate::ledger::{self, EntryKind, NewEntry, StoreError, schema::ScratchSchema};
+use crate::ledger::{self, NewEntry, StoreError, schema::ScratchSchema};
 use crate::wallet::{self, WalletError, WalletId};
 use clap::ValueEnum;
 use sqlx::PgPool;

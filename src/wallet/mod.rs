@@ -40,6 +40,11 @@ pub use crate::domain::{
     Access, Amount, Field, HoldLife, InvalidInput, LegRefusal, Legs, Movement, Parties, Refusal, SameWallet,
     WalletId,
 };
+// The rows the service answers with, as the store reads them; its callers map them to what they
+// show (the HTTP layer, to bodies of its own).
+pub use crate::ledger::hold::Hold;
+pub use crate::ledger::transfer::{HeldLeg, MovementHold, MovementRecord, Transfer};
+pub use crate::ledger::{Entry, Wallet};
 pub use decision::SettleAs;
 pub use error::{SharedError, WalletError};
 pub use instruments::describe_metrics;
@@ -54,9 +59,7 @@ use rounds::{group, payee, queue};
 
 use crate::idempotency::{self, Keyed};
 use crate::lease::LeaseClient;
-use crate::ledger::hold::Hold;
 use crate::ledger::storage::KnownStorage;
-use crate::ledger::{Entry, Wallet};
 use sqlx::PgPool;
 use std::sync::Arc;
 use tokio_util::task::TaskTracker;

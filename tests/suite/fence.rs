@@ -3,8 +3,9 @@
 
 use crate::support::{CALLER, TestEnv, books};
 use std::time::Duration;
+use walletlock::domain::EntryKind;
 use walletlock::lease::Lease;
-use walletlock::ledger::{self, EntryKind, NewEntry, StoreError};
+use walletlock::ledger::{self, NewEntry, StoreError};
 use walletlock::wallet::{self, WalletError, WalletId};
 
 fn ms(n: u64) -> Duration {

@@ -6,10 +6,11 @@ use crate::support::hold_row;
 use crate::support::payment as pay;
 use crate::support::{CALLER, EntryOf, TestEnv, books, eventually, render, tester};
 use std::time::{Duration, Instant};
+use walletlock::domain::EntryKind;
 use walletlock::idempotency::{self, IdempotencyKey, Keyed, Prior, Scope};
 use walletlock::ledger::group::{self, GroupWrite, HoldsToRead, ReadOutcome, ToRead, WalletWrite};
 use walletlock::ledger::storage::Storage;
-use walletlock::ledger::{self, Entry, EntryKind};
+use walletlock::ledger::{self, Entry};
 use walletlock::wallet::{Moved, WalletError, WalletId, lease_name};
 
 async fn wallet_with(db: &sqlx::PgPool, balance: i64) -> WalletId {

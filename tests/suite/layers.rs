@@ -14,7 +14,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("ledger", &["domain", "telemetry", "failpoint"]),
     ("idempotency", &["domain", "ledger"]),
     ("wallet", &["domain", "failpoint", "idempotency", "lease", "ledger", "telemetry"]),
-    ("http", &["domain", "idempotency", "ledger", "telemetry", "wallet"]),
+    ("http", &["domain", "idempotency", "telemetry", "wallet"]),
     ("tutorial", &["domain", "lease", "ledger", "wallet"]),
 ];
 

@@ -15,12 +15,13 @@
 //! of one movement are captured together or not at all.
 
 use super::{Held, Known, Leg, Links, Settled, as_written, decide_legs, settled};
-use crate::domain::{self, Funds, HoldLife, HoldStatus, LegRefusal, Parties, pro_rata};
-use crate::idempotency::{Keyed, Prior};
+use crate::domain::{
+    self, EntryKind, Funds, HoldLife, HoldStatus, LegRefusal, MovementStatus, Parties, pro_rata,
+};
+use crate::idempotency::{Keyed, Prior, StoredResponse};
+use crate::ledger::Entry;
 use crate::ledger::hold::{Hold, NewHold};
-use crate::ledger::idempotency::StoredResponse;
-use crate::ledger::transfer::{HeldLeg, MovementHold, MovementRecord, MovementStatus, Transfer};
-use crate::ledger::{Entry, EntryKind};
+use crate::ledger::transfer::{HeldLeg, MovementHold, MovementRecord, Transfer};
 use crate::wallet::transfer::{Done, MovementRecordOutcome, RefundOutcome, TransferOutcome};
 use crate::wallet::{Access, Amount, Field, Legs, Refusal, WalletError, WalletId};
 use chrono::{DateTime, Utc};
@@ -890,6 +891,7 @@ mod tests {
     use crate::idempotency::{IdempotencyKey, Scope};
     use crate::ledger::group::FoundKey;
     use crate::ledger::hold::Hold;
+    use crate::ledger::idempotency::ResponseRow;
     use chrono::Utc;
     use proptest::prelude::*;
     use std::sync::Arc;
@@ -1013,9 +1015,10 @@ mod tests {
     #[test]
     fn a_key_decides_once_whether_stored_before_or_carried_twice_in_the_job() {
         let mut fixture = Fixture::of(&[Some((100, 0)), Some((0, 0))]);
-        let stored = StoredResponse { status: 200, content_type: "text/plain".into(), body: b"7".to_vec() };
+        let stored = ResponseRow { status: 200, content_type: "text/plain".into(), body: b"7".to_vec() };
         let at = (OWNER.to_owned(), "transfers".to_owned(), "old".to_owned());
         fixture.keys.insert(at, FoundKey { fingerprint: vec![1; 32], response: Some(stored.clone()) });
+        let stored = StoredResponse::from(stored);
         let ops = [
             keyed(transfer(0, 1, 7), "old", 1),
             keyed(transfer(0, 1, 10), "new", 2),
@@ -1269,10 +1272,10 @@ mod tests {
     }
 
     /// Wallets as (balance, held), and movements among them as (from, to, amount).
-    type Job = (Vec<(i64, i64)>, Vec<(usize, usize, i64)>);
+    type Scenario = (Vec<(i64, i64)>, Vec<(usize, usize, i64)>);
 
-    /// A job: wallets and movements among them.
-    fn job() -> impl Strategy<Value = Job> {
+    /// A scenario: wallets and movements among them.
+    fn scenario() -> impl Strategy<Value = Scenario> {
         prop::collection::vec((0i64..1_000, 0i64..300), 2..6).prop_flat_map(|wallets| {
             let n = wallets.len();
             let movement = (0..n, 0..n, 1i64..600).prop_filter("two wallets", |(a, b, _)| a != b);
@@ -1329,7 +1332,7 @@ mod tests {
 
         #[test]
         fn a_job_conserves_money_keeps_every_available_balance_at_or_above_zero_and_decides_in_order(
-            (wallets, movements) in job(),
+            (wallets, movements) in scenario(),
         ) {
             let mut fixture = Fixture::of(&wallets.iter().map(|&(b, h)| Some((b.max(h), h))).collect::<Vec<_>>());
             // The expired holds are known read (and there are none): every short debit is refused.
@@ -1361,7 +1364,7 @@ mod tests {
 
         #[test]
         fn a_key_decides_once_in_a_job_and_a_refusal_changes_nothing(
-            (wallets, movements) in job(),
+            (wallets, movements) in scenario(),
             keys in prop::collection::vec(proptest::option::of((0..3_u8, 1..3_u8)), 24),
         ) {
             let mut fixture = Fixture::of(&wallets.iter().map(|&(b, h)| Some((b.max(h), h))).collect::<Vec<_>>());

@@ -23,12 +23,11 @@ mod legs;
 pub use legs::{HeldMovement, LegsOp, LegsPlan, LegsWallet, RefundOf, SettleAs, decide_between, wallets_of};
 
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
-use crate::domain::{Amount, FenceStanding, Funds, HoldStatus, capture_amount};
-use crate::idempotency::{Keyed, Prior};
+use crate::domain::{Amount, EntryKind, FenceStanding, Funds, HoldStatus, capture_amount};
+use crate::idempotency::{Keyed, Prior, StoredResponse};
 use crate::ledger::group::FoundKey;
 use crate::ledger::hold::{Hold, NewHold};
-use crate::ledger::idempotency::StoredResponse;
-use crate::ledger::{self, Entry, EntryKind};
+use crate::ledger::{self, Entry};
 use crate::wallet::{Movement, Refusal};
 use chrono::{DateTime, Utc};
 use std::collections::{HashMap, HashSet};
@@ -526,6 +525,7 @@ mod tests {
     use super::*;
     use crate::domain::HoldLife;
     use crate::idempotency::{IdempotencyKey, Scope};
+    use crate::ledger::idempotency::ResponseRow;
     use proptest::prelude::*;
 
     const OWNER: &str = "shop";
@@ -659,7 +659,9 @@ mod tests {
 
         let at = (OWNER.to_owned(), wallet().scope(), "k".to_owned());
         let response = plan.responses[0].1.clone();
-        world.keys.insert(at, FoundKey { fingerprint: vec![1; 32], response: Some(response.clone()) });
+        let StoredResponse { status, content_type, body } = response.clone();
+        let row = ResponseRow { status, content_type, body };
+        world.keys.insert(at, FoundKey { fingerprint: vec![1; 32], response: Some(row) });
         let again = world.decide(&held(90, 0), &ops[..1]);
         assert!(matches!(&again.decisions[0], Decision::Prior(Prior::Replay(r)) if *r == response));
         assert!(!again.runs(), "nothing to write");

@@ -735,11 +735,23 @@ pub(in crate::wallet) fn add_legs<'a>(
     // Every wallet of the group is written or none: each key's response depends on the first.
     for (op, response, entry_id) in &plan.responses {
         let Some((at, fingerprint)) = ops[*op].key() else { continue };
-        write.keys.push(KeyWrite { wallet_id: first, at, fingerprint, response, entry_id: *entry_id });
-        // Its aliases, in the scopes of the wallets it takes money out of.
-        for (_, wallet, scope) in plan.key_aliases.iter().filter(|(n, _, _)| n == op) {
-            let at = KeyRef { wallet: wallets[*wallet].id.as_str(), scope, ..at };
-            write.keys.push(KeyWrite { wallet_id: first, at, fingerprint, response, entry_id: *entry_id });
+        // Its own, and its aliases in the scopes of the wallets it takes money out of.
+        let aliases = plan.key_aliases.iter().filter(|(n, _, _)| n == op);
+        let ats = std::iter::once(at).chain(aliases.map(|(_, wallet, scope)| KeyRef {
+            wallet: wallets[*wallet].id.as_str(),
+            scope,
+            ..at
+        }));
+        for at in ats {
+            write.keys.push(KeyWrite {
+                wallet_id: first,
+                at,
+                fingerprint,
+                status: response.status,
+                content_type: &response.content_type,
+                body: &response.body,
+                entry_id: *entry_id,
+            });
         }
     }
 }
@@ -778,7 +790,9 @@ pub(in crate::wallet) fn add_wallet<'a>(write: &mut GroupWrite<'a>, batch: &Batc
             wallet_id: id,
             at: key.at(),
             fingerprint: &key.fingerprint,
-            response,
+            status: response.status,
+            content_type: &response.content_type,
+            body: &response.body,
             entry_id: plan.entry_of(*op).map(|entry| entry.id),
         });
     }

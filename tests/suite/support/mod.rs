@@ -334,14 +334,12 @@ impl EntryOf for Result<walletlock::wallet::Moved, walletlock::wallet::WalletErr
 
 /// A stand-in for the HTTP layer's rendering of a movement's outcome, for tests that store
 /// idempotent responses without a server: the entry's id, or the refusal.
-pub fn render(
-    outcome: &walletlock::wallet::MovementOutcome,
-) -> walletlock::ledger::idempotency::StoredResponse {
+pub fn render(outcome: &walletlock::wallet::MovementOutcome) -> walletlock::idempotency::StoredResponse {
     let body = match outcome {
         Ok(moved) => moved.entry().map(|entry| entry.id.to_string()).unwrap_or_default(),
         Err(refusal) => refusal.to_string(),
     };
-    walletlock::ledger::idempotency::StoredResponse {
+    walletlock::idempotency::StoredResponse {
         status: if outcome.is_ok() { 200 } else { 422 },
         content_type: "text/plain".into(),
         body: body.into(),
