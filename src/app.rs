@@ -112,10 +112,10 @@ impl Application {
         let port = listener.local_addr()?.port();
         let replica = args.replica_name(port);
         let metrics = crate::telemetry::metrics::install(&[
-            crate::http::describe_metrics,
-            crate::lease::describe_metrics,
-            crate::wallet::describe_metrics,
-            crate::idempotency::describe_metrics,
+            crate::http::register_metrics,
+            crate::lease::register_metrics,
+            crate::wallet::register_metrics,
+            crate::idempotency::register_metrics,
         ]);
         crate::telemetry::metrics::set_replica(&replica);
         let ctx = ApiContext {

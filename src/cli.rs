@@ -87,6 +87,13 @@ pub enum Command {
         #[arg(long)]
         write: bool,
     },
+    /// Print the table of docs/operating/observability.md: every metric a replica exports, its
+    /// labels, its type and what it counts (what deploy/check-dashboard checks the dashboard by).
+    Metrics {
+        /// Put the table into docs/operating/observability.md instead (run from the repository's root).
+        #[arg(long)]
+        write: bool,
+    },
 }
 
 /// `walletlock probe`: a health check for container runtimes that have no curl.
@@ -200,6 +207,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::ErrorCodes { write } => {
             let table = crate::http::error::codes::markdown_table();
             print_or_write(&generated_docs::ERROR_CODES, &table, write)
+        }
+        Command::Metrics { write } => {
+            let table = crate::telemetry::metrics::markdown_table();
+            print_or_write(&generated_docs::METRICS, &table, write)
         }
     }
 }

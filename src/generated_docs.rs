@@ -1,6 +1,7 @@
 //! The tables of `docs/` that are printed from the code, so that each fact is stated once, where
-//! the code keeps it: the settings (from their clap definitions, `walletlock settings`) and the
-//! error codes (from [`crate::http::error::codes`], `walletlock error-codes`). A page holds its
+//! the code keeps it: the settings (from their clap definitions, `walletlock settings`), the
+//! error codes (from [`crate::http::error::codes`], `walletlock error-codes`) and the metrics
+//! (from [`crate::telemetry::metrics`], `walletlock metrics`). A page holds its
 //! table between two marker comments; `--write` puts a fresh one there, and a test below fails
 //! while a page differs from what its command prints.
 
@@ -21,6 +22,9 @@ pub const SETTINGS: GeneratedTable =
 
 pub const ERROR_CODES: GeneratedTable =
     GeneratedTable { marker: "error-codes", page: "docs/api/errors.md", command: "error-codes" };
+
+pub const METRICS: GeneratedTable =
+    GeneratedTable { marker: "metrics", page: "docs/operating/observability.md", command: "metrics" };
 
 impl GeneratedTable {
     fn markers(&self) -> (String, String) {
@@ -163,6 +167,12 @@ mod tests {
     fn the_errors_page_holds_every_code_the_code_lists() {
         let page = include_str!("../docs/api/errors.md");
         assert_page_holds(&ERROR_CODES, page, &crate::http::error::codes::markdown_table());
+    }
+
+    #[test]
+    fn the_observability_page_holds_every_metric_the_code_declares() {
+        let page = include_str!("../docs/operating/observability.md");
+        assert_page_holds(&METRICS, page, &crate::telemetry::metrics::markdown_table());
     }
 
     #[test]

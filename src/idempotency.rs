@@ -29,23 +29,16 @@ use crate::ledger::StoreError;
 use crate::ledger::group::FoundKey;
 pub use crate::ledger::idempotency::KeySettings;
 use crate::ledger::idempotency::{self as store, KeyRef, ResponseRow};
+use crate::telemetry::metrics::{IDEMPOTENCY_CONFLICTS, IDEMPOTENT_REPLAYS};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-/// Describes the metrics recorded for idempotency keys, and registers them at zero.
-pub fn describe_metrics() {
-    metrics::describe_counter!(
-        "walletlock_idempotent_replays_total",
-        "Stored responses replayed for a retried key."
-    );
-    metrics::counter!("walletlock_idempotent_replays_total").absolute(0);
-    metrics::describe_counter!(
-        "walletlock_idempotency_conflicts_total",
-        "Requests refused because their key was in flight or used for another request."
-    );
+/// Registers the metrics recorded for idempotency keys at zero.
+pub fn register_metrics() {
+    metrics::counter!(IDEMPOTENT_REPLAYS.name).absolute(0);
     for reason in ["in_flight", "reused"] {
-        metrics::counter!("walletlock_idempotency_conflicts_total", "reason" => reason).absolute(0);
+        metrics::counter!(IDEMPOTENCY_CONFLICTS.name, "reason" => reason).absolute(0);
     }
 }
 

@@ -5,6 +5,7 @@ use super::ApiContext;
 use super::bodies::{EntryBody, HoldReceipt, MovementBody, TransferBody, WalletBody};
 use super::error::ApiError;
 use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed, Prior, Scope, StoredResponse};
+use crate::telemetry::metrics::{IDEMPOTENCY_CONFLICTS, IDEMPOTENT_REPLAYS};
 use crate::wallet::{
     AlreadyExists, Entry, LegRefusal, Moved, MovementOutcome, MovementRecord, MovementRecordOutcome,
     OpenOutcome, RefundOutcome, Refusal, Transfer, TransferOutcome, WalletError,
@@ -58,18 +59,18 @@ pub fn keyed<T>(
 fn prior_response(prior: Prior) -> Response {
     match prior {
         Prior::Replay(stored) => {
-            metrics::counter!("walletlock_idempotent_replays_total").increment(1);
+            metrics::counter!(IDEMPOTENT_REPLAYS.name).increment(1);
             tracing::Span::current().record("outcome", "replayed");
             let mut response = stored.into_response();
             response.headers_mut().insert(IDEMPOTENT_REPLAYED.clone(), HeaderValue::from_static("true"));
             response
         }
         Prior::Reused => {
-            metrics::counter!("walletlock_idempotency_conflicts_total", "reason" => "reused").increment(1);
+            metrics::counter!(IDEMPOTENCY_CONFLICTS.name, "reason" => "reused").increment(1);
             ApiError::IdempotencyKeyReused.into_response()
         }
         Prior::InFlight => {
-            metrics::counter!("walletlock_idempotency_conflicts_total", "reason" => "in_flight").increment(1);
+            metrics::counter!(IDEMPOTENCY_CONFLICTS.name, "reason" => "in_flight").increment(1);
             ApiError::IdempotencyKeyInFlight.into_response()
         }
     }

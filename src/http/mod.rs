@@ -19,6 +19,7 @@ pub use error::ApiError;
 pub use probe::probe;
 pub use server::Draining;
 
+use crate::telemetry::metrics::{HTTP_REQUEST_DURATION, HTTP_REQUESTS, REQUESTS_SHED};
 use crate::wallet::Wallets;
 use axum::{
     Router,
@@ -130,23 +131,10 @@ pub fn router(ctx: ApiContext) -> Router {
         .with_state(ctx)
 }
 
-/// Describes the metrics this module records (see `crate::telemetry::metrics`), and registers the
-/// shed counter's `in_flight` reason at zero (`crate::wallet` registers its `wallet_queue`).
-pub fn describe_metrics() {
-    metrics::describe_counter!(
-        "walletlock_http_requests_total",
-        "HTTP requests answered, by route and status."
-    );
-    metrics::describe_histogram!(
-        "walletlock_http_request_duration_seconds",
-        metrics::Unit::Seconds,
-        "Time to answer an HTTP request."
-    );
-    metrics::describe_counter!(
-        crate::telemetry::metrics::REQUESTS_SHED,
-        "Requests answered 503 overloaded before any work: the replica's in-flight bound or the wallet's queue was full."
-    );
-    metrics::counter!(crate::telemetry::metrics::REQUESTS_SHED, "reason" => "in_flight").absolute(0);
+/// Registers the shed counter's `in_flight` reason at zero (`crate::wallet` registers its
+/// `wallet_queue`); the metrics themselves are declared in `crate::telemetry::metrics`.
+pub fn register_metrics() {
+    metrics::counter!(REQUESTS_SHED.name, "reason" => "in_flight").absolute(0);
 }
 
 /// Counts each request and times it, by route (the matched pattern, so ids do not explode the
@@ -157,9 +145,9 @@ async fn record_request_metrics(request: Request, next: Next) -> Response {
     let route = request.extensions().get::<MatchedPath>().map_or("unmatched", MatchedPath::as_str).to_owned();
     let response = next.run(request).await;
     let status = response.status().as_u16().to_string();
-    metrics::histogram!("walletlock_http_request_duration_seconds", "method" => method.clone(), "route" => route.clone())
+    metrics::histogram!(HTTP_REQUEST_DURATION.name, "method" => method.clone(), "route" => route.clone())
         .record(started.elapsed());
-    metrics::counter!("walletlock_http_requests_total", "method" => method, "route" => route, "status" => status)
+    metrics::counter!(HTTP_REQUESTS.name, "method" => method, "route" => route, "status" => status)
         .increment(1);
     response
 }
@@ -170,7 +158,7 @@ async fn record_request_metrics(request: Request, next: Next) -> Response {
 /// the response is ready (a movement whose client left runs on to its end outside it).
 async fn shed_when_full(State(ctx): State<ApiContext>, request: Request, next: Next) -> Response {
     let Ok(_permit) = ctx.in_flight.clone().try_acquire_owned() else {
-        metrics::counter!(crate::telemetry::metrics::REQUESTS_SHED, "reason" => "in_flight").increment(1);
+        metrics::counter!(REQUESTS_SHED.name, "reason" => "in_flight").increment(1);
         return ApiError::Overloaded.into_response();
     };
     next.run(request).await

@@ -60,6 +60,10 @@ pub use topology::{
 };
 pub use wake::Wakeups;
 
+use crate::telemetry::metrics::{
+    FENCE_RESYNCS, LEASE_ACQUIRE_WAIT, LEASE_ACQUISITIONS, LEASE_REFRESH_FAILURES, LEASE_REFRESHES,
+    LEASE_RELEASE_NOT_HELD, LEASE_RELEASES, LEASE_TIMEOUTS, REDIS_POOL_ACQUIRE_WAIT,
+};
 use deadpool_redis::PoolError;
 use deadpool_redis::redis::{self, RedisError};
 use std::{
@@ -70,31 +74,19 @@ use std::{
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-/// Describes the metrics this module records (see `crate::telemetry::metrics`), and registers
-/// them at zero.
-pub fn describe_metrics() {
-    use metrics::{Unit, describe_counter, describe_histogram};
-    for (name, help) in [
-        ("walletlock_lease_acquisitions_total", "Leases taken."),
-        ("walletlock_lease_timeouts_total", "Leases not obtained within the wait."),
-        ("walletlock_lease_refreshes_total", "Watchdog refreshes that kept a lease."),
-        (
-            "walletlock_lease_refresh_failures_total",
-            "Watchdog refreshes that found the lease gone or failed.",
-        ),
-        ("walletlock_lease_releases_total", "Leases released."),
-        ("walletlock_lease_release_not_held_total", "Releases that found the lease already gone."),
-        ("walletlock_fence_resyncs_total", "Fence counters lifted above what the store had seen."),
+/// Registers this module's counters at zero (declared in `crate::telemetry::metrics`).
+pub fn register_metrics() {
+    for metric in [
+        LEASE_ACQUISITIONS,
+        LEASE_TIMEOUTS,
+        LEASE_REFRESHES,
+        LEASE_REFRESH_FAILURES,
+        LEASE_RELEASES,
+        LEASE_RELEASE_NOT_HELD,
+        FENCE_RESYNCS,
     ] {
-        describe_counter!(name, help);
-        metrics::counter!(name).absolute(0);
+        metrics::counter!(metric.name).absolute(0);
     }
-    describe_histogram!("walletlock_lease_acquire_wait_seconds", Unit::Seconds, "Wait for each lease taken.");
-    describe_histogram!(
-        "walletlock_redis_pool_acquire_wait_seconds",
-        Unit::Seconds,
-        "Wait for a Redis connection from the pool."
-    );
 }
 
 /// How long a fence counter outlives the last acquisition of its name.
@@ -373,8 +365,8 @@ impl LeaseClient {
                         waited_ms = started.elapsed().as_millis() as u64,
                         "lease acquired"
                     );
-                    metrics::counter!("walletlock_lease_acquisitions_total").increment(1);
-                    metrics::histogram!("walletlock_lease_acquire_wait_seconds").record(started.elapsed());
+                    metrics::counter!(LEASE_ACQUISITIONS.name).increment(1);
+                    metrics::histogram!(LEASE_ACQUIRE_WAIT.name).record(started.elapsed());
                     return Ok(Lease {
                         client: self.clone(),
                         name: name.to_owned(),
@@ -494,7 +486,7 @@ impl LeaseClient {
         let conn = tokio::time::timeout(limit, self.pool.get())
             .await
             .map_err(|_| RedisFailure::Timeout(limit))??;
-        metrics::histogram!("walletlock_redis_pool_acquire_wait_seconds").record(started.elapsed());
+        metrics::histogram!(REDIS_POOL_ACQUIRE_WAIT.name).record(started.elapsed());
         let shared = conn.share();
         let mut slot = self.shared.lock().expect("shared connection lock");
         if slot.is_none() {
@@ -572,11 +564,11 @@ impl LeaseClient {
         let args = (&token.0, &keys.channel, note, retention.unwrap_or(0));
         match self.run::<(i64, i64)>(&scripts::RELEASE, &keys_touched, args).await? {
             (1, contended) => {
-                metrics::counter!("walletlock_lease_releases_total").increment(1);
+                metrics::counter!(LEASE_RELEASES.name).increment(1);
                 Ok(Released { contended: contended == 1 })
             }
             _ => {
-                metrics::counter!("walletlock_lease_release_not_held_total").increment(1);
+                metrics::counter!(LEASE_RELEASE_NOT_HELD.name).increment(1);
                 Err(LeaseError::NotHeld { name: name.to_owned() })
             }
         }
@@ -707,17 +699,17 @@ impl Lease {
                 let refresh = tokio::time::timeout(period, client.refresh_token(&name, &keys, &token));
                 match refresh.await {
                     Ok(Ok(())) => {
-                        metrics::counter!("walletlock_lease_refreshes_total").increment(1);
+                        metrics::counter!(LEASE_REFRESHES.name).increment(1);
                         tracing::trace!(lease = %name, "lease refreshed");
                     }
                     Ok(Err(err)) => {
-                        metrics::counter!("walletlock_lease_refresh_failures_total").increment(1);
+                        metrics::counter!(LEASE_REFRESH_FAILURES.name).increment(1);
                         tracing::warn!(lease = %name, error = %err, "lease refresh failed; cancelling the holder's work");
                         lost.cancel();
                         return;
                     }
                     Err(_) => {
-                        metrics::counter!("walletlock_lease_refresh_failures_total").increment(1);
+                        metrics::counter!(LEASE_REFRESH_FAILURES.name).increment(1);
                         tracing::warn!(lease = %name, "lease refresh timed out; cancelling the holder's work");
                         lost.cancel();
                         return;
@@ -764,7 +756,7 @@ impl Lease {
                 Err(LeaseError::FenceExhausted { name: self.name.clone(), seen })
             }
             (_, fence) => {
-                metrics::counter!("walletlock_fence_resyncs_total").increment(1);
+                metrics::counter!(FENCE_RESYNCS.name).increment(1);
                 tracing::info!(lease = %self.name, old = self.fence, new = fence, seen, "fence counter resynchronized from the store");
                 self.fence = fence;
                 Ok(fence)
@@ -818,7 +810,7 @@ impl Lease {
 /// Counts a wait that ended without the lease.
 fn count_timeout(err: &LeaseError) {
     if matches!(err, LeaseError::NotObtained { .. }) {
-        metrics::counter!("walletlock_lease_timeouts_total").increment(1);
+        metrics::counter!(LEASE_TIMEOUTS.name).increment(1);
     }
 }
 

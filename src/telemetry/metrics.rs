@@ -1,50 +1,300 @@
 //! Prometheus metrics, served by every replica at `GET /metrics`.
 //!
-//! Each module describes the metrics it records and registers them at zero, so a dashboard sees
-//! all of them from the first scrape (`http::describe_metrics`, `lease::describe_metrics`,
-//! `wallet::describe_metrics`, `idempotency::describe_metrics`; the replica passes them to
-//! [`install`], so this module, at the bottom, calls up into none of them). This module installs
-//! the recorder once per process, describes the replica's and the process's own metrics, and
-//! samples the process gauges at scrape time (the wallets sample their pools).
-//!
-//! | metric | type | what |
-//! |---|---|---|
-//! | `walletlock_http_requests_total{method,route,status}` | counter | requests answered |
-//! | `walletlock_http_request_duration_seconds{method,route}` | histogram | time to answer |
-//! | `walletlock_movements_total{kind,outcome}` | counter | deposits and payments by outcome (`accepted`, `insufficient_funds`, `lock_timeout`, `lease_lost`, ...) |
-//! | `walletlock_requests_shed_total{reason}` | counter | requests answered 503 `overloaded` before any work: `in_flight` (`MAX_IN_FLIGHT` reached), `wallet_queue` (`WALLET_QUEUE_LIMIT` reached) |
-//! | `walletlock_lease_acquisitions_total` | counter | leases taken |
-//! | `walletlock_lease_acquire_wait_seconds` | histogram | wait for each lease taken |
-//! | `walletlock_lease_timeouts_total` | counter | leases not obtained within the wait |
-//! | `walletlock_lease_refreshes_total`, `walletlock_lease_refresh_failures_total` | counter | watchdog refreshes, and the ones that found the lease gone or failed |
-//! | `walletlock_lease_releases_total`, `walletlock_lease_release_not_held_total` | counter | releases, and the ones that found the lease already gone |
-//! | `walletlock_fence_refusals_total` | counter | fence raises or writes the fence refused (`lease_lost`) |
-//! | `walletlock_fence_resyncs_total` | counter | fence counters lifted after Redis lost them |
-//! | `walletlock_redis_outage` | gauge | 1 while the replica cannot reach Redis and moves money under Postgres alone (`REDIS_OUTAGE=postgres`), else 0 |
-//! | `walletlock_movements_by_path_total{path}` | counter | movements of money applied, by path: `lease` or `postgres_only` |
-//! | `walletlock_idempotent_replays_total` | counter | stored responses replayed |
-//! | `walletlock_idempotency_conflicts_total{reason}` | counter | `in_flight` and `reused` refusals |
-//! | `walletlock_pg_pool_connections{state}`, `walletlock_pg_pool_max_connections` | gauge | Postgres pool: `idle`, `in_use`, and its size |
-//! | `walletlock_pg_pool_acquire_wait_seconds` | histogram | wait for a Postgres connection |
-//! | `walletlock_redis_pool_connections{state}`, `walletlock_redis_pool_max_connections`, `walletlock_redis_pool_waiting` | gauge | Redis pool |
-//! | `walletlock_redis_pool_acquire_wait_seconds` | histogram | wait for a Redis connection |
-//! | `process_resident_memory_bytes`, `process_cpu_seconds_total`, `process_open_fds`, `process_threads`, ... | gauge, counter | the process, as Prometheus's own clients report it (the `metrics-process` crate) |
-//! | `walletlock_process_peak_resident_memory_bytes` | gauge | the process's peak memory (not among the standard process metrics) |
-//! | `walletlock_replica_info{replica,version}` | gauge | 1, labelled with the replica's name |
+//! This module installs the recorder once per process and samples the process gauges at scrape
+//! time (the wallets sample their pools). Every metric is declared once, below ([`Metric`], listed in [`ALL`]): its name, kind, unit,
+//! labels and help. [`install`] describes them all to the recorder from there, the modules record
+//! them by these constants, `walletlock metrics` prints them as the table of
+//! docs/operating/observability.md (a test holds the page to it), and `deploy/check-dashboard`
+//! checks every query of the dashboard against that table.
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 
-/// The counter of requests refused before any work because the replica was full (label
-/// `reason`: `in_flight` for `MAX_IN_FLIGHT`, recorded by `crate::http`; `wallet_queue` for
-/// `WALLET_QUEUE_LIMIT`, recorded by `crate::wallet`).
-pub const REQUESTS_SHED: &str = "walletlock_requests_shed_total";
-/// The histogram of group-commit sizes per wallet (recorded by `crate::wallet`).
-pub const BATCH_SIZE: &str = "walletlock_batch_movements";
-/// The histogram of transfers into one payee per transaction (recorded by `crate::wallet`).
-pub const PAYEE_BATCH: &str = "walletlock_payee_batch_transfers";
-/// The histogram of wallets per round (one statement, one WAL flush; recorded by `crate::wallet`).
-pub const ROUND_WALLETS: &str = "walletlock_round_wallets";
+/// What a metric is, as Prometheus types it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
+    }
+}
+
+/// A metric the replicas export.
+#[derive(Debug, Clone, Copy)]
+pub struct Metric {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub unit: Option<metrics::Unit>,
+    /// The names of its labels (each series has every one of them).
+    pub labels: &'static [&'static str],
+    pub help: &'static str,
+}
+
+const fn metric(
+    name: &'static str,
+    kind: Kind,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> Metric {
+    Metric { name, kind, unit: None, labels, help }
+}
+
+const fn seconds(name: &'static str, labels: &'static [&'static str], help: &'static str) -> Metric {
+    Metric { name, kind: Kind::Histogram, unit: Some(metrics::Unit::Seconds), labels, help }
+}
+
+use Kind::{Counter, Gauge, Histogram};
+
+// The API (`crate::http`).
+pub const HTTP_REQUESTS: Metric = metric(
+    "walletlock_http_requests_total",
+    Counter,
+    &["method", "route", "status"],
+    "HTTP requests answered, by route and status.",
+);
+pub const HTTP_REQUEST_DURATION: Metric = seconds(
+    "walletlock_http_request_duration_seconds",
+    &["method", "route"],
+    "Time to answer an HTTP request.",
+);
+/// Recorded by `crate::http` (`in_flight`: `MAX_IN_FLIGHT` reached) and `crate::wallet`
+/// (`wallet_queue`: `WALLET_QUEUE_LIMIT` reached).
+pub const REQUESTS_SHED: Metric = metric(
+    "walletlock_requests_shed_total",
+    Counter,
+    &["reason"],
+    "Requests answered 503 overloaded before any work, by reason: in_flight (the replica's MAX_IN_FLIGHT) or wallet_queue (the wallet's WALLET_QUEUE_LIMIT).",
+);
+
+// The lease (`crate::lease`).
+pub const LEASE_ACQUISITIONS: Metric =
+    metric("walletlock_lease_acquisitions_total", Counter, &[], "Leases taken.");
+pub const LEASE_ACQUIRE_WAIT: Metric =
+    seconds("walletlock_lease_acquire_wait_seconds", &[], "Wait for each lease taken.");
+pub const LEASE_TIMEOUTS: Metric =
+    metric("walletlock_lease_timeouts_total", Counter, &[], "Leases not obtained within the wait.");
+pub const LEASE_REFRESHES: Metric =
+    metric("walletlock_lease_refreshes_total", Counter, &[], "Watchdog refreshes that kept a lease.");
+pub const LEASE_REFRESH_FAILURES: Metric = metric(
+    "walletlock_lease_refresh_failures_total",
+    Counter,
+    &[],
+    "Watchdog refreshes that found the lease gone or failed.",
+);
+pub const LEASE_RELEASES: Metric =
+    metric("walletlock_lease_releases_total", Counter, &[], "Leases released.");
+pub const LEASE_RELEASE_NOT_HELD: Metric = metric(
+    "walletlock_lease_release_not_held_total",
+    Counter,
+    &[],
+    "Releases that found the lease already gone.",
+);
+pub const FENCE_RESYNCS: Metric = metric(
+    "walletlock_fence_resyncs_total",
+    Counter,
+    &[],
+    "Fence counters lifted above what the store had seen.",
+);
+pub const REDIS_POOL_ACQUIRE_WAIT: Metric =
+    seconds("walletlock_redis_pool_acquire_wait_seconds", &[], "Wait for a Redis connection from the pool.");
+
+// Moving money (`crate::wallet`).
+pub const MOVEMENTS: Metric = metric(
+    "walletlock_movements_total",
+    Counter,
+    &["kind", "outcome"],
+    "Deposits, payments, and holds placed, captured and voided, by kind and outcome.",
+);
+pub const TRANSFERS: Metric = metric(
+    "walletlock_transfers_total",
+    Counter,
+    &["kind", "outcome"],
+    "Transfers, movements of many legs (posted, held, captured, voided) and refunds, by kind and outcome.",
+);
+pub const MOVEMENTS_BY_PATH: Metric = metric(
+    "walletlock_movements_by_path_total",
+    Counter,
+    &["path"],
+    "Movements of money applied, by path: under a Redis lease, or under Postgres alone (a Redis outage).",
+);
+pub const REDIS_OUTAGE: Metric = metric(
+    "walletlock_redis_outage",
+    Gauge,
+    &[],
+    "1 while this replica cannot reach Redis and moves money under Postgres alone; 0 on leases.",
+);
+pub const WALLET_BUSY: Metric = metric(
+    "walletlock_wallet_busy_total",
+    Counter,
+    &[],
+    "Writes that found the wallet's row locked by another statement (a transfer, a holder that lost its lease), and tried again.",
+);
+pub const FENCE_REFUSALS: Metric = metric(
+    "walletlock_fence_refusals_total",
+    Counter,
+    &[],
+    "Fence raises or commits the fence refused: the lease was lost.",
+);
+pub const LEASE_NOTE_STALE: Metric = metric(
+    "walletlock_lease_note_stale_total",
+    Counter,
+    &[],
+    "Batches begun from the lease's note that found the wallet's row otherwise, and were read and run again.",
+);
+pub const BATCH_SIZE: Metric = metric(
+    "walletlock_batch_movements",
+    Histogram,
+    &[],
+    "Movements of one wallet per group commit (under one lease).",
+);
+pub const ROUND_WALLETS: Metric = metric(
+    "walletlock_round_wallets",
+    Histogram,
+    &[],
+    "Wallets written per round (one statement, one WAL flush).",
+);
+pub const PAYEE_BATCH: Metric = metric(
+    "walletlock_payee_batch_transfers",
+    Histogram,
+    &[],
+    "Transfers into one payee per batch (under the payee's lease).",
+);
+pub const PAYEE_BATCH_ALONE: Metric = metric(
+    "walletlock_payee_batch_alone_total",
+    Counter,
+    &[],
+    "Transfers a payee's worker sent on alone: their payer's lease was busy.",
+);
+pub const PG_POOL_ACQUIRE_WAIT: Metric =
+    seconds("walletlock_pg_pool_acquire_wait_seconds", &[], "Wait for a Postgres connection from the pool.");
+pub const PG_POOL_CONNECTIONS: Metric = metric(
+    "walletlock_pg_pool_connections",
+    Gauge,
+    &["state"],
+    "Postgres pool connections, idle and in use.",
+);
+pub const PG_POOL_MAX_CONNECTIONS: Metric =
+    metric("walletlock_pg_pool_max_connections", Gauge, &[], "Postgres pool size limit (PG_POOL_SIZE).");
+pub const REDIS_POOL_CONNECTIONS: Metric = metric(
+    "walletlock_redis_pool_connections",
+    Gauge,
+    &["state"],
+    "Redis pool connections, idle and in use.",
+);
+pub const REDIS_POOL_MAX_CONNECTIONS: Metric =
+    metric("walletlock_redis_pool_max_connections", Gauge, &[], "Redis pool size limit (REDIS_POOL_SIZE).");
+pub const REDIS_POOL_WAITING: Metric =
+    metric("walletlock_redis_pool_waiting", Gauge, &[], "Requests waiting for a Redis connection.");
+
+// Idempotency keys (`crate::idempotency`).
+pub const IDEMPOTENT_REPLAYS: Metric = metric(
+    "walletlock_idempotent_replays_total",
+    Counter,
+    &[],
+    "Stored responses replayed for a retried key.",
+);
+pub const IDEMPOTENCY_CONFLICTS: Metric = metric(
+    "walletlock_idempotency_conflicts_total",
+    Counter,
+    &["reason"],
+    "Requests refused because their key was in flight or used for another request.",
+);
+
+// The replica itself (this module).
+pub const REPLICA_INFO: Metric = metric(
+    "walletlock_replica_info",
+    Gauge,
+    &["replica", "version"],
+    "Always 1; labels name the replica and its version.",
+);
+pub const PEAK_RESIDENT_MEMORY: Metric = Metric {
+    name: "walletlock_process_peak_resident_memory_bytes",
+    kind: Gauge,
+    unit: Some(metrics::Unit::Bytes),
+    labels: &[],
+    help: "Highest resident memory since the process started.",
+};
+
+/// Every metric of the replicas' own, as [`install`] describes them.
+pub const ALL: &[Metric] = &[
+    HTTP_REQUESTS,
+    HTTP_REQUEST_DURATION,
+    REQUESTS_SHED,
+    LEASE_ACQUISITIONS,
+    LEASE_ACQUIRE_WAIT,
+    LEASE_TIMEOUTS,
+    LEASE_REFRESHES,
+    LEASE_REFRESH_FAILURES,
+    LEASE_RELEASES,
+    LEASE_RELEASE_NOT_HELD,
+    FENCE_RESYNCS,
+    REDIS_POOL_ACQUIRE_WAIT,
+    MOVEMENTS,
+    TRANSFERS,
+    MOVEMENTS_BY_PATH,
+    REDIS_OUTAGE,
+    WALLET_BUSY,
+    FENCE_REFUSALS,
+    LEASE_NOTE_STALE,
+    BATCH_SIZE,
+    ROUND_WALLETS,
+    PAYEE_BATCH,
+    PAYEE_BATCH_ALONE,
+    PG_POOL_ACQUIRE_WAIT,
+    PG_POOL_CONNECTIONS,
+    PG_POOL_MAX_CONNECTIONS,
+    REDIS_POOL_CONNECTIONS,
+    REDIS_POOL_MAX_CONNECTIONS,
+    REDIS_POOL_WAITING,
+    IDEMPOTENT_REPLAYS,
+    IDEMPOTENCY_CONFLICTS,
+    REPLICA_INFO,
+    PEAK_RESIDENT_MEMORY,
+];
+
+/// The standard process metrics, as Prometheus's own clients name them, which the
+/// `metrics-process` crate describes and samples (not described from [`ALL`]).
+pub const PROCESS: &[Metric] = &[
+    metric("process_cpu_seconds_total", Counter, &[], "CPU time used by the process, in seconds."),
+    metric("process_resident_memory_bytes", Gauge, &[], "Resident memory, in bytes."),
+    metric("process_virtual_memory_bytes", Gauge, &[], "Virtual memory, in bytes."),
+    metric(
+        "process_virtual_memory_max_bytes",
+        Gauge,
+        &[],
+        "The largest virtual memory the process may have.",
+    ),
+    metric("process_open_fds", Gauge, &[], "Open file descriptors."),
+    metric("process_max_fds", Gauge, &[], "The most file descriptors the process may open."),
+    metric("process_start_time_seconds", Gauge, &[], "When the process started, in seconds since the epoch."),
+    metric("process_threads", Gauge, &[], "Threads of the process."),
+];
+
+/// The table of docs/operating/observability.md (`walletlock metrics`): every metric of [`ALL`]
+/// and [`PROCESS`], with its labels, kind and help.
+pub fn markdown_table() -> String {
+    let mut table = String::from("| metric | type | what |\n|---|---|---|\n");
+    for metric in ALL.iter().chain(PROCESS) {
+        let labels =
+            if metric.labels.is_empty() { String::new() } else { format!("{{{}}}", metric.labels.join(",")) };
+        table.push_str(&format!(
+            "| `{}{labels}` | {} | {} |\n",
+            metric.name,
+            metric.kind.as_str(),
+            metric.help
+        ));
+    }
+    table
+}
 
 /// Latency buckets, in seconds: from half a millisecond to ten seconds.
 const BUCKETS: &[f64] =
@@ -53,17 +303,21 @@ const BUCKETS: &[f64] =
 /// Batch sizes, in movements or wallets: powers of two up to the largest round.
 const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
-/// Installs the process-wide recorder (once; later calls return the same handle) and registers
-/// every metric at zero: this module's own, then each of `describe_others`.
-pub fn install(describe_others: &[fn()]) -> PrometheusHandle {
+/// Installs the process-wide recorder (once; later calls return the same handle), describes every
+/// metric, and has each of `register_others` register its modules' series at zero, so a dashboard
+/// sees them from the first scrape (`http`, `lease`, `wallet` and `idempotency` each have one; the
+/// replica passes them in, so this module, at the bottom, calls up into none of them).
+pub fn install(register_others: &[fn()]) -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
             let builder = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
-                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), BATCH_BUCKETS))
-                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(ROUND_WALLETS.into()), BATCH_BUCKETS))
-                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(PAYEE_BATCH.into()), BATCH_BUCKETS))
+                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(BATCH_SIZE.name.into()), BATCH_BUCKETS))
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(ROUND_WALLETS.name.into()), BATCH_BUCKETS)
+                })
+                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(PAYEE_BATCH.name.into()), BATCH_BUCKETS))
                 .expect("buckets are not empty");
             let recorder = builder.build_recorder();
             let handle = recorder.handle();
@@ -71,27 +325,33 @@ pub fn install(describe_others: &[fn()]) -> PrometheusHandle {
                 tracing::warn!("a metrics recorder was already installed; /metrics will be empty");
             }
             describe();
-            for describe in describe_others {
-                describe();
+            for register in register_others {
+                register();
             }
             handle
         })
         .clone()
 }
 
+/// Describes every metric of [`ALL`] to the recorder, and the process's standard ones.
 fn describe() {
-    metrics::describe_gauge!("walletlock_replica_info", "Always 1; labels name the replica and its version.");
+    for metric in ALL {
+        let (name, help) = (metric.name, metric.help);
+        match (metric.kind, metric.unit) {
+            (Kind::Counter, Some(unit)) => metrics::describe_counter!(name, unit, help),
+            (Kind::Counter, None) => metrics::describe_counter!(name, help),
+            (Kind::Gauge, Some(unit)) => metrics::describe_gauge!(name, unit, help),
+            (Kind::Gauge, None) => metrics::describe_gauge!(name, help),
+            (Kind::Histogram, Some(unit)) => metrics::describe_histogram!(name, unit, help),
+            (Kind::Histogram, None) => metrics::describe_histogram!(name, help),
+        }
+    }
     process_collector().describe();
-    metrics::describe_gauge!(
-        "walletlock_process_peak_resident_memory_bytes",
-        metrics::Unit::Bytes,
-        "Highest resident memory since the process started."
-    );
 }
 
 /// Labels this process's metrics with the replica's name.
 pub fn set_replica(replica: &str) {
-    metrics::gauge!("walletlock_replica_info", "replica" => replica.to_owned(), "version" => env!("CARGO_PKG_VERSION"))
+    metrics::gauge!(REPLICA_INFO.name, "replica" => replica.to_owned(), "version" => env!("CARGO_PKG_VERSION"))
         .set(1.0);
 }
 
@@ -114,6 +374,6 @@ pub fn sample_process() {
     if let Some(usage) = usage {
         // ru_maxrss is in kilobytes on Linux, and the kernel updates it lazily.
         let peak = (usage.ru_maxrss as u64 * 1024).max(resident);
-        metrics::gauge!("walletlock_process_peak_resident_memory_bytes").set(peak as f64);
+        metrics::gauge!(PEAK_RESIDENT_MEMORY.name).set(peak as f64);
     }
 }

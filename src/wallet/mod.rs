@@ -47,7 +47,7 @@ pub use crate::ledger::transfer::{HeldLeg, MovementHold, MovementRecord, Transfe
 pub use crate::ledger::{Entry, Wallet};
 pub use decision::SettleAs;
 pub use error::{SharedError, WalletError};
-pub use instruments::describe_metrics;
+pub use instruments::register_metrics;
 pub use outage::RedisOutage;
 pub use rounds::queue::{MAX_BATCH, MAX_HOLD};
 pub use transfer::{Between, MovementRecordOutcome, Refund, RefundOutcome, TransferOutcome};

@@ -5,6 +5,7 @@ use super::decision::Held;
 use super::{Access, AlreadyExists, OpenOutcome, WalletError, WalletId, Wallets, error::commit, lease_name};
 use crate::idempotency::{self, Receipt};
 use crate::ledger::{self, Entry, StoreError, Wallet};
+use crate::telemetry::metrics::PG_POOL_ACQUIRE_WAIT;
 use sqlx::pool::PoolConnection;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -115,7 +116,7 @@ impl Wallets {
     pub(super) async fn connection(&self) -> Result<PoolConnection<sqlx::Postgres>, WalletError> {
         let waiting = Instant::now();
         let conn = self.db.acquire().await?;
-        metrics::histogram!("walletlock_pg_pool_acquire_wait_seconds").record(waiting.elapsed());
+        metrics::histogram!(PG_POOL_ACQUIRE_WAIT.name).record(waiting.elapsed());
         Ok(conn)
     }
 

@@ -45,6 +45,7 @@ use crate::ledger::storage::Storage;
 use crate::ledger::transfer::{
     self as store, FoundMovement, FoundTransfer, LockedWallet, MovementRecord, Transfer,
 };
+use crate::telemetry::metrics::{FENCE_REFUSALS, PAYEE_BATCH_ALONE, TRANSFERS};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use uuid::Uuid;
@@ -167,21 +168,9 @@ impl Fences {
     }
 }
 
-/// Describes the metrics this module records, and registers the common ones at zero.
-pub(super) fn describe_metrics() {
-    metrics::describe_counter!(
-        "walletlock_transfers_total",
-        "Transfers, movements of many legs, refunds of transfers and refunds of payments, by kind and outcome."
-    );
-    metrics::describe_histogram!(
-        crate::telemetry::metrics::PAYEE_BATCH,
-        "Transfers into one payee per transaction (under the payee's lease)."
-    );
-    metrics::describe_counter!(
-        "walletlock_payee_batch_alone_total",
-        "Transfers a payee's worker sent on alone: their payer's lease was busy (or their key was twice in the batch)."
-    );
-    metrics::counter!("walletlock_payee_batch_alone_total").absolute(0);
+/// Registers this module's series at zero.
+pub(super) fn register_metrics() {
+    metrics::counter!(PAYEE_BATCH_ALONE.name).absolute(0);
     for kind in [
         "transfer",
         "movement",
@@ -193,7 +182,7 @@ pub(super) fn describe_metrics() {
         "movement_refund",
     ] {
         for outcome in ["accepted", "insufficient_funds", "lock_timeout", "lease_lost", "unavailable"] {
-            metrics::counter!("walletlock_transfers_total", "kind" => kind, "outcome" => outcome).absolute(0);
+            metrics::counter!(TRANSFERS.name, "kind" => kind, "outcome" => outcome).absolute(0);
         }
     }
 }
@@ -660,8 +649,8 @@ async fn lift_fence(
 /// Counts how a transfer (or refund) of `kind` ended.
 pub(super) fn count_outcome<T>(kind: &'static str, result: &Result<T, WalletError>) {
     let outcome = result.as_ref().map_or_else(WalletError::outcome, |_| "accepted");
-    metrics::counter!("walletlock_transfers_total", "kind" => kind, "outcome" => outcome).increment(1);
+    metrics::counter!(TRANSFERS.name, "kind" => kind, "outcome" => outcome).increment(1);
     if matches!(result, Err(WalletError::LeaseLost)) {
-        metrics::counter!("walletlock_fence_refusals_total").increment(1);
+        metrics::counter!(FENCE_REFUSALS.name).increment(1);
     }
 }

@@ -12,7 +12,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("telemetry", &[]),
     ("lease", &["telemetry", "failpoint"]),
     ("ledger", &["domain", "telemetry", "failpoint"]),
-    ("idempotency", &["domain", "ledger"]),
+    ("idempotency", &["domain", "ledger", "telemetry"]),
     ("wallet", &["domain", "failpoint", "idempotency", "lease", "ledger", "telemetry"]),
     ("http", &["domain", "idempotency", "telemetry", "wallet"]),
     ("tutorial", &["domain", "lease", "ledger", "wallet"]),

@@ -21,6 +21,7 @@
 pub(in crate::wallet) mod unleased;
 
 use crate::lease::{LeaseClient, RedisFailure};
+use crate::telemetry::metrics::{MOVEMENTS_BY_PATH, REDIS_OUTAGE};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -97,7 +98,7 @@ impl Outage {
             error = %failure,
             "Redis is unreachable: moving money under Postgres alone (row locks) until it answers again"
         );
-        metrics::gauge!("walletlock_redis_outage").set(1.0);
+        metrics::gauge!(REDIS_OUTAGE.name).set(1.0);
         let (this, leases, name) = (self.clone(), leases.clone(), name.to_owned());
         tokio::spawn(async move {
             loop {
@@ -118,7 +119,7 @@ impl Outage {
 
     fn leave(&self) {
         let Some(since) = self.since.lock().expect("outage lock").take() else { return };
-        metrics::gauge!("walletlock_redis_outage").set(0.0);
+        metrics::gauge!(REDIS_OUTAGE.name).set(0.0);
         tracing::info!(
             lasted_ms = since.elapsed().as_millis() as u64,
             "Redis answers again: moving money under leases"
@@ -130,28 +131,19 @@ impl Outage {
 pub fn count_path<T, E>(path: Path, results: &[Result<T, E>]) {
     let applied = results.iter().filter(|result| result.is_ok()).count();
     if applied > 0 {
-        metrics::counter!("walletlock_movements_by_path_total", "path" => path.label())
-            .increment(applied as u64);
+        metrics::counter!(MOVEMENTS_BY_PATH.name, "path" => path.label()).increment(applied as u64);
     }
 }
 
 /// Counts one movement of money applied by `path`.
 pub fn count_one(path: Path) {
-    metrics::counter!("walletlock_movements_by_path_total", "path" => path.label()).increment(1);
+    metrics::counter!(MOVEMENTS_BY_PATH.name, "path" => path.label()).increment(1);
 }
 
-/// Describes the metrics of outages, and registers them at zero.
-pub fn describe_metrics() {
-    metrics::describe_gauge!(
-        "walletlock_redis_outage",
-        "1 while this replica cannot reach Redis and moves money under Postgres alone; 0 on leases."
-    );
-    metrics::gauge!("walletlock_redis_outage").set(0.0);
-    metrics::describe_counter!(
-        "walletlock_movements_by_path_total",
-        "Movements of money applied, by path: under a Redis lease, or under Postgres alone (a Redis outage)."
-    );
+/// Registers the metrics of outages at zero.
+pub fn register_metrics() {
+    metrics::gauge!(REDIS_OUTAGE.name).set(0.0);
     for path in [Path::Lease, Path::PostgresOnly] {
-        metrics::counter!("walletlock_movements_by_path_total", "path" => path.label()).absolute(0);
+        metrics::counter!(MOVEMENTS_BY_PATH.name, "path" => path.label()).absolute(0);
     }
 }

@@ -21,6 +21,7 @@ use crate::ledger::group::{self as store, GroupWrite, HoldsToRead};
 use crate::ledger::idempotency::KeyRef;
 use crate::ledger::storage::{KnownStorage, Storage};
 use crate::ledger::transfer::{LockedWallet, lock_free_wallets, lock_wallets};
+use crate::telemetry::metrics::BATCH_SIZE;
 use crate::wallet::decision::{self, Batch, Held, Known, Op, Plan};
 use crate::wallet::outage::{Path, count_path};
 use crate::wallet::rounds::group::{self, MAX_ROUND_OPS, round_time};
@@ -302,7 +303,7 @@ impl Wallets {
             let started = Instant::now();
             let (waiters, ops): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|pending| pending.into_parts()).unzip();
-            metrics::histogram!(crate::telemetry::metrics::BATCH_SIZE).record(ops.len() as f64);
+            metrics::histogram!(BATCH_SIZE.name).record(ops.len() as f64);
             let results = match self.unleased.run(id, ops).await {
                 RoundOutcome::Done(results) => results,
                 RoundOutcome::NotRun(ops) => Box::pin(self.write_alone_unleased(id, &ops)).await,

@@ -27,6 +27,7 @@ use crate::ledger::group::{
 use crate::ledger::hold::Hold;
 use crate::ledger::idempotency::KeyRef;
 use crate::ledger::storage::{KnownStorage, Storage};
+use crate::telemetry::metrics::{LEASE_NOTE_STALE, PG_POOL_ACQUIRE_WAIT, ROUND_WALLETS, WALLET_BUSY};
 use crate::wallet::decision::{self, Batch, FoundKeys, Held, Known, LegsOp, LegsPlan, LegsWallet, Op, Plan};
 use crate::wallet::transfer::Done;
 use crate::wallet::{Moved, WalletError, WalletId};
@@ -329,7 +330,7 @@ async fn run_round(
     storage: Storage,
     round: Vec<Submitted>,
 ) -> RoundConnection {
-    metrics::histogram!(crate::telemetry::metrics::ROUND_WALLETS).record(round.len() as f64);
+    metrics::histogram!(ROUND_WALLETS.name).record(round.len() as f64);
     let kept = lane.is_some();
     let fresh = lane.as_ref().is_some_and(|lane| lane.answered.elapsed() < LANE_FRESH);
     let mut jobs = RoundJobs::default();
@@ -466,7 +467,7 @@ async fn run_round(
                     if plan.runs() && committed.busy.contains(id) {
                         // Another statement is writing the row right now: nothing was written,
                         // and the holder tries again shortly while its lease lasts.
-                        metrics::counter!("walletlock_wallet_busy_total").increment(1);
+                        metrics::counter!(WALLET_BUSY.name).increment(1);
                         let _ = r.reply.send(JobOutcome::Busy { ops: r.job.ops });
                         continue;
                     }
@@ -479,7 +480,7 @@ async fn run_round(
                     // writing never rests on the note alone.
                     if !matched || (r.held.from_note && !plan.runs() && plan.hides()) {
                         if r.held.from_note {
-                            metrics::counter!("walletlock_lease_note_stale_total").increment(1);
+                            metrics::counter!(LEASE_NOTE_STALE.name).increment(1);
                         }
                         let _ = r.reply.send(JobOutcome::Stale { ops: r.job.ops });
                         continue;
@@ -491,7 +492,7 @@ async fn run_round(
                 for (r, plan) in jobs.legs_ready.into_iter().zip(legs_plans) {
                     let present = || r.job.wallets.iter().zip(&r.held).filter(|(_, held)| held.is_some());
                     if plan.runs() && present().any(|((id, _), _)| committed.busy.contains(id.as_str())) {
-                        metrics::counter!("walletlock_wallet_busy_total").increment(1);
+                        metrics::counter!(WALLET_BUSY.name).increment(1);
                         let _ = r.reply.send(LegsOutcome::Again { busy: true, ops: r.job.ops });
                         continue;
                     }
@@ -544,7 +545,7 @@ async fn connect(db: &PgPool, lane: RoundConnection) -> Result<PoolConnection<Po
     }
     let started = Instant::now();
     let conn = db.acquire().await?;
-    metrics::histogram!("walletlock_pg_pool_acquire_wait_seconds").record(started.elapsed());
+    metrics::histogram!(PG_POOL_ACQUIRE_WAIT.name).record(started.elapsed());
     Ok(conn)
 }
 

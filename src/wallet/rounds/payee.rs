@@ -18,6 +18,7 @@
 use crate::idempotency::Keyed;
 use crate::lease::{self, Lease};
 use crate::ledger::transfer::Transfer;
+use crate::telemetry::metrics::{PAYEE_BATCH, PAYEE_BATCH_ALONE};
 use crate::wallet::decision::LegsOp;
 use crate::wallet::outage::{Path, count_path};
 use crate::wallet::rounds::queue::{Lane, MAX_BATCH, MAX_HOLD, Queues, Waiting};
@@ -142,7 +143,7 @@ impl Wallets {
                 }
                 return;
             }
-            metrics::histogram!(crate::telemetry::metrics::PAYEE_BATCH).record(batch.len() as f64);
+            metrics::histogram!(PAYEE_BATCH.name).record(batch.len() as f64);
             // Asked while the batch is written (see the wallets' worker, `queue`).
             let contention: OptionFuture<_> =
                 (!self.payees.is_empty(payee)).then(|| lease.contention()).into();
@@ -170,7 +171,7 @@ impl Wallets {
             if batch.is_empty() {
                 return;
             }
-            metrics::histogram!(crate::telemetry::metrics::PAYEE_BATCH).record(batch.len() as f64);
+            metrics::histogram!(PAYEE_BATCH.name).record(batch.len() as f64);
             let (ops, replies): (Vec<LegsOp>, Vec<_>) = batch.into_iter().map(Queued::into_op).unzip();
             let outcome = self.commit_unleased(&ops).await;
             answer_each(replies, outcome, Path::PostgresOnly);
@@ -221,7 +222,7 @@ impl Wallets {
         }
         // The payers' leases are let go while the worker goes on with its next batch.
         self.in_flight.spawn(lease::release_all(payer_leases));
-        metrics::counter!("walletlock_payee_batch_alone_total").increment(alone.len() as u64);
+        metrics::counter!(PAYEE_BATCH_ALONE.name).increment(alone.len() as u64);
         for queued in alone {
             let (op, reply) = queued.into_op();
             let this = self.clone();

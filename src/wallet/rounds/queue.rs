@@ -17,6 +17,7 @@
 //! Postgres alone ([`crate::wallet::outage`]), and takes leases again once Redis answers.
 
 use crate::lease::{Lease, LeaseError, Released};
+use crate::telemetry::metrics::BATCH_SIZE;
 use crate::wallet::decision::{Held, Op};
 use crate::wallet::rounds::group::{Job, JobOutcome};
 use crate::wallet::{Moved, WalletError, WalletId, Wallets, lease_name};
@@ -295,7 +296,7 @@ impl Wallets {
                 .into_iter()
                 .map(|Pending { op, enqueued, deadline, reply }| ((enqueued, deadline, reply), op))
                 .unzip();
-            metrics::histogram!(crate::telemetry::metrics::BATCH_SIZE).record(ops.len() as f64);
+            metrics::histogram!(BATCH_SIZE.name).record(ops.len() as f64);
             let job = Job { id: id.clone(), fence: lease.fence(), held: held.clone(), ops };
             let rejoin =
                 |waiters: Vec<(Instant, Instant, oneshot::Sender<Reply>)>, ops: Vec<Op>| -> Vec<Pending> {
