@@ -1,25 +1,24 @@
 #!/usr/bin/env python3
 """loadtest/books.py: checks a load test's books, Jepsen-style (the bank test).
 
-    loadtest/books.py --acks RUN_DIR/console.log [--base-url URL] [--audit 'walletlock audit']
+    loadtest/books.py --acks RUN_DIR/console.log --audit 'walletlock audit' [--base-url URL]
 
 (API_TOKEN in the environment, if the API wants one: sent as `Authorization: Bearer`.)
 
 The client's side is the k6 console log of the run (ACK_LOG=1): one `WL {...}` record per wallet
 opened and per operation, with its final outcome as the client saw it. Undecided operations are
-settled first, as a client would: by sending the same request with the same Idempotency-Key. Then
-every wallet of the run is read through the API and checked against what the client was told, the
-holds are checked once every one not settled has expired, and `walletlock audit` checks the whole
-database (loadtest/README.md, "The book check", lists every check). Prints one line per problem,
-then the tutorial's line, summed over the run's wallets:
+settled first, as a client would: by sending the same request with the same Idempotency-Key; and
+the check waits until every hold the client left alone has expired. Then what the clients were
+told goes, one acknowledgement a line, to `walletlock audit --acks` (src/ledger/books.rs), the one
+bank check, which holds the ledger against it and audits the whole database. Its last line is the
+tutorial's, summed over the run's wallets:
 
   accepted=N balance=B expected=E OK|BROKEN
 
-and exits 0 on OK, 1 on BROKEN.
+and this exits 0 on OK, 1 on BROKEN.
 """
 
 import argparse
-import concurrent.futures
 import http.client
 import json
 import os
@@ -98,19 +97,6 @@ class Client:
                 time.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")
 
-    def get_json(self, path):
-        """GET, retrying transient answers; (status, json or None)."""
-        for attempt in range(10):
-            status, _, data = self.request("GET", path)
-            if status in (502, 503, 504):
-                time.sleep(0.2 * (attempt + 1))
-                continue
-            try:
-                return status, json.loads(data)
-            except ValueError:
-                return status, None
-        return status, None
-
 
 def load_acks(path):
     """What the client saw: opened wallets, and one final record per operation key."""
@@ -185,34 +171,10 @@ def settle(client, ops, deadline_s=60):
     return len(undecided), charged
 
 
-def read_wallet(client, wallet):
-    """The wallet and its whole ledger, through the API."""
-    status, body = client.get_json(f"/wallets/{wallet}")
-    if status != 200:
-        return None, None, f"GET /wallets/{wallet}: HTTP {status}"
-    entries = []
-    before = None
-    while True:
-        query = "limit=500" + (f"&before={before}" if before else "")
-        status, page = client.get_json(f"/wallets/{wallet}/transactions?{query}")
-        if status != 200 or page is None:
-            return body, None, f"GET /wallets/{wallet}/transactions: HTTP {status}"
-        entries.extend(page["transactions"])
-        before = page.get("next_cursor")
-        if not before:
-            break
-    entries.sort(key=lambda e: e["version"])
-    return body, entries, None
-
-
 # The ledger entry kinds that take money out of a wallet; every other kind puts it in.
 DEBITS = ("pay", "transfer_out")
 # The kind of entry an accepted operation makes, where it is not the operation's own name.
 ENTRY_KIND = {"capture": "pay"}
-# The kinds the load test makes, each acknowledged to the client (and counted) one by one; a
-# payment's and a transfer leg's reference is the operation's key.
-COUNTED = ("pay", "deposit", "transfer_out", "transfer_in")
-KEYED = ("pay", "transfer_out", "transfer_in")
 
 
 def sign(kind):
@@ -250,106 +212,6 @@ def legs(record):
     ]
 
 
-def check_wallet(wallet, opening, accepted_ops, refused_keys, state, entries, holds=False):
-    """Problems with one wallet's books (accepted_ops: its legs and captures; refused_keys: (op, key)
-    of its refused payments and transfers; holds: whether the run placed holds, all expired or
-    settled by now); (problems, balance, expected)."""
-    problems = []
-    moved = defaultdict(int)
-    for r in accepted_ops:
-        moved[r["op"]] += r["amount"]
-    expected = opening + sum(sign(ENTRY_KIND.get(op, op)) * amount for op, amount in moved.items())
-    balance = state["balance"]
-    if balance < 0:
-        problems.append(f"wallet {wallet}: negative balance {balance}")
-    if holds and state.get("available") != balance:
-        problems.append(
-            f"wallet {wallet}: available {state.get('available')} but balance {balance} "
-            "after every hold expired or was settled"
-        )
-    if balance != expected:
-        figures = ", ".join(
-            f"{op} {sign(ENTRY_KIND.get(op, op)) * amount:+}" for op, amount in sorted(moved.items())
-        )
-        problems.append(
-            f"wallet {wallet}: balance {balance} but expected {expected} "
-            f"(opened with {opening}; accepted: {figures or 'nothing'})"
-        )
-
-    # The ledger, as the API pages it.
-    ledger_sum = 0
-    running = None
-    for n, entry in enumerate(entries, start=1):
-        if entry["version"] != n:
-            problems.append(f"wallet {wallet}: ledger entry {n} is numbered {entry['version']}")
-            break
-        ledger_sum += sign(entry["kind"]) * entry["amount"]
-        if entry["kind"] == "open":
-            if n != 1:
-                problems.append(f"wallet {wallet}: an open entry at {n}")
-            running = entry["amount"]
-        else:
-            running = (running or 0) + sign(entry["kind"]) * entry["amount"]
-        if entry["balance"] != running:
-            problems.append(
-                f"wallet {wallet}: entry {n} ({entry['kind']} {entry['amount']}) leaves {entry['balance']}, "
-                f"not {running}"
-            )
-            running = entry["balance"]
-    if balance != ledger_sum:
-        problems.append(f"wallet {wallet}: balance {balance} but its ledger sums to {ledger_sum}")
-    if state["version"] != len(entries):
-        problems.append(f"wallet {wallet}: version {state['version']} but {len(entries)} ledger entries")
-    if not entries or entries[0]["kind"] != "open" or entries[0]["amount"] != opening:
-        problems.append(f"wallet {wallet}: the ledger does not open with the acknowledged {opening}")
-
-    # Each acknowledged operation exactly once; nothing else.
-    by_id = {e["id"]: e for e in entries}
-    by_reference = defaultdict(int)
-    for e in entries:
-        if e["kind"] in KEYED and e.get("reference") is not None:
-            by_reference[e["reference"]] += 1
-    for record in accepted_ops:
-        entry = by_id.get(record["entry"])
-        if entry is None:
-            problems.append(f"wallet {wallet}: accepted {record['op']} {record['key']} (entry {record['entry']}) is not in the ledger")
-        elif entry["kind"] != ENTRY_KIND.get(record["op"], record["op"]) or entry["amount"] != record["amount"]:
-            problems.append(f"wallet {wallet}: accepted {record['op']} of {record['amount']} is a {entry['kind']} of {entry['amount']} in the ledger")
-        elif record["op"] == "capture" and entry.get("hold_id") != record["hold"]:
-            problems.append(f"wallet {wallet}: capture {record['key']} of hold {record['hold']} is a pay entry of hold {entry.get('hold_id')}")
-        if record["op"] in KEYED and by_reference.get(record["key"], 0) != 1:
-            what = "payment" if record["op"] == "pay" else record["op"]
-            problems.append(f"wallet {wallet}: {what} {record['key']} is in the ledger {by_reference.get(record['key'], 0)} times")
-    for op, key in refused_keys:
-        if by_reference.get(key, 0):
-            what = "payment" if op == "pay" else op
-            problems.append(f"wallet {wallet}: {what} {key} was refused to the client but is in the ledger")
-    for kind in COUNTED:
-        # A capture's pay entry (it names its hold) is counted with the captures, below.
-        in_ledger = sum(1 for e in entries if e["kind"] == kind and e.get("hold_id") is None)
-        acknowledged = sum(1 for r in accepted_ops if r["op"] == kind)
-        if in_ledger != acknowledged:
-            problems.append(f"wallet {wallet}: {in_ledger} {kind} entries in the ledger, {acknowledged} acknowledged")
-
-    # Each acknowledged capture charged its hold once; no other hold is charged.
-    charges = defaultdict(list)
-    for e in entries:
-        if e.get("hold_id") is not None:
-            charges[e["hold_id"]].append(e)
-    captures = {r["hold"]: r for r in accepted_ops if r["op"] == "capture"}
-    for hold, record in captures.items():
-        times = len(charges.get(hold, []))
-        if times != 1:
-            problems.append(f"wallet {wallet}: capture {record['key']} of hold {hold} is in the ledger {times} times")
-    for hold, charged in charges.items():
-        if hold not in captures:
-            problems.append(
-                f"wallet {wallet}: the ledger charges hold {hold} {sum(e['amount'] for e in charged)} "
-                f"({len(charged)} {charged[0]['kind']} entries), but the client was not told it was captured"
-            )
-    return problems, balance, expected
-
-
 def hold_states(ops):
     """The holds the client placed, by id, each with what it was told became of it: its capture's
     record, `voided`, or `expired` (left alone, or its capture or void refused)."""
@@ -382,37 +244,34 @@ def wait_for_expiry(holds):
     return [f"hold {h['hold']} expires at {h['expires_at']}, after the check's wait ({MAX_HOLD_WAIT_S} s)" for h in late], wait
 
 
-def check_hold(client, hold):
-    """Problems with one hold as the API shows it (GET /holds/{id}), against what the client was told."""
-    status, body = client.get_json(f"/holds/{hold['hold']}")
-    if status != 200 or not isinstance(body, dict):
-        return [f"GET /holds/{hold['hold']}: HTTP {status}"]
-    told = hold["told"]
-    settlement = hold.get("settlement") or {}
-    want = {
-        "wallet_id": hold["w"],
-        "amount": hold["amount"],
-        "status": told,
-        "captured": settlement.get("amount", 0) if told == "captured" else 0,
-    }
-    if told == "captured":
-        want["capture_entry"] = settlement["entry"]
-    seen = {field: body.get(field) for field in want}
-    if seen == want:
-        return []
-    shown = ", ".join(f"{field} {value}" for field, value in seen.items())
-    return [f"hold {hold['hold']} (wallet {hold['w']}, {hold['key']}): {shown}, but the client was told {told}"]
+def acknowledgements(opened, ops, holds):
+    """What the clients were told, as `walletlock audit --acks` reads it (src/ledger/books.rs)."""
+    for wallet, balance in opened.items():
+        yield {"ack": "opened", "wallet": wallet, "balance": balance}
+    for record in ops.values():
+        # A void charges nothing, and a hold placed writes no entry (its own line says what became of it).
+        if (record["s"] == 200 and record["op"] != "void") or accepted_split(record):
+            told = [
+                {"wallet": wallet, "amount": sign(ENTRY_KIND.get(leg["op"], leg["op"])) * leg["amount"], "entry": leg["entry"]}
+                for wallet, leg in legs(record)
+            ]
+            yield {"ack": "applied", "key": record["key"], "legs": told}
+        elif record["s"] not in (200, 201):
+            yield {"ack": "refused", "key": record["key"]}
+    for hold in holds.values():
+        told = {"as": hold["told"]}
+        if hold["told"] == "captured":
+            told.update(amount=hold["settlement"]["amount"], entry=hold["settlement"]["entry"])
+        yield {"ack": "hold", "hold": hold["hold"], "wallet": hold["w"], "amount": hold["amount"], "told": told}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--acks", required=True, help="the k6 console log of the run (loadtest/run, ACK_LOG=1)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8080")
-    parser.add_argument("--audit", default="", help="command that audits the whole database (walletlock audit)")
-    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--audit", required=True, help="the audit command (walletlock audit), given --acks FILE")
     args = parser.parse_args()
 
-    started = time.monotonic()
     opened, ops, problems = load_acks(args.acks)
     if not opened:
         raise SystemExit(f"books: no opened wallets in {args.acks}: was k6 run with ACK_LOG=1?")
@@ -421,99 +280,44 @@ def main():
             if wallet not in opened:
                 problems.append(f"operation {record['key']} on wallet {wallet}, which the run did not open")
 
-    client = Client(args.base_url)
-    undecided, settled_charged = settle(client, ops)
+    undecided, settled_charged = settle(Client(args.base_url), ops)
     if undecided:
         print(f"settled {undecided} undecided operations by replaying their keys: {settled_charged} charged")
-
     holds, found = hold_states(ops)
     problems.extend(found)
-    # Before the wallets are read: their available balances count only holds still active.
+    # Before the holds are checked: every one the client left alone has expired.
     found, waited = wait_for_expiry(holds)
     problems.extend(found)
-
-    per_wallet = defaultdict(list)
-    refused = defaultdict(list)
-    for record in ops.values():
-        # A void charges nothing; a capture is a payment of what it charged.
-        if (record["s"] == 200 and record["op"] != "void") or accepted_split(record):
-            for wallet, leg in legs(record):
-                per_wallet[wallet].append(leg)
-        elif record["op"] in ("pay", "transfer", "split"):
-            for wallet in wallets_of(record):
-                refused[wallet].append((record["op"], record["key"]))
-
-    totals = {"balance": 0, "expected": 0}
-    lock = threading.Lock()
-
-    def one(wallet):
-        state, entries, error = read_wallet(client, wallet)
-        if error:
-            found = [error]
-            balance, expected = (state or {}).get("balance", 0), opened[wallet]
-        else:
-            found, balance, expected = check_wallet(
-                wallet, opened[wallet], per_wallet[wallet], refused[wallet], state, entries, bool(holds)
-            )
-        with lock:
-            totals["balance"] += balance
-            totals["expected"] += expected
-            problems.extend(found)
-        return len(entries or [])
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.threads) as pool:
-        entries = sum(pool.map(one, sorted(opened)))
-        for found in pool.map(lambda hold: check_hold(client, hold), holds.values()):
-            problems.extend(found)
-
-    def count(op, status=200):
-        return sum(1 for r in ops.values() if r["s"] == status and r["op"] == op)
-
-    # A capture is a payment: accepted counts it.
-    accepted = count("pay") + count("transfer") + count("split", 201) + count("capture")
-    refusals = sum(1 for r in ops.values() if r["s"] not in (200, 201))
-    print(
-        f"books: {len(opened)} wallets, {len(ops)} operations ({count('pay')} payments, {count('transfer')} "
-        f"transfers, {count('split', 201)} splits and {count('deposit')} deposits accepted, {refusals} refused), "
-        f"{entries} ledger entries read "
-        "through the API "
-        f"in {time.monotonic() - started:.1f} s"
-    )
     if holds:
         told = defaultdict(int)
         for hold in holds.values():
             told[hold["told"]] += 1
-        charged = sum(r["amount"] for r in ops.values() if r["op"] == "capture" and r["s"] == 200)
-        late = sum(1 for r in ops.values() if r.get("code") == "hold_expired")
         print(
-            f"holds: {len(holds)} placed: {told['captured']} captured ({charged} charged), {told['voided']} voided, "
-            f"{told['expired']} expired (left alone, or their capture or void refused: {late} too late); waited "
-            f"{waited:.1f} s for the last expiry, then read every hold through GET /holds/{{id}}"
+            f"holds: {len(holds)} placed: {told['captured']} captured, {told['voided']} voided, "
+            f"{told['expired']} expired (left alone, or their capture or void refused); "
+            f"waited {waited:.1f} s for the last expiry"
         )
-
-    audit_ok = True
-    if args.audit:
-        result = subprocess.run(shlex.split(args.audit), check=False, capture_output=True, text=True)
-        output = (result.stdout + result.stderr).strip().splitlines()
-        audit_ok = result.returncode == 0
-        if audit_ok:
-            # Its verdict is the last line it prints, not a log line (a slow statement's) after it.
-            verdict = result.stdout.strip().splitlines() or output
-            print(verdict[-1] if verdict else "audit OK")
-        else:
-            for line in output[:MAX_PROBLEMS_SHOWN]:
-                print(f"audit: {line}")
-            if len(output) > MAX_PROBLEMS_SHOWN:
-                print(f"audit: ... {len(output) - MAX_PROBLEMS_SHOWN} more lines")
-
-    problems.sort()
     for line in problems[:MAX_PROBLEMS_SHOWN]:
         print(line)
-    if len(problems) > MAX_PROBLEMS_SHOWN:
-        print(f"... and {len(problems) - MAX_PROBLEMS_SHOWN} more problems")
-    ok = not problems and audit_ok
-    print(f"accepted={accepted} balance={totals['balance']} expected={totals['expected']} {'OK' if ok else 'BROKEN'}")
-    return 0 if ok else 1
+
+    path = os.path.join(os.path.dirname(os.path.abspath(args.acks)), "acks.ndjson")
+    with open(path, "w", encoding="utf-8") as out:
+        out.writelines(json.dumps(ack) + "\n" for ack in acknowledgements(opened, ops, holds))
+    result = subprocess.run([*shlex.split(args.audit), "--acks", path], check=False, capture_output=True, text=True)
+    # The audit's problems, then the books' problems, its summary and its verdict (the last line).
+    lines = result.stdout.strip().splitlines()
+    if len(lines) > MAX_PROBLEMS_SHOWN + 2:
+        lines = [*lines[:MAX_PROBLEMS_SHOWN], f"... {len(lines) - MAX_PROBLEMS_SHOWN - 2} more lines", *lines[-2:]]
+    for line in lines:
+        print(line)
+    if result.returncode not in (0, 1) or not lines:
+        print(result.stderr.strip(), file=sys.stderr)
+        raise SystemExit(f"books: `{args.audit} --acks {path}` failed (exit {result.returncode})")
+    if problems and lines[-1].endswith(" OK"):
+        # Problems of the client's own record (an operation on a wallet the run did not open).
+        print(lines[-1].removesuffix(" OK") + " BROKEN")
+        return 1
+    return result.returncode
 
 
 if __name__ == "__main__":

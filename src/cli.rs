@@ -4,9 +4,10 @@ use crate::app::{Application, connect};
 use crate::config::{DatabaseArgs, RedisArgs, ServeArgs};
 use crate::generated_docs;
 use crate::http::server::shutdown_signal;
-use crate::ledger::schema;
+use crate::ledger::{books, schema};
 use crate::telemetry::LogFormat;
 use crate::tutorial::{self, Demo, Sandbox};
+use anyhow::Context;
 use clap::{CommandFactory, Parser, Subcommand};
 use secrecy::ExposeSecret;
 use std::process::ExitCode;
@@ -46,6 +47,11 @@ pub enum Command {
     Audit {
         #[command(flatten)]
         database: DatabaseArgs,
+        /// Check the ledger against what clients were told too (the bank check of a load): a file
+        /// of acknowledgements, one JSON object a line (`ledger::books::Ack`); then the last line
+        /// is `accepted=N balance=B expected=E OK|BROKEN` over the wallets it opened.
+        #[arg(long)]
+        acks: Option<std::path::PathBuf>,
     },
     /// Load the lease scripts into Redis as the Functions library `walletlock` (replacing an older
     /// one): on the node, on the primary Sentinel names, or on every primary of a Cluster. Run it
@@ -139,9 +145,21 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Audit { database } => {
+        Command::Audit { database, acks } => {
+            // Read first: a file that cannot be read is a usage error, not a broken ledger.
+            let acks = match acks {
+                Some(path) => {
+                    let text = std::fs::read_to_string(&path)
+                        .with_context(|| format!("reading {}", path.display()))?;
+                    let acks =
+                        books::parse(&text).map_err(|err| anyhow::anyhow!("{}: {err}", path.display()))?;
+                    Some(acks)
+                }
+                None => None,
+            };
             let pool = connect::postgres_pool(&database)?;
-            let report = crate::ledger::audit::run(&mut *pool.acquire().await?).await?;
+            let mut conn = pool.acquire().await?;
+            let report = crate::ledger::audit::run(&mut conn).await?;
             for problem in &report.problems {
                 println!("{problem}");
             }
@@ -155,11 +173,23 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                      no refund exceeds what it refunds, every wallet holds what its active holds add up to, \
                      money is conserved"
                 );
-                Ok(ExitCode::SUCCESS)
             } else {
                 println!("audit FAILED: {} problems in {summary}", report.problems.len());
-                Ok(ExitCode::FAILURE)
             }
+            let mut ok = report.problems.is_empty();
+            if let Some(acks) = acks {
+                let books = books::check(&acks, &books::read(&mut conn, &acks).await?);
+                for problem in &books.problems {
+                    println!("{problem}");
+                }
+                println!(
+                    "books: {} wallets, {} movements acknowledged as applied",
+                    books.wallets, books.accepted
+                );
+                println!("{}", books.verdict());
+                ok &= books.problems.is_empty();
+            }
+            Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
         }
         Command::RedisFunctions { redis, keep } => {
             let pool = connect::redis_pool(&redis)?.0;

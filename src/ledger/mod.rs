@@ -25,6 +25,7 @@
 //! its first statement is refused instead of overtaking the holder that replaced it.
 
 pub mod audit;
+pub mod books;
 pub mod group;
 pub mod hold;
 pub mod idempotency;

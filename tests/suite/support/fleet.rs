@@ -6,6 +6,7 @@ use super::servers::{OwnedChild, free_port, listening, wait_until};
 use super::tls::TestCa;
 use nix::sys::signal::Signal;
 use sqlx::PgPool;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -25,6 +26,25 @@ pub fn audit(database_url: &str) -> (bool, String) {
         .expect("walletlock audit");
     let report = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status.success(), report)
+}
+
+/// The bank check: `walletlock audit --acks`, with `acks` (what the clients were told, one
+/// `ledger::books::Ack` each) as its file. Panics with its report unless the books balance and the
+/// audit finds nothing.
+pub fn audit_books(database_url: &str, acks: &[serde_json::Value]) {
+    let mut file = tempfile::NamedTempFile::new().expect("a file for the acknowledgements");
+    for ack in acks {
+        writeln!(file, "{ack}").expect("an acknowledgement written");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_walletlock"))
+        .arg("audit")
+        .arg("--acks")
+        .arg(file.path())
+        .env("DATABASE_URL", database_url)
+        .output()
+        .expect("walletlock audit --acks");
+    let report = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && report.trim_end().ends_with(" OK"), "the bank check: {report}");
 }
 
 /// Runs a function of deploy/lib.sh, so tests and deploy/local share one way of doing it.

@@ -1,7 +1,7 @@
 //! Concurrent splits (`POST /movements` of three legs) through the fleet, remembering what each
 //! client was told, and their bank check: after every unknown outcome has been settled by retrying
 //! with its key, the movements acknowledged are exactly those recorded, each once, with each leg
-//! in its wallet's ledger once ([`super::transfers::check_legs_and_balances`]).
+//! in its wallet's ledger once (`walletlock audit --acks`).
 
 use super::fleet::Fleet;
 pub use super::load::Outcome;
@@ -9,7 +9,6 @@ use super::load::send_keyed;
 use rand::Rng;
 use rand::seq::SliceRandom;
 use serde_json::json;
-use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
@@ -105,33 +104,13 @@ pub fn tally_splits(attempts: &[SplitAttempt]) -> std::collections::BTreeMap<Str
 }
 
 /// The bank check of splits, after [`settle_splits`]: `opening` is each wallet's opening balance,
-/// and the wallets see no other movement than `attempts`. The movements recorded are exactly the
-/// acknowledged ones, each with its count of legs.
+/// and the wallets see no other movement than `attempts` (`walletlock audit --acks`).
 pub async fn check_split_books(fleet: &Fleet, opening: &[(&str, i64)], attempts: &[SplitAttempt]) {
-    let applied: Vec<(uuid::Uuid, Vec<(String, i64)>)> = attempts
-        .iter()
-        .filter_map(|a| match a.outcome {
-            Outcome::Applied(id) => Some((id, a.legs.clone())),
-            Outcome::NotApplied(_) => None,
-            Outcome::Unknown(_) => panic!("settle the attempts first: {a:?}"),
-        })
-        .collect();
-    let acknowledged: HashSet<uuid::Uuid> = applied.iter().map(|(id, _)| *id).collect();
-    assert_eq!(acknowledged.len(), applied.len(), "two keys were answered with one movement");
-    let wallets: Vec<String> = opening.iter().map(|(w, _)| w.to_string()).collect();
-    let recorded: Vec<(uuid::Uuid, i16)> =
-        sqlx::query_as("select id, legs from movement where wallet_id = any($1)")
-            .bind(&wallets)
-            .fetch_all(&fleet.db)
-            .await
-            .unwrap();
-    let in_books: HashSet<uuid::Uuid> = recorded.iter().map(|(id, _)| *id).collect();
-    let lost: Vec<_> = acknowledged.difference(&in_books).collect();
-    let unacknowledged: Vec<_> = in_books.difference(&acknowledged).collect();
-    assert!(lost.is_empty(), "acknowledged movements missing from the books: {lost:?}");
-    assert!(unacknowledged.is_empty(), "movements recorded that no client was told of: {unacknowledged:?}");
-    for (id, legs) in &recorded {
-        assert_eq!(*legs, 3, "movement {id}: a split of three legs");
+    let mut acks = super::load::opened(opening);
+    for attempt in attempts {
+        let legs: Vec<(&str, i64)> =
+            attempt.legs.iter().map(|(wallet, amount)| (wallet.as_str(), *amount)).collect();
+        acks.push(super::load::told(&attempt.key, &attempt.outcome, &legs));
     }
-    super::transfers::check_legs_and_balances(fleet, opening, &applied).await;
+    super::fleet::audit_books(&fleet.database_url, &acks);
 }

@@ -5,12 +5,11 @@
 //! what it received, equals its ledger, is not negative; money is conserved; `walletlock audit`
 //! agrees.
 
-use super::fleet::{Fleet, audit};
+use super::fleet::Fleet;
 pub use super::load::Outcome;
 use super::load::send_keyed;
 use rand::Rng;
 use serde_json::json;
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -159,94 +158,15 @@ pub fn tally(attempts: &[TransferAttempt]) -> std::collections::BTreeMap<String,
 }
 
 /// The bank check, after [`settle`]: `opening` is each wallet's opening balance, and the wallets
-/// see no other movement than `attempts`.
+/// see no other movement than `attempts` (`walletlock audit --acks`).
 pub async fn check_books(fleet: &Fleet, opening: &[(&str, i64)], attempts: &[TransferAttempt]) {
-    let applied: Vec<(uuid::Uuid, &TransferAttempt)> = attempts
-        .iter()
-        .filter_map(|a| match a.outcome {
-            Outcome::Applied(id) => Some((id, a)),
-            Outcome::NotApplied(_) => None,
-            Outcome::Unknown(_) => panic!("settle the attempts first: {a:?}"),
-        })
-        .collect();
-    let acknowledged: HashSet<uuid::Uuid> = applied.iter().map(|(id, _)| *id).collect();
-    assert_eq!(acknowledged.len(), applied.len(), "two keys were answered with one transfer");
-
-    let wallets: Vec<String> = opening.iter().map(|(w, _)| w.to_string()).collect();
-    let recorded: Vec<(uuid::Uuid, String, String, i64)> = sqlx::query_as(
-        "select id, from_wallet, to_wallet, amount from transfer
-         where from_wallet = any($1) or to_wallet = any($1)",
-    )
-    .bind(&wallets)
-    .fetch_all(&fleet.db)
-    .await
-    .unwrap();
-    let in_books: HashSet<uuid::Uuid> = recorded.iter().map(|(id, ..)| *id).collect();
-    let lost: Vec<_> = acknowledged.difference(&in_books).collect();
-    let unacknowledged: Vec<_> = in_books.difference(&acknowledged).collect();
-    assert!(lost.is_empty(), "acknowledged transfers missing from the books: {lost:?}");
-    assert!(unacknowledged.is_empty(), "transfers recorded that no client was told of: {unacknowledged:?}");
-    for (id, from, to, amount) in &recorded {
-        let (_, attempt) = applied.iter().find(|(applied, _)| applied == id).expect("acknowledged");
-        assert_eq!((from, to, *amount), (&attempt.from, &attempt.to, attempt.amount), "transfer {id}");
+    let mut acks = super::load::opened(opening);
+    for a in attempts {
+        acks.push(super::load::told(
+            &a.key,
+            &a.outcome,
+            &[(a.from.as_str(), -a.amount), (a.to.as_str(), a.amount)],
+        ));
     }
-
-    let moved: Vec<(uuid::Uuid, Vec<(String, i64)>)> = applied
-        .iter()
-        .map(|(id, a)| (*id, vec![(a.from.clone(), -a.amount), (a.to.clone(), a.amount)]))
-        .collect();
-    check_legs_and_balances(fleet, opening, &moved).await;
-}
-
-/// The bank check of movements between wallets (a transfer is one of two legs), after every
-/// outcome is settled: `applied` is each acknowledged movement's id and legs (wallet, signed
-/// amount), and the wallets of `opening` see no other movement. Each leg is in its wallet's ledger
-/// exactly once (a `transfer_out` or `transfer_in` carrying the movement's id), no entry of a
-/// movement no client was told of; every balance is its opening plus its legs, equals its ledger,
-/// is not negative; money is conserved; `walletlock audit` agrees.
-pub async fn check_legs_and_balances(
-    fleet: &Fleet,
-    opening: &[(&str, i64)],
-    applied: &[(uuid::Uuid, Vec<(String, i64)>)],
-) {
-    let wallets: Vec<String> = opening.iter().map(|(w, _)| w.to_string()).collect();
-    let entries: Vec<(uuid::Uuid, String, String, i64)> = sqlx::query_as(
-        "select transfer_id, wallet_id, kind, amount from ledger_entry where wallet_id = any($1) and transfer_id is not null",
-    )
-    .bind(&wallets)
-    .fetch_all(&fleet.db)
-    .await
-    .unwrap();
-    let mut entries_of: HashMap<uuid::Uuid, Vec<(String, String, i64)>> = HashMap::new();
-    for (movement, wallet, kind, amount) in entries {
-        entries_of.entry(movement).or_default().push((kind, wallet, amount));
-    }
-    for (id, legs) in applied {
-        let mut found = entries_of.remove(id).unwrap_or_default();
-        found.sort();
-        let mut want: Vec<(String, String, i64)> = legs
-            .iter()
-            .map(|(wallet, signed)| {
-                let kind = if *signed < 0 { "transfer_out" } else { "transfer_in" };
-                (kind.to_owned(), wallet.clone(), signed.abs())
-            })
-            .collect();
-        want.sort();
-        assert_eq!(found, want, "movement {id}: each leg in its wallet's ledger once");
-    }
-    assert!(entries_of.is_empty(), "legs of movements no client was told of: {entries_of:?}");
-
-    let mut total = (0, 0);
-    for (wallet, opening) in opening {
-        let moved: i64 =
-            applied.iter().flat_map(|(_, legs)| legs).filter(|(w, _)| w == wallet).map(|(_, n)| n).sum();
-        let books = super::books(&fleet.db, wallet).await;
-        assert_eq!(books.balance, opening + moved, "{wallet}: balance = opening + its legs");
-        assert_eq!(books.balance, books.ledger_sum, "{wallet}: balance = ledger");
-        assert!(books.balance >= 0, "{wallet}: negative");
-        total = (total.0 + opening, total.1 + books.balance);
-    }
-    assert_eq!(total.0, total.1, "money is conserved among the wallets");
-    let (ok, report) = audit(&fleet.database_url);
-    assert!(ok, "walletlock audit: {report}");
+    super::fleet::audit_books(&fleet.database_url, &acks);
 }
