@@ -53,6 +53,27 @@ pub enum Command {
         #[arg(long)]
         acks: Option<std::path::PathBuf>,
     },
+    /// Export a wallet's entries, oldest first, to stdout, as `GET /wallets/{id}/entries` with
+    /// `Accept: text/csv` (or NDJSON) does: each line with the cursor to resume from. For an
+    /// operator, as the tables' owner; it reads 1,000 entries at a time.
+    Export {
+        #[command(flatten)]
+        database: DatabaseArgs,
+        /// The wallet's id.
+        #[arg(long)]
+        wallet: String,
+        /// Entries written at or after this instant (RFC 3339).
+        #[arg(long)]
+        from: Option<chrono::DateTime<chrono::Utc>>,
+        /// Entries written before this instant (RFC 3339).
+        #[arg(long)]
+        to: Option<chrono::DateTime<chrono::Utc>>,
+        #[arg(long, value_enum, default_value = "csv")]
+        format: ExportFormat,
+        /// Resume after this cursor (the last line's).
+        #[arg(long)]
+        cursor: Option<String>,
+    },
     /// Load the lease scripts into Redis as the Functions library `walletlock` (replacing an older
     /// one): on the node, on the primary Sentinel names, or on every primary of a Cluster. Run it
     /// as an administrator (REDIS_URL with a user that may FUNCTION LOAD) from the deploy step; the
@@ -129,6 +150,13 @@ impl Cli {
     }
 }
 
+/// The formats of `walletlock export`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum ExportFormat {
+    Csv,
+    Ndjson,
+}
+
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Serve(args) => {
@@ -190,6 +218,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ok &= books.problems.is_empty();
             }
             Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        Command::Export { database, wallet, from, to, format, cursor } => {
+            export(&database, &wallet, from, to, format, cursor.as_deref()).await?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::RedisFunctions { redis, keep } => {
             let pool = connect::redis_pool(&redis)?.0;
@@ -258,4 +290,44 @@ fn print_or_write(
         print!("{table}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `walletlock export`: the wallet's entries in `[from, to)` after `cursor`, a chunk at a time,
+/// each chunk written out before the next is read.
+async fn export(
+    database: &DatabaseArgs,
+    wallet: &str,
+    from: Option<chrono::DateTime<chrono::Utc>>,
+    to: Option<chrono::DateTime<chrono::Utc>>,
+    format: ExportFormat,
+    cursor: Option<&str>,
+) -> anyhow::Result<()> {
+    use crate::http::history::{Cursor, EXPORT_CHUNK, Export};
+    use crate::ledger::history::{EntryFilter, Order};
+    use std::io::Write;
+    let format = match format {
+        ExportFormat::Csv => Export::Csv,
+        ExportFormat::Ndjson => Export::Ndjson,
+    };
+    let after = cursor.map(|cursor| Cursor::parse(cursor, Order::Asc)).transpose()?;
+    let pool = connect::postgres_pool(database)?;
+    let mut conn = pool.acquire().await?;
+    if crate::ledger::find_wallet(&mut conn, wallet).await?.is_none() {
+        anyhow::bail!("no wallet has the id {wallet}");
+    }
+    let mut filter = EntryFilter { from, to, after, limit: EXPORT_CHUNK, ..EntryFilter::default() };
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    out.write_all(format.header().as_bytes())?;
+    loop {
+        let entries = crate::ledger::history::entries(&mut conn, wallet, &filter).await?;
+        let more = entries.len() as i64 == filter.limit;
+        filter.after = entries.last().map(|last| last.version).or(filter.after);
+        for entry in entries {
+            out.write_all(format.line(entry, Order::Asc).as_bytes())?;
+        }
+        out.flush()?;
+        if !more {
+            return Ok(());
+        }
+    }
 }

@@ -43,6 +43,18 @@ pub enum Field {
     Legs,
     /// A movement's id, in the path.
     MovementId,
+    /// The instant a wallet's balance is asked as of.
+    At,
+    /// The start of a period of history (inclusive).
+    PeriodStart,
+    /// The end of a period of history (exclusive).
+    PeriodEnd,
+    /// The kinds of entries asked for.
+    Kind,
+    /// Which way a page of entries runs.
+    Order,
+    /// A page's cursor, in either order.
+    Cursor,
 }
 
 impl Field {
@@ -64,6 +76,12 @@ impl Field {
             Field::IdempotencyKey => "Idempotency-Key",
             Field::Legs => "legs",
             Field::MovementId => "movement_id",
+            Field::At => "at",
+            Field::PeriodStart => "from",
+            Field::PeriodEnd => "to",
+            Field::Kind => "kind",
+            Field::Order => "order",
+            Field::Cursor => "cursor",
         }
     }
 
@@ -79,10 +97,13 @@ impl Field {
             Field::Balance => "invalid_balance",
             Field::Reference => "invalid_reference",
             Field::Limit => "invalid_limit",
-            Field::Before => "invalid_cursor",
             Field::IdempotencyKey => "invalid_idempotency_key",
             Field::Legs => "invalid_legs",
             Field::MovementId => "invalid_movement_id",
+            Field::At | Field::PeriodStart | Field::PeriodEnd => "invalid_time",
+            Field::Kind => "invalid_kind",
+            Field::Order => "invalid_order",
+            Field::Before | Field::Cursor => "invalid_cursor",
         }
     }
 }
@@ -289,6 +310,15 @@ pub enum EntryKind {
 }
 
 impl EntryKind {
+    pub const ALL: [EntryKind; 6] = [
+        EntryKind::Open,
+        EntryKind::Deposit,
+        EntryKind::Pay,
+        EntryKind::TransferOut,
+        EntryKind::TransferIn,
+        EntryKind::Refund,
+    ];
+
     /// The stored name (as the derive's renames spell it), for array binds: a `Vec<EntryKind>`
     /// binds as an array declared by name, which sqlx looks up in the catalog on each new
     /// connection, and `query!` takes it for a `text[]` parameter only unchecked (`as _`).

@@ -298,6 +298,12 @@ fn wallet_problem(err: &WalletError) -> Problem {
             format!("no wallet has the id given as `{}`", field.name()),
         )
         .with_field(*field),
+        WalletError::NotOpenYet => Problem::new(
+            &codes::WALLET_NOT_YET_OPEN,
+            "Wallet not yet open",
+            "the wallet opened after this instant: it had no balance then",
+        )
+        .with_field(Field::At),
         WalletError::TransferNotFound => {
             Problem::new(&codes::TRANSFER_NOT_FOUND, "Transfer not found", "no transfer has this id")
         }
@@ -540,6 +546,12 @@ pub mod described {
                                             `request_timeout`, `outcome_unknown`: retry after `Retry-After`; \
                                             `fence_exhausted`, `fence_implausible`: the wallet needs an operator \
                                             (no `Retry-After`)";
+    /// A 404 of a wallet's route.
+    pub const NO_WALLET: &str = "`wallet_not_found` (also a wallet of another caller: to it, it does not exist); \
+                                 `not_found` for an empty id";
+    /// A 503 of a read, which takes no lease.
+    pub const READ_UNAVAILABLE: &str =
+        "`overloaded`, `dependency_unavailable`, `request_timeout`: retry after `Retry-After`";
     /// A 409 of a movement under a wallet's lease.
     pub const MOVEMENT_CONFLICT: &str =
         "`lease_lost` (nothing applied, retry); `idempotency_key_in_flight` (with `Retry-After`)";

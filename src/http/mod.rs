@@ -6,6 +6,7 @@ mod bodies;
 pub mod error;
 mod extract;
 mod health;
+pub mod history;
 mod holds;
 mod idempotent;
 mod movements;
@@ -75,6 +76,7 @@ pub fn router(ctx: ApiContext) -> Router {
     let (routes, api) = OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
         .merge(
             wallets::router()
+                .merge(history::router())
                 .merge(transfers::router())
                 .merge(movements::router())
                 .merge(holds::router())

@@ -2,14 +2,20 @@
 
 use super::ApiContext;
 use super::bodies::{EntryBody, WalletBody};
-use super::error::described::{MOVEMENT_CONFLICT, MOVEMENT_UNAVAILABLE, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
+use super::error::described::{
+    MOVEMENT_CONFLICT, MOVEMENT_UNAVAILABLE, NO_WALLET, NOT_JSON, READ_UNAVAILABLE as UNAVAILABLE, TOO_LARGE,
+    UNAUTHORIZED,
+};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, QueryParams, WalletPath};
+use super::history::{DEFAULT_PAGE, MAX_PAGE};
 use super::idempotent::{self, KeyedRequest, render_movement, render_open};
 use crate::domain;
 use crate::domain::{Access, Field};
 use crate::idempotency::{Receipt, Scope};
-use crate::wallet::{AlreadyExists, Amount, InvalidInput, Moved, Movement, WalletError, WalletId};
+use crate::wallet::{
+    AlreadyExists, Amount, EntryFilter, InvalidInput, Moved, Movement, Order, WalletError, WalletId,
+};
 use axum::{
     Json,
     extract::{Extension, State},
@@ -21,10 +27,7 @@ use utoipa::ToSchema;
 use utoipa_axum::{router::OpenApiRouter, routes};
 
 // Response descriptions shared by the operations' documentation.
-const NO_WALLET: &str = "`wallet_not_found` (also a wallet of another caller: to it, it does not exist); `not_found` for an empty id";
 const KEY_REUSED: &str = "`idempotency_key_reused`: the key was used for a different request";
-const UNAVAILABLE: &str =
-    "`overloaded`, `dependency_unavailable`, `request_timeout`: retry after `Retry-After`";
 
 /// The wallet routes, each at the path and method of its `#[utoipa::path]`.
 pub fn router() -> OpenApiRouter<ApiContext> {
@@ -269,10 +272,6 @@ async fn move_money(
     idempotent::movement_response(result, render_movement)
 }
 
-/// At most this many entries per page.
-const MAX_PAGE: i64 = 500;
-const DEFAULT_PAGE: i64 = 50;
-
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
@@ -294,7 +293,8 @@ struct Page {
     next_cursor: Option<String>,
 }
 
-/// Pages through the wallet's ledger, newest first.
+/// Pages through the wallet's ledger, newest first: `/wallets/{id}/entries?order=desc` with a
+/// cursor of its own (the last version seen), kept for the callers that use it.
 #[utoipa::path(
     get,
     path = "/wallets/{id}/transactions",
@@ -333,7 +333,8 @@ async fn transactions(
             })?)
         }
     };
-    let transactions = ctx.wallets.history(&access, &id, before, limit).await?;
+    let newest_first = EntryFilter { order: Order::Desc, after: before, limit, ..EntryFilter::default() };
+    let transactions = ctx.wallets.entries(&access, &id, &newest_first).await?;
     // Versions are contiguous from 1, so there is an older page exactly when the oldest entry on
     // this one is not the wallet's first.
     let next_cursor =

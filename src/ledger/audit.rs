@@ -3,7 +3,8 @@
 //! For every wallet: its balance equals the signed sum of its ledger (`pay` and `transfer_out`
 //! take money out, every other kind puts it in) and is not negative; its entries are numbered
 //! 1..=version with no gap; each entry's balance follows from the one before; fences never go down
-//! along the ledger, and the wallet's fence is at least the last one used.
+//! along the ledger, and the wallet's fence is at least the last one used; entry times never go
+//! down along the ledger (the history's instants rely on it: `ledger::history`).
 //! For every transfer: exactly two legs, a `transfer_out` of `from` and a `transfer_in` of `to`,
 //! each of the transfer's amount. For every movement of many legs: every leg, one a wallet, summing
 //! to zero (a held movement captured in part: the legs whose share was not nothing). Refunds never
@@ -22,6 +23,7 @@
 
 use super::StoreError;
 use super::storage::Storage;
+use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row};
 
 /// What an entry does to its wallet's balance, as SQL over the entry's `kind` and `amount`.
@@ -148,10 +150,12 @@ async fn wallets(conn: &mut PgConnection, report: &mut Report) -> Result<(), Sto
 async fn chains(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
     let rows = sqlx::query(concat!(
         // language=PostgreSQL
-        "select wallet_id, seq, kind, amount, balance_after, fence, previous_balance, previous_fence
+        "select wallet_id, seq, kind, amount, balance_after, fence, previous_balance, previous_fence,
+                created_at, previous_time
          from (select e.*,
                       lag(balance_after) over w as previous_balance,
-                      lag(fence) over w as previous_fence
+                      lag(fence) over w as previous_fence,
+                      lag(created_at) over w as previous_time
                from ledger_entry e
                window w as (partition by wallet_id order by seq)) chained
          where (kind = 'open' and (seq <> 1 or balance_after <> amount))
@@ -159,6 +163,7 @@ async fn chains(conn: &mut PgConnection, report: &mut Report) -> Result<(), Stor
         signed_amount!(),
         ")
             or fence < previous_fence
+            or created_at < previous_time
          order by wallet_id, seq"
     ))
     .fetch_all(&mut *conn)
@@ -170,10 +175,16 @@ async fn chains(conn: &mut PgConnection, report: &mut Report) -> Result<(), Stor
             (e.try_get("amount")?, e.try_get("balance_after")?, e.try_get("fence")?);
         let previous_balance: Option<i64> = e.try_get("previous_balance")?;
         let previous_fence: Option<i64> = e.try_get("previous_fence")?;
-        report.problems.push(match previous_fence {
-            Some(previous) if fence < previous => {
+        let (time, previous_time): (DateTime<Utc>, Option<DateTime<Utc>>) =
+            (e.try_get("created_at")?, e.try_get("previous_time")?);
+        report.problems.push(match (previous_fence, previous_time) {
+            (Some(previous), _) if fence < previous => {
                 format!("wallet {wallet} entry {seq}: fence {fence} below the previous entry's {previous}")
             }
+            (_, Some(previous)) if time < previous => format!(
+                "wallet {wallet} entry {seq}: written at {time}, before the previous entry ({previous}): \
+                 the replicas' clocks disagree"
+            ),
             _ => format!(
                 "wallet {wallet} entry {seq}: {kind} of {amount} leaves {balance_after}, which does not follow \
                  from the previous balance {previous_balance:?}"

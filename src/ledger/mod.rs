@@ -27,6 +27,7 @@
 pub mod audit;
 pub mod books;
 pub mod group;
+pub mod history;
 pub mod hold;
 pub mod idempotency;
 pub mod schema;

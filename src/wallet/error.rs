@@ -20,6 +20,9 @@ pub enum WalletError {
     /// [`Field::To`]).
     #[error("the {} wallet does not exist", .field.name())]
     PartyNotFound { field: Field },
+    /// The wallet opened after the instant its history was asked about.
+    #[error("the wallet opened after that instant")]
+    NotOpenYet,
     #[error("transfer not found")]
     TransferNotFound,
     /// No movement has this id (or none of its wallets is one the caller may use).
@@ -112,7 +115,9 @@ impl WalletError {
     /// The `outcome` label of `walletlock_movements_total`.
     pub(super) fn outcome(&self) -> &'static str {
         match self {
-            WalletError::NotFound | WalletError::PartyNotFound { .. } => "not_found",
+            WalletError::NotFound | WalletError::PartyNotFound { .. } | WalletError::NotOpenYet => {
+                "not_found"
+            }
             WalletError::TransferNotFound
             | WalletError::PaymentNotFound
             | WalletError::HoldNotFound

@@ -27,6 +27,7 @@
 
 mod decision;
 mod error;
+mod history;
 mod holds;
 mod instruments;
 mod open;
@@ -42,6 +43,7 @@ pub use crate::domain::{
 };
 // The rows the service answers with, as the store reads them; its callers map them to what they
 // show (the HTTP layer, to bodies of its own).
+pub use crate::ledger::history::{BalanceAt, EntryFilter, KindTotal, Order, Statement};
 pub use crate::ledger::hold::Hold;
 pub use crate::ledger::transfer::{HeldLeg, MovementHold, MovementRecord, Transfer};
 pub use crate::ledger::{Entry, Wallet};

@@ -4,7 +4,7 @@
 use super::decision::Held;
 use super::{Access, AlreadyExists, OpenOutcome, WalletError, WalletId, Wallets, error::commit, lease_name};
 use crate::idempotency::{self, Receipt};
-use crate::ledger::{self, Entry, StoreError, Wallet};
+use crate::ledger::{self, StoreError, Wallet};
 use crate::telemetry::metrics::PG_POOL_ACQUIRE_WAIT;
 use sqlx::pool::PoolConnection;
 use std::sync::Arc;
@@ -91,25 +91,6 @@ impl Wallets {
             .await?
             .filter(|wallet| access.may_use(wallet.owner.as_deref()))
             .ok_or(WalletError::NotFound)
-    }
-
-    /// A page of the wallet's ledger, newest first, below version `before`, if `access` may use
-    /// the wallet.
-    pub async fn history(
-        &self,
-        access: &Access,
-        id: &WalletId,
-        before: Option<i64>,
-        limit: i64,
-    ) -> Result<Vec<Entry>, WalletError> {
-        let mut conn = self.connection().await?;
-        let visible = ledger::find_wallet(&mut conn, id.as_str())
-            .await?
-            .is_some_and(|wallet| access.may_use(wallet.owner.as_deref()));
-        if !visible {
-            return Err(WalletError::NotFound);
-        }
-        Ok(ledger::entries_page(&mut conn, id.as_str(), before, limit).await?)
     }
 
     /// A pooled Postgres connection, its wait measured.

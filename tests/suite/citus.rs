@@ -135,25 +135,42 @@ async fn under_citus_each_payment_is_one_transaction_on_the_worker_holding_its_w
     assert_eq!(nodes.len(), 2, "the payments ran on both workers: {nodes:?}");
 
     // A wallet's reads go to its worker alone, one command each, not one per shard: the wallet
-    // with its available balance, and its ledger.
+    // with its available balance, and its history (its ledger, its balance as of an instant, a
+    // statement).
+    let instant = |at: chrono::DateTime<chrono::Utc>| at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    let now = chrono::Utc::now();
+    let (hour_ago, now) = (instant(now - chrono::TimeDelta::hours(1)), instant(now));
+    let history = [
+        "transactions".to_owned(),
+        format!("entries?from={hour_ago}&to={now}&kind=pay,deposit&order=desc"),
+        format!("balance?at={now}"),
+        format!("statement?from={hour_ago}&to={now}"),
+    ];
     let reads = citus
         .remote_commands(|| async {
             for wallet in WALLETS {
-                for path in [format!("/wallets/{wallet}"), format!("/wallets/{wallet}/transactions")] {
+                let paths = history.iter().map(|read| format!("/wallets/{wallet}/{read}"));
+                for path in paths.chain([format!("/wallets/{wallet}")]) {
                     let response = fleet.client.get(fleet.url(&path)).send().await.unwrap();
                     assert_eq!(response.status(), 200, "GET {path}");
                 }
             }
         })
         .await;
-    // Both requests read the wallet (the ledger's, for its owner); one reads the ledger.
-    for (table, reads_of_table) in [("wallet", 2 * WALLETS.len()), ("ledger_entry", WALLETS.len())] {
-        // A shard of `table` is `<schema>.<table>_<shard id>`.
+    // Every request reads the wallet (the history's, for its owner); each of the history's reads
+    // the ledger, in one command.
+    let (wallet_reads, history_reads) = ((history.len() + 1) * WALLETS.len(), history.len() * WALLETS.len());
+    for (table, reads_of_table) in [("wallet", wallet_reads), ("ledger_entry", history_reads)] {
+        // A shard of `table` is `<schema>.<table>_<shard id>` (not a column such as `h.wallet_id`).
         let shard = format!(".{table}_");
+        let reads_shard = |sql: &str| {
+            sql.match_indices(&shard)
+                .any(|(at, _)| sql[at + shard.len()..].starts_with(|c: char| c.is_ascii_digit()))
+        };
         let sent: Vec<&RemoteCommand> = reads
             .values()
             .flatten()
-            .filter(|command| command.sql.starts_with("SELECT") && command.sql.contains(&shard))
+            .filter(|command| command.sql.starts_with("SELECT") && reads_shard(&command.sql))
             .collect();
         assert_eq!(
             sent.len(),

@@ -16,6 +16,7 @@ mod faults;
 mod fence;
 mod fleet;
 mod group;
+mod history;
 mod holds;
 mod idempotency;
 mod layers;

@@ -71,6 +71,9 @@ pub const INVALID_EXPIRES_IN: ErrorCode = replica(S::BAD_REQUEST, "invalid_expir
 pub const INVALID_LEGS: ErrorCode = replica(S::BAD_REQUEST, "invalid_legs", FIELD_BROKE_ITS_RULE);
 pub const INVALID_MOVEMENT_ID: ErrorCode =
     replica(S::BAD_REQUEST, "invalid_movement_id", FIELD_BROKE_ITS_RULE);
+pub const INVALID_TIME: ErrorCode = replica(S::BAD_REQUEST, "invalid_time", FIELD_BROKE_ITS_RULE);
+pub const INVALID_KIND: ErrorCode = replica(S::BAD_REQUEST, "invalid_kind", FIELD_BROKE_ITS_RULE);
+pub const INVALID_ORDER: ErrorCode = replica(S::BAD_REQUEST, "invalid_order", FIELD_BROKE_ITS_RULE);
 pub const SAME_WALLET: ErrorCode = replica(
     S::BAD_REQUEST,
     "same_wallet",
@@ -99,6 +102,11 @@ pub const WALLET_NOT_FOUND: ErrorCode = replica(
 );
 pub const NOT_FOUND: ErrorCode =
     both(S::NOT_FOUND, "not_found", "no such route (from nginx too, for `/metrics`)");
+pub const WALLET_NOT_YET_OPEN: ErrorCode = replica(
+    S::NOT_FOUND,
+    "wallet_not_yet_open",
+    "the wallet opened after the instant asked about: it had no balance then",
+);
 pub const TRANSFER_NOT_FOUND: ErrorCode =
     replica(S::NOT_FOUND, "transfer_not_found", "no transfer with this id");
 pub const PAYMENT_NOT_FOUND: ErrorCode =
@@ -268,6 +276,9 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &INVALID_EXPIRES_IN,
     &INVALID_LEGS,
     &INVALID_MOVEMENT_ID,
+    &INVALID_TIME,
+    &INVALID_KIND,
+    &INVALID_ORDER,
     &SAME_WALLET,
     &MALFORMED_JSON,
     &INVALID_BODY,
@@ -277,6 +288,7 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &UNAUTHORIZED,
     &WALLET_NOT_FOUND,
     &NOT_FOUND,
+    &WALLET_NOT_YET_OPEN,
     &TRANSFER_NOT_FOUND,
     &PAYMENT_NOT_FOUND,
     &HOLD_NOT_FOUND,
@@ -383,7 +395,13 @@ mod tests {
             | Field::Before
             | Field::IdempotencyKey
             | Field::Legs
-            | Field::MovementId => (),
+            | Field::MovementId
+            | Field::At
+            | Field::PeriodStart
+            | Field::PeriodEnd
+            | Field::Kind
+            | Field::Order
+            | Field::Cursor => (),
         };
         for field in [
             Field::WalletId,
@@ -401,6 +419,12 @@ mod tests {
             Field::IdempotencyKey,
             Field::Legs,
             Field::MovementId,
+            Field::At,
+            Field::PeriodStart,
+            Field::PeriodEnd,
+            Field::Kind,
+            Field::Order,
+            Field::Cursor,
         ] {
             let listed =
                 named(field.code()).unwrap_or_else(|| panic!("{} is not in ERROR_CODES", field.code()));
