@@ -167,13 +167,36 @@ pub async fn balance_at(
     .transpose()
 }
 
-/// The statement of the wallet over `[from, to)`.
+/// How long after an hour ends its entries are final: no round still running can have taken its
+/// time in that hour (a round commits within its lease, seconds, or is fenced out), so the
+/// hour's rollup never changes once written. Generous, for replicas' clocks that disagree a little.
+pub const ROLLUP_FINAL_AFTER: chrono::TimeDelta = chrono::TimeDelta::minutes(10);
+
+const HOUR: chrono::TimeDelta = chrono::TimeDelta::hours(1);
+
+/// `at`, rounded down to its hour.
+fn hour_of(at: DateTime<Utc>) -> DateTime<Utc> {
+    use chrono::DurationRound;
+    at.duration_trunc(HOUR).unwrap_or(at)
+}
+
+/// The statement of the wallet over `[from, to)`, as of `now`: its totals by kind are those of
+/// the rolled-up hours that lie wholly inside the period, plus the entries of its ragged ends,
+/// summed one by one. Rolls up the wallet's hours that ended final before `now` first, if they
+/// are not yet.
 pub async fn statement(
     conn: &mut PgConnection,
     id: &str,
     from: DateTime<Utc>,
     to: DateTime<Utc>,
+    now: DateTime<Utc>,
 ) -> Result<Statement, StoreError> {
+    let rolled = roll_up(conn, id, hour_of(to.min(now - ROLLUP_FINAL_AFTER))).await?;
+    // The whole hours of the period that are rolled up: [first, last), empty when none; the
+    // entries before `first` and from `last` on are summed one by one (two plain ranges of the
+    // time index, whatever the plan).
+    let first = if hour_of(from) == from { from } else { hour_of(from) + HOUR };
+    let last = rolled.map_or(first, |rolled| hour_of(to).min(rolled).max(first));
     let rows = sqlx::query(concat!(
         // language=PostgreSQL
         "with bounds as (
@@ -182,6 +205,19 @@ pub async fn statement(
         ", 0) as opening, coalesce(",
         version_at!("$3", "<"),
         ", 0) as closing
+         ),
+         totals as (
+             select kind, sum(count)::int8 as count, sum(amount)::int8 as amount from (
+                 select kind, count, amount from entry_rollup
+                 where wallet_id = $1 and hour >= $4 and hour < $5
+                 union all
+                 select kind, 1, amount from ledger_entry
+                 where wallet_id = $1 and created_at >= $2 and created_at < least($3, $4)
+                 union all
+                 select kind, 1, amount from ledger_entry
+                 where wallet_id = $1 and created_at >= greatest($2, $5) and created_at < $3
+             ) parts
+             group by kind
          )
          select b.opening, b.closing,
                 coalesce((select balance_after from ledger_entry
@@ -189,26 +225,23 @@ pub async fn statement(
                 coalesce((select balance_after from ledger_entry
                           where wallet_id = $1 and seq = b.closing), 0) as closing_balance,
                 t.kind, t.count, t.amount
-         from bounds b
-         left join lateral (
-             select kind, count(*) as count, sum(amount)::int8 as amount from ledger_entry
-             where wallet_id = $1 and seq > b.opening and seq <= b.closing
-             group by kind
-         ) t on true
+         from bounds b left join totals t on true
          order by t.kind"
     ))
     .bind(id)
     .bind(from)
     .bind(to)
+    .bind(first)
+    .bind(last)
     .fetch_all(conn)
     .await?;
     // `bounds` is one row, joined with each kind's totals (or with nulls when there are none).
-    let first = rows.first().ok_or(StoreError::Database(sqlx::Error::RowNotFound))?;
+    let first_row = rows.first().ok_or(StoreError::Database(sqlx::Error::RowNotFound))?;
     let mut statement = Statement {
-        opening_balance: first.try_get("opening_balance")?,
-        opening_version: first.try_get("opening")?,
-        closing_balance: first.try_get("closing_balance")?,
-        closing_version: first.try_get("closing")?,
+        opening_balance: first_row.try_get("opening_balance")?,
+        opening_version: first_row.try_get("opening")?,
+        closing_balance: first_row.try_get("closing_balance")?,
+        closing_version: first_row.try_get("closing")?,
         totals: Vec::new(),
     };
     for row in &rows {
@@ -221,4 +254,99 @@ pub async fn statement(
         }
     }
     Ok(statement)
+}
+
+/// At most about this many entries are rolled up in one transaction, and a statement spends at
+/// most [`ROLLUP_BUDGET`] rolling up before it sums the rest entry by entry: a long history that
+/// was never rolled up is rolled over a few statements, none of them past its timeout.
+const ROLLUP_CHUNK: i64 = 10_000;
+const ROLLUP_BUDGET: std::time::Duration = std::time::Duration::from_millis(300);
+
+/// Rolls up the wallet's hours before `until` (an hour's start) that are not yet, a chunk of
+/// hours a transaction, within [`ROLLUP_BUDGET`]; how far its rollups go then (none yet: `None`). One statement of a
+/// wallet rolls up at a time (a transaction-scoped advisory lock, tried, never waited for): the
+/// others sum what is not rolled up yet. An hour's totals are final, so a row is written once.
+async fn roll_up(
+    conn: &mut PgConnection,
+    id: &str,
+    until: DateTime<Utc>,
+) -> Result<Option<DateTime<Utc>>, StoreError> {
+    let mut rolled = rolled_until(&mut *conn, id).await?;
+    let started = std::time::Instant::now();
+    while rolled.is_none_or(|rolled| rolled < until) && started.elapsed() < ROLLUP_BUDGET {
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let ours: bool =
+            sqlx::query_scalar("select pg_try_advisory_xact_lock(hashtext('entry_rollup'), hashtext($1))")
+                .bind(id)
+                .fetch_one(&mut *tx)
+                .await?;
+        if !ours {
+            break;
+        }
+        rolled = rolled_until(&mut tx, id).await?;
+        if rolled.is_some_and(|rolled| rolled >= until) {
+            break;
+        }
+        // The chunk ends at the hour after its last entry (or at `until`).
+        let last: Option<DateTime<Utc>> = sqlx::query_scalar(
+            // language=PostgreSQL
+            "select created_at from ledger_entry
+             where wallet_id = $1 and created_at >= coalesce($2, '-infinity') and created_at < $3
+             order by created_at offset $4 limit 1",
+        )
+        .bind(id)
+        .bind(rolled)
+        .bind(until)
+        .bind(ROLLUP_CHUNK - 1)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let to = last.map_or(until, |last| (hour_of(last) + HOUR).min(until));
+        sqlx::query(
+            // language=PostgreSQL
+            "insert into entry_rollup (wallet_id, hour, kind, count, amount)
+             select wallet_id, date_trunc('hour', created_at), kind, count(*), sum(amount)
+             from ledger_entry
+             where wallet_id = $1 and created_at >= coalesce($2, '-infinity') and created_at < $3
+             group by wallet_id, date_trunc('hour', created_at), kind
+             on conflict do nothing",
+        )
+        .bind(id)
+        .bind(rolled)
+        .bind(to)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            // language=PostgreSQL
+            "insert into entry_rollup_until (wallet_id, until) values ($1, $2)
+             on conflict (wallet_id) do update set until = greatest(entry_rollup_until.until, excluded.until)",
+        )
+        .bind(id)
+        .bind(to)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        rolled = Some(to);
+    }
+    Ok(rolled)
+}
+
+/// How far the wallet's rollups go, if it has any.
+async fn rolled_until(conn: &mut PgConnection, id: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
+    Ok(sqlx::query_scalar("select until from entry_rollup_until where wallet_id = $1")
+        .bind(id)
+        .fetch_optional(conn)
+        .await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hours_round_down() {
+        let at: DateTime<Utc> = "2026-12-04T21:59:59.999999Z".parse().unwrap();
+        assert_eq!(hour_of(at), "2026-12-04T21:00:00Z".parse::<DateTime<Utc>>().unwrap());
+        let on_the_hour: DateTime<Utc> = "2026-12-04T21:00:00Z".parse().unwrap();
+        assert_eq!(hour_of(on_the_hour), on_the_hour);
+    }
 }

@@ -33,13 +33,15 @@ pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
 /// not scoped to one wallet share one placement (migration 0010 says why). Tables already
 /// distributed are left as they are, so every `migrate` may run it; a table created by a later
 /// migration needs its line here.
-const DISTRIBUTION: [(&str, &str); 6] = [
+const DISTRIBUTION: [(&str, &str); 8] = [
     ("wallet", "id"),
     ("hold", "wallet_id"),
     ("ledger_entry", "wallet_id"),
     ("transfer", "from_wallet"),
     ("movement", "wallet_id"),
     ("idempotency_key", "wallet_id"),
+    ("entry_rollup", "wallet_id"),
+    ("entry_rollup_until", "wallet_id"),
 ];
 
 /// Distributes the tables of the current schema that are not yet distributed (see
@@ -94,6 +96,9 @@ pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
             r#"grant select, insert, update (status, captured, capture_entry, settled_at) on "{schema}".hold to {role}"#
         ),
         format!(r#"grant select, insert, update, delete on "{schema}".idempotency_key to {role}"#),
+        // The statements' rollups, which they fill as they go (src/ledger/history.rs).
+        format!(r#"grant select, insert on "{schema}".entry_rollup to {role}"#),
+        format!(r#"grant select, insert, update on "{schema}".entry_rollup_until to {role}"#),
     ] {
         tx.execute(sqlx::AssertSqlSafe(statement)).await?;
     }

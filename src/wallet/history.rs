@@ -42,7 +42,7 @@ impl Wallets {
     ) -> Result<Statement, WalletError> {
         let mut conn = self.connection().await?;
         visible(&mut conn, access, id).await?;
-        Ok(ledger::history::statement(&mut conn, id.as_str(), from, to).await?)
+        Ok(ledger::history::statement(&mut conn, id.as_str(), from, to, chrono::Utc::now()).await?)
     }
 }
 

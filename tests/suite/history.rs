@@ -222,6 +222,112 @@ async fn statements_over_any_split_of_a_period_chain_exactly_and_add_up_to_their
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_of_past_hours_sum_the_same_from_their_rollups_as_entry_by_entry() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 1, &[]).await;
+    // Three days of a wallet's history, ending an hour ago (so its hours are final and a
+    // statement rolls them up), written straight into the ledger as a long-lived wallet's would
+    // be: deposits of 3 and payments of 1, at uneven instants.
+    // More entries than a statement rolls up in one transaction, so they roll up over several.
+    let entries = 25_000_i64;
+    let end = Utc::now() - TimeDelta::hours(1);
+    let start = end - TimeDelta::days(3);
+    let mut rng = rand::rng();
+    let mut offsets: Vec<i64> =
+        (0..entries).map(|_| rng.random_range(0..TimeDelta::days(3).num_microseconds().unwrap())).collect();
+    offsets.sort_unstable();
+    let seeded: Vec<(DateTime<Utc>, &str, i64)> = offsets
+        .iter()
+        .enumerate()
+        .map(|(n, offset)| {
+            let (kind, amount) = match n {
+                0 => ("open", 100),
+                n if n % 3 == 0 => ("pay", 1),
+                _ => ("deposit", 3),
+            };
+            (start + TimeDelta::microseconds(*offset), kind, amount)
+        })
+        .collect();
+    let signed = |kind: &str, amount: i64| if kind == "pay" { -amount } else { amount };
+    let balance: i64 = seeded.iter().map(|(_, kind, amount)| signed(kind, *amount)).sum();
+    let mut tx = fleet.db.begin().await.unwrap();
+    sqlx::query(
+        "insert into wallet (id, balance, held, version, fence, owner, created_at, updated_at)
+         values ('long', $1, 0, $2, 1, 'tester', $3, $4)",
+    )
+    .bind(balance)
+    .bind(entries)
+    .bind(start)
+    .bind(end)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let after: Vec<i64> = seeded
+        .iter()
+        .scan(0, |balance, (_, kind, amount)| {
+            *balance += signed(kind, *amount);
+            Some(*balance)
+        })
+        .collect();
+    sqlx::query(
+        "insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence, created_at)
+         select gen_random_uuid(), 'long', n, kind, amount, balance_after, least(n - 1, 1), at
+         from unnest($1::text[], $2::int8[], $3::int8[], $4::timestamptz[]) with ordinality
+              as e(kind, amount, balance_after, at, n)",
+    )
+    .bind(seeded.iter().map(|(_, kind, _)| *kind).collect::<Vec<_>>())
+    .bind(seeded.iter().map(|(_, _, amount)| *amount).collect::<Vec<_>>())
+    .bind(&after)
+    .bind(seeded.iter().map(|(at, _, _)| *at).collect::<Vec<_>>())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "the seeded wallet is a sound one: {report}");
+
+    // Periods with ragged ends and whole hours between, each asked twice: first it rolls up the
+    // hours it needs, then it reads them.
+    let span = (end - start).num_microseconds().unwrap() + TimeDelta::hours(2).num_microseconds().unwrap();
+    for _ in 0..12 {
+        let mut cut =
+            [0, 0].map(|_| start - TimeDelta::hours(1) + TimeDelta::microseconds(rng.random_range(0..span)));
+        cut.sort();
+        let (from, to) = (cut[0], cut[1].max(cut[0] + TimeDelta::microseconds(1)));
+        let mut expected: BTreeMap<&str, (i64, i64)> = BTreeMap::new();
+        for (at, kind, amount) in &seeded {
+            if *at >= from && *at < to {
+                let total = expected.entry(kind).or_default();
+                *total = (total.0 + 1, total.1 + amount);
+            }
+        }
+        for asked in ["first", "again"] {
+            let path = format!("/wallets/long/statement?from={}&to={}", instant(from), instant(to));
+            let statement = fleet.read(&path).await;
+            let totals: BTreeMap<&str, (i64, i64)> = statement["totals"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{path}: {statement}"))
+                .iter()
+                .map(|t| {
+                    (
+                        t["kind"].as_str().unwrap(),
+                        (t["count"].as_i64().unwrap(), t["amount"].as_i64().unwrap()),
+                    )
+                })
+                .collect();
+            assert_eq!(totals, expected, "{asked}: {path}");
+            let count: i64 = expected.values().map(|(count, _)| count).sum();
+            assert_eq!(statement["entries"].as_i64(), Some(count), "{asked}: {path}");
+        }
+    }
+    let rolled: i64 = sqlx::query_scalar("select count(*) from entry_rollup where wallet_id = 'long'")
+        .fetch_one(&fleet.db)
+        .await
+        .unwrap();
+    assert!(rolled > 0, "the statements rolled hours up");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pages_either_way_skip_and_repeat_nothing_while_entries_arrive_and_filters_select_exactly() {
     let env = TestEnv::new();
