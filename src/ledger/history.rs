@@ -192,11 +192,9 @@ pub async fn statement(
     now: DateTime<Utc>,
 ) -> Result<Statement, StoreError> {
     let rolled = roll_up(conn, id, hour_of(to.min(now - ROLLUP_FINAL_AFTER))).await?;
-    // The whole hours of the period that are rolled up: [first, last), empty when none; the
-    // entries before `first` and from `last` on are summed one by one (two plain ranges of the
-    // time index, whatever the plan).
-    let first = if hour_of(from) == from { from } else { hour_of(from) + HOUR };
-    let last = rolled.map_or(first, |rolled| hour_of(to).min(rolled).max(first));
+    // The entries before `first` and from `last` on are summed one by one (two plain ranges of
+    // the time index, whatever the plan), the hours between from their rollups.
+    let (first, last) = rolled_span(from, to, rolled);
     let rows = sqlx::query(concat!(
         // language=PostgreSQL
         "with bounds as (
@@ -330,6 +328,19 @@ async fn roll_up(
     Ok(rolled)
 }
 
+/// The whole hours of `[from, to)` that are rolled up (all before `rolled`): `[first, last)`,
+/// empty (`first == last`) when none. `[from, first)`, `[first, last)` and `[last, to)`, each
+/// clipped to the period, cover it once.
+fn rolled_span(
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+    rolled: Option<DateTime<Utc>>,
+) -> (DateTime<Utc>, DateTime<Utc>) {
+    let first = if hour_of(from) == from { from } else { hour_of(from) + HOUR };
+    let last = rolled.map_or(first, |rolled| hour_of(to).min(rolled).max(first));
+    (first, last)
+}
+
 /// How far the wallet's rollups go, if it has any.
 async fn rolled_until(conn: &mut PgConnection, id: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
     Ok(sqlx::query_scalar("select until from entry_rollup_until where wallet_id = $1")
@@ -341,6 +352,37 @@ async fn rolled_until(conn: &mut PgConnection, id: &str) -> Result<Option<DateTi
 #[cfg(test)]
 mod tests {
     use super::*;
+    use chrono::TimeDelta;
+
+    proptest::proptest! {
+        /// Every instant of a period is summed once: from the entries before the rolled span,
+        /// from the span's rollups (whole hours, all rolled, inside the period), or from the
+        /// entries after it.
+        #[test]
+        fn a_period_is_its_ragged_ends_and_its_rolled_hours_once(
+            from_s in 0..400_000_i64,
+            length_s in 1..400_000_i64,
+            probe_s in 0..800_000_i64,
+            rolled_h in proptest::option::of(0..250_i64),
+        ) {
+            let base: DateTime<Utc> = "2026-01-01T00:00:00Z".parse().unwrap();
+            let (from, to) = (base + TimeDelta::seconds(from_s), base + TimeDelta::seconds(from_s + length_s));
+            let rolled = rolled_h.map(|h| base + TimeDelta::hours(h));
+            let (first, last) = rolled_span(from, to, rolled);
+            proptest::prop_assert!(first <= last);
+            if first < last {
+                proptest::prop_assert!(from <= first && last <= to, "the span lies inside the period");
+                proptest::prop_assert!(hour_of(first) == first && hour_of(last) == last, "whole hours");
+                proptest::prop_assert!(rolled.is_some_and(|rolled| last <= rolled), "only rolled hours");
+            }
+            let at = base + TimeDelta::seconds(probe_s);
+            let before = at >= from && at < to.min(first);
+            let within = at >= first && at < last;
+            let after = at >= from.max(last) && at < to;
+            let inside = at >= from && at < to;
+            proptest::prop_assert_eq!(u8::from(before) + u8::from(within) + u8::from(after), u8::from(inside));
+        }
+    }
 
     #[test]
     fn hours_round_down() {

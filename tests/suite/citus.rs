@@ -160,8 +160,10 @@ async fn under_citus_each_payment_is_one_transaction_on_the_worker_holding_its_w
         })
         .await;
     // Every request reads the wallet (the history's, for its owner); each of the history's reads
-    // the ledger, in one command.
-    let (wallet_reads, history_reads) = ((history.len() + 1) * WALLETS.len(), history.len() * WALLETS.len());
+    // the ledger, in one command, and a wallet's first statement reads it once more, to roll its
+    // past hours up (src/ledger/history.rs).
+    let wallet_reads = (history.len() + 1) * WALLETS.len();
+    let history_reads = history.len() * WALLETS.len() + WALLETS.len();
     for (table, reads_of_table) in [("wallet", wallet_reads), ("ledger_entry", history_reads)] {
         // A shard of `table` is `<schema>.<table>_<shard id>` (not a column such as `h.wallet_id`).
         let shard = format!(".{table}_");
