@@ -1,12 +1,14 @@
 //! A wallet's history: its entries in a range of time or versions, filtered and paged either
-//! way; its balance as of an instant; a statement of a period. Reads only, of one wallet each
-//! (every statement names its `wallet_id`, so Citus routes it to that wallet's shard).
+//! way; its balance as of an instant; a statement of a period. Each touches one wallet (every
+//! SQL statement names its `wallet_id`, so Citus routes it to that wallet's shard), takes no
+//! lock a movement waits for, and writes nothing but a statement's rollups of hours that are
+//! over (see [`statement`]).
 //!
 //! Time and versions agree along a wallet's ledger: an entry's time is taken by its writer under
 //! the wallet's lease (or its row's lock), after the entry before it was committed, so times
 //! never go down along the ledger while the replicas' clocks agree (`walletlock audit` reports
 //! an entry timed before the one it follows). Everything here is then defined by one function
-//! of an instant, [`version_at`]'s "the last entry at or before it", and a period `[from, to)`
+//! of an instant, "the last entry written at or before it" (`version_at!`), and a period `[from, to)`
 //! is the versions after the last entry before `from` up to the last entry before `to`: a
 //! statement's closing is the next period's opening, and its totals are exactly the entries
 //! between the two.
