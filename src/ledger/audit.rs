@@ -57,7 +57,16 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
         // rest of this session, and checks those as on one Postgres.
         // With their keys and indexes (LIKE ... INCLUDING ALL), which the checks' joins use.
         let schema: String = sqlx::query_scalar("select current_schema()").fetch_one(&mut *conn).await?;
-        for table in ["wallet", "ledger_entry", "transfer", "movement", "hold", "idempotency_key"] {
+        for table in [
+            "wallet",
+            "ledger_entry",
+            "transfer",
+            "movement",
+            "hold",
+            "idempotency_key",
+            "entry_rollup",
+            "entry_rollup_until",
+        ] {
             let copy = format!(
                 r#"create temporary table {table} (like "{schema}".{table} including all) on commit drop;
                    insert into pg_temp.{table} select * from "{schema}".{table}"#
@@ -84,6 +93,7 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
 
     wallets(conn, &mut report).await?;
     chains(conn, &mut report).await?;
+    rollups(conn, &mut report).await?;
     transfers(conn, &mut report).await?;
     movements(conn, &mut report).await?;
     refunds(conn, &mut report).await?;
@@ -190,6 +200,41 @@ async fn chains(conn: &mut PgConnection, report: &mut Report) -> Result<(), Stor
                  from the previous balance {previous_balance:?}"
             ),
         });
+    }
+    Ok(())
+}
+
+/// Each wallet's rollups (`ledger::history`'s, which statements read) are what its entries add
+/// up to, hour by hour and kind by kind, for every hour before how far they go: none missing,
+/// none off, none beyond.
+async fn rollups(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
+    let rows = sqlx::query(
+        // language=PostgreSQL
+        "with actual as (
+             select e.wallet_id, date_trunc('hour', e.created_at) as hour, e.kind,
+                    count(*) as count, sum(e.amount)::int8 as amount
+             from ledger_entry e join entry_rollup_until u on u.wallet_id = e.wallet_id
+             where e.created_at < u.until
+             group by 1, 2, 3
+         )
+         select coalesce(a.wallet_id, r.wallet_id) as wallet_id, coalesce(a.hour, r.hour) as hour,
+                coalesce(a.kind, r.kind) as kind, a.count as entries, a.amount as entries_amount,
+                r.count as rolled, r.amount as rolled_amount
+         from actual a full join entry_rollup r
+           on r.wallet_id = a.wallet_id and r.hour = a.hour and r.kind = a.kind
+         where (a.count, a.amount) is distinct from (r.count, r.amount)
+         order by 1, 2, 3",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for row in rows {
+        let (wallet, hour, kind): (String, DateTime<Utc>, String) =
+            (row.try_get("wallet_id")?, row.try_get("hour")?, row.try_get("kind")?);
+        let entries: (Option<i64>, Option<i64>) = (row.try_get("entries")?, row.try_get("entries_amount")?);
+        let rolled: (Option<i64>, Option<i64>) = (row.try_get("rolled")?, row.try_get("rolled_amount")?);
+        report.problems.push(format!(
+            "wallet {wallet} hour {hour} {kind}: rolled up as {rolled:?} (entries, amount), but its entries make {entries:?}"
+        ));
     }
     Ok(())
 }

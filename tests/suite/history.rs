@@ -326,6 +326,8 @@ async fn statements_of_past_hours_sum_the_same_from_their_rollups_as_entry_by_en
         .await
         .unwrap();
     assert!(rolled > 0, "the statements rolled hours up");
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "the rollups are what the entries make: {report}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -527,11 +529,10 @@ async fn bad_history_requests_are_clear_problems_and_another_callers_wallet_does
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_audit_reports_an_entry_balance_tampered_with_a_gap_in_versions_a_fence_and_a_time_that_go_down()
-{
+async fn the_audit_reports_a_tampered_balance_a_gap_a_fence_or_a_time_that_goes_down_and_a_false_rollup() {
     let env = TestEnv::new();
     let fleet = Fleet::start(&env, 1, &[]).await;
-    let wallets = ["t-balance", "t-gap", "t-fence", "t-time"];
+    let wallets = ["t-balance", "t-gap", "t-fence", "t-time", "t-rollup"];
     open_wallets(&fleet, &wallets, 1_000).await;
     for wallet in wallets {
         move_money(&fleet, wallet, 4, 1).await;
@@ -547,6 +548,9 @@ async fn the_audit_reports_an_entry_balance_tampered_with_a_gap_in_versions_a_fe
         "delete from ledger_entry where wallet_id = 't-gap' and seq = 3",
         "update ledger_entry set fence = 0 where wallet_id = 't-fence' and seq = 4",
         "update ledger_entry set created_at = created_at - interval '1 hour' where wallet_id = 't-time' and seq = 4",
+        // A statement's rollup of an hour with no such entries.
+        "insert into entry_rollup values ('t-rollup', date_trunc('hour', now()) - interval '2 hours', 'pay', 1, 5)",
+        "insert into entry_rollup_until values ('t-rollup', date_trunc('hour', now()) - interval '1 hour')",
     ] {
         sqlx::query(tampering).execute(&mut *tx).await.unwrap();
     }
@@ -558,6 +562,7 @@ async fn the_audit_reports_an_entry_balance_tampered_with_a_gap_in_versions_a_fe
         ("t-gap", "wallet t-gap: version 5 but 4 ledger entries"),
         ("t-fence", "wallet t-fence entry 4: fence 0 below the previous entry's"),
         ("t-time", "wallet t-time entry 4: written at"),
+        ("t-rollup", "wallet t-rollup hour "),
     ] {
         assert!(report.contains(says), "{wallet}: {report}");
     }
