@@ -50,8 +50,10 @@ async fn nginx_keeps_each_wallet_on_one_replica_and_spreads_the_wallets() {
     let env = TestEnv::new();
     let fleet = Fleet::start(&env, 3, &[]).await;
     // Enough wallets that the hash ring (160 points a replica, placed by its random port) leaves
-    // no replica without one: a replica's share of the ring is uneven, and with 30 wallets one run
-    // saw a replica get none. With a share of a quarter, 60 wallets all miss it once in 3*10^7.
+    // no replica without one: a replica's share of the ring is uneven; with a share of a quarter,
+    // 60 wallets all miss it once in 3*10^7. (With 30, one run saw a replica serve none, whether
+    // by the ring or by a replica out of rotation was not known then: nginx's errors, printed
+    // below, tell which.)
     let wallets: Vec<String> = (0..60).map(|n| format!("route-{n}")).collect();
     let ids: Vec<&str> = wallets.iter().map(String::as_str).collect();
     open_wallets(&fleet, &ids, 1_000).await;
