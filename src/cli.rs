@@ -292,8 +292,8 @@ fn print_or_write(
     Ok(ExitCode::SUCCESS)
 }
 
-/// `walletlock export`: the wallet's entries in `[from, to)` after `cursor`, a chunk at a time,
-/// each chunk written out before the next is read.
+/// `walletlock export`: the wallet's entries in `[from, to)` after `cursor`, a chunk at a time
+/// (as the API's export reads them), each written out before the next is read.
 async fn export(
     database: &DatabaseArgs,
     wallet: &str,
@@ -311,23 +311,18 @@ async fn export(
     };
     let after = cursor.map(|cursor| Cursor::parse(cursor, Order::Asc)).transpose()?;
     let pool = connect::postgres_pool(database)?;
-    let mut conn = pool.acquire().await?;
-    if crate::ledger::find_wallet(&mut conn, wallet).await?.is_none() {
+    if crate::ledger::find_wallet(&mut *pool.acquire().await?, wallet).await?.is_none() {
         anyhow::bail!("no wallet has the id {wallet}");
     }
-    let mut filter = EntryFilter { from, to, after, limit: EXPORT_CHUNK, ..EntryFilter::default() };
+    let filter = EntryFilter { from, to, after, limit: EXPORT_CHUNK, ..EntryFilter::default() };
+    let mut chunks = Box::pin(crate::ledger::history::chunks(pool, wallet.to_owned(), filter));
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     out.write_all(format.header().as_bytes())?;
-    loop {
-        let entries = crate::ledger::history::entries(&mut conn, wallet, &filter).await?;
-        let more = entries.len() as i64 == filter.limit;
-        filter.after = entries.last().map(|last| last.version).or(filter.after);
-        for entry in entries {
+    while let Some(chunk) = futures::TryStreamExt::try_next(&mut chunks).await? {
+        for entry in chunk {
             out.write_all(format.line(entry, Order::Asc).as_bytes())?;
         }
         out.flush()?;
-        if !more {
-            return Ok(());
-        }
     }
+    Ok(())
 }

@@ -8,7 +8,7 @@ use super::error::described::{NO_WALLET, READ_UNAVAILABLE as UNAVAILABLE, UNAUTH
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{QueryParams, WalletPath};
 use crate::domain::{Access, EntryKind, Field, InvalidInput};
-use crate::wallet::{Entry, EntryFilter, Order, WalletId};
+use crate::wallet::{Entry, EntryFilter, Order, WalletError};
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
@@ -17,6 +17,7 @@ use axum::{
     extract::{Extension, State},
 };
 use chrono::{DateTime, Utc};
+use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use utoipa_axum::{router::OpenApiRouter, routes};
@@ -112,10 +113,8 @@ async fn entries(
     };
     let from = query.from.as_deref().map(|at| instant(at, Field::PeriodStart)).transpose()?;
     let to = query.to.as_deref().map(|at| instant(at, Field::PeriodEnd)).transpose()?;
-    if let (Some(from), Some(to)) = (from, to)
-        && to <= from
-    {
-        return Err(InvalidInput { field: Field::PeriodEnd, rule: "an instant after `from`" }.into());
+    if let (Some(from), Some(to)) = (from, to) {
+        ends_after(from, to)?;
     }
     let kinds = match query.kind.as_deref() {
         None => Vec::new(),
@@ -132,16 +131,17 @@ async fn entries(
         return Err(InvalidInput { field: Field::Limit, rule: "an integer from 1 to 500" }.into());
     }
     let filter = EntryFilter { from, to, kinds, reference, order, after, limit };
+    if let Some(export) = export {
+        let mut chunks = Box::pin(ctx.wallets.entry_chunks(&access, &id, filter).await?);
+        // The first chunk before the status: a database that does not answer is still a 503.
+        let first = chunks.try_next().await?.unwrap_or_default();
+        return Ok(export.stream(order, first, chunks));
+    }
     let page = ctx.wallets.entries(&access, &id, &filter).await?;
     let next_cursor =
         (page.len() as i64 == limit).then(|| page.last().map(|last| Cursor::of(last, order))).flatten();
-    match export {
-        None => {
-            let entries = page.into_iter().map(EntryBody::from).collect();
-            Ok(Json(EntriesPage { entries, next_cursor }).into_response())
-        }
-        Some(export) => Ok(export.stream(ctx, access, id, filter, page)),
-    }
+    let entries = page.into_iter().map(EntryBody::from).collect();
+    Ok(Json(EntriesPage { entries, next_cursor }).into_response())
 }
 
 /// A streamed export's format, as `Accept` asks (or `walletlock export --format`).
@@ -213,19 +213,15 @@ impl Export {
         }
     }
 
-    /// The response: `first` (already read, so a missing wallet is still a 404), then the rest of
-    /// the selected entries, read a chunk at a time as the client takes them. A read that fails
-    /// part way ends the body early (the status is sent by then): the client resumes from the last
-    /// line's cursor.
+    /// The response: `first` (already read), then the rest of the entries as the client takes
+    /// them. A read that fails part way ends the body early (the status is sent by then): the
+    /// client resumes from the last line's cursor.
     fn stream(
         self,
-        ctx: ApiContext,
-        access: Access,
-        id: WalletId,
-        filter: EntryFilter,
+        order: Order,
         first: Vec<Entry>,
+        rest: impl futures::Stream<Item = Result<Vec<Entry>, WalletError>> + Send + 'static,
     ) -> Response {
-        let order = filter.order;
         let chunk = move |entries: Vec<Entry>| {
             let mut text = String::new();
             for entry in entries {
@@ -234,30 +230,11 @@ impl Export {
             Bytes::from(text)
         };
         let header = Bytes::from_static(self.header().as_bytes());
-        let more = first.len() as i64 == filter.limit;
-        let after = first.last().map(|last| last.version);
         let first = futures::stream::iter([Ok::<_, std::io::Error>(header), Ok(chunk(first))]);
-        let rest = futures::stream::unfold((filter, after, more), move |(mut filter, after, more)| {
-            let (ctx, access, id) = (ctx.clone(), access.clone(), id.clone());
-            async move {
-                if !more {
-                    return None;
-                }
-                filter.after = after;
-                match ctx.wallets.entries(&access, &id, &filter).await {
-                    Ok(entries) => {
-                        let more = entries.len() as i64 == filter.limit;
-                        let after = entries.last().map(|last| last.version);
-                        Some((Ok(chunk(entries)), (filter, after, more)))
-                    }
-                    Err(err) => {
-                        tracing::warn!(wallet = %id.as_str(), error = %err, "an export ended early");
-                        Some((Err(std::io::Error::other(err.to_string())), (filter, after, false)))
-                    }
-                }
-            }
+        let rest = rest.map_ok(chunk).map_err(|err| {
+            tracing::warn!(error = %err, "an export ended early");
+            std::io::Error::other(err.to_string())
         });
-        use futures::StreamExt;
         let mut response = Body::from_stream(first.chain(rest)).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(self.content_type()));
@@ -311,6 +288,15 @@ fn instant(text: &str, field: Field) -> Result<DateTime<Utc>, InvalidInput> {
         return Err(InvalidInput { field, rule: "an instant not in the future" });
     }
     Ok(at)
+}
+
+/// A period's end, after its start.
+fn ends_after(from: DateTime<Utc>, to: DateTime<Utc>) -> Result<(), InvalidInput> {
+    if to > from {
+        Ok(())
+    } else {
+        Err(InvalidInput { field: Field::PeriodEnd, rule: "an instant after `from`" })
+    }
 }
 
 fn entry_kind(name: &str) -> Result<EntryKind, InvalidInput> {
@@ -448,9 +434,7 @@ async fn statement(
 ) -> Result<Json<StatementBody>, ApiError> {
     let from = instant(&query.from, Field::PeriodStart)?;
     let to = instant(&query.to, Field::PeriodEnd)?;
-    if to <= from {
-        return Err(InvalidInput { field: Field::PeriodEnd, rule: "an instant after `from`" }.into());
-    }
+    ends_after(from, to)?;
     let statement = ctx.wallets.statement(&access, &id, from, to).await?;
     Ok(Json(StatementBody {
         from,

@@ -16,7 +16,7 @@
 use super::{Entry, StoreError, entry_columns};
 use crate::domain::EntryKind;
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, Row};
+use sqlx::{PgConnection, PgPool, Row};
 
 /// Which way a page runs along the ledger.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -139,6 +139,25 @@ pub async fn entries(
         .bind(filter.limit)
         .fetch_all(conn)
         .await?)
+}
+
+/// Every entry `filter` selects after `filter.after`, `filter.limit` at a time (an export's
+/// reads): each chunk read on a connection of `db` taken for that read alone, so a slow reader
+/// holds none between chunks. Ends after a short chunk, or after an error.
+pub fn chunks(
+    db: PgPool,
+    id: String,
+    filter: EntryFilter,
+) -> impl futures::Stream<Item = Result<Vec<Entry>, StoreError>> + Send + 'static {
+    futures::stream::try_unfold((db, id, filter, true), |(db, id, mut filter, more)| async move {
+        if !more {
+            return Ok(None);
+        }
+        let chunk = entries(&mut *db.acquire().await?, &id, &filter).await?;
+        let more = chunk.len() as i64 == filter.limit;
+        filter.after = chunk.last().map(|last| last.version).or(filter.after);
+        Ok(Some((chunk, (db, id, filter, more))))
+    })
 }
 
 /// The wallet as of `at`; `None` if it had no entry by then (it opened later).

@@ -20,6 +20,22 @@ impl Wallets {
         Ok(ledger::history::entries(&mut conn, id.as_str(), filter).await?)
     }
 
+    /// Every entry `filter` selects, `filter.limit` at a time (see [`ledger::history::chunks`]),
+    /// if `access` may read the wallet: checked once, before the first chunk.
+    pub async fn entry_chunks(
+        &self,
+        access: &Access,
+        id: &WalletId,
+        filter: EntryFilter,
+    ) -> Result<impl futures::Stream<Item = Result<Vec<Entry>, WalletError>> + Send + 'static, WalletError>
+    {
+        visible(&mut *self.connection().await?, access, id).await?;
+        Ok(futures::TryStreamExt::map_err(
+            ledger::history::chunks(self.db.clone(), id.as_str().to_owned(), filter),
+            WalletError::from,
+        ))
+    }
+
     /// The wallet as of `at`: [`WalletError::NotOpenYet`] if it opened after `at`.
     pub async fn balance_at(
         &self,

@@ -24,7 +24,7 @@ use crate::ledger::transfer::{LockedWallet, lock_free_wallets, lock_wallets};
 use crate::telemetry::metrics::BATCH_SIZE;
 use crate::wallet::decision::{self, Batch, Held, Known, Op, Plan};
 use crate::wallet::outage::{Path, count_path};
-use crate::wallet::rounds::group::{self, MAX_ROUND_OPS, round_time};
+use crate::wallet::rounds::group::{self, MAX_ROUND_OPS};
 use crate::wallet::rounds::queue::{MAX_BATCH, MAX_HOLD, Reply};
 use crate::wallet::transfer::ROW_LOCK_TIMEOUT;
 use crate::wallet::{Moved, WalletError, WalletId, Wallets};
@@ -266,7 +266,7 @@ async fn decide_all(
     let round: Vec<&str> = batches.iter().map(|batch| batch.id.as_str()).collect();
     let mut expired_read: HashSet<String> = HashSet::new();
     loop {
-        let now = round_time();
+        let now = crate::ledger::entry_time();
         let expired: Vec<&str> = expired_read.iter().map(String::as_str).collect();
         let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired, now };
         let found = if keys.is_empty() && holds.is_empty() {

@@ -353,7 +353,7 @@ async fn run_round(
     // The wallets whose movements need their expired holds read (see `batch`).
     let mut expired_of: HashSet<String> = HashSet::new();
     loop {
-        let now = round_time();
+        let now = crate::ledger::entry_time();
         let look_up_keys = !(first_attempt && fresh);
         let hold_ids: Vec<Uuid> = jobs
             .pending
@@ -797,14 +797,6 @@ pub(in crate::wallet) fn add_wallet<'a>(write: &mut GroupWrite<'a>, batch: &Batc
             entry_id: plan.entry_of(*op).map(|entry| entry.id),
         });
     }
-}
-
-/// The time of a round's entries, at Postgres's precision (microseconds), so a response rendered
-/// before the write says exactly what the ledger stores.
-pub(in crate::wallet) fn round_time() -> chrono::DateTime<chrono::Utc> {
-    use chrono::{DurationRound, TimeDelta};
-    let now = chrono::Utc::now();
-    now.duration_trunc(TimeDelta::microseconds(1)).unwrap_or(now)
 }
 
 #[cfg(test)]
