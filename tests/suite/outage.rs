@@ -5,7 +5,8 @@
 
 use crate::support::fleet::Fleet;
 use crate::support::hold_row;
-use crate::support::load::{Load, check_books, open_wallets, settle, tally};
+use crate::support::load::Bank;
+use crate::support::load::{Load, Outcome, check_books, open_wallets, settle, tally, told};
 use crate::support::proxy::TcpProxy;
 use crate::support::servers::RedisServer;
 use crate::support::{CALLER, TestEnv, books, eventually, parse_metrics, tester};
@@ -350,4 +351,59 @@ async fn under_postgres_alone_a_payment_waits_for_a_row_another_transaction_hold
     blocker.rollback().await.unwrap();
     let books = books(&db, id.as_str()).await;
     assert_eq!((books.balance, books.ledger_sum, books.pays), (90, 90, 1));
+}
+
+/// A wallet's entries are timed in the order they were written, whichever path wrote them (an
+/// instant's balance and a statement's period read them by time): a round on a lease that stalls
+/// before it reads the wallet, while a replica cut off from Redis pays from it under Postgres alone,
+/// times its own payment after that one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_stalled_before_its_read_times_its_payment_after_one_written_meanwhile_under_postgres_alone()
+{
+    let mut env = TestEnv::with_own_redis();
+    let mut fleet = Fleet::start(&env, 2, &[("LEASE_TTL", "10s")]).await;
+    open_wallets(&fleet, &["timed"], OPENING).await;
+    // Without the note its opening left, the round reads the wallet's row.
+    env.redis_cmd::<()>(&["FLUSHALL"]).await;
+    let redis = format!("127.0.0.1:{}", env.own_redis().port).parse().unwrap();
+    let proxy = TcpProxy::start(redis).await;
+    let proxied = format!("redis://127.0.0.1:{}", proxy.port);
+    fleet.replicas[1].set_env("REDIS_URL", Some(&proxied));
+    fleet.replicas[1].start();
+    proxy.black_hole();
+
+    // replica-1 takes the lease and stops itself in its round, before the round reads the wallet.
+    fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", Some("before_round_read:stop"));
+    fleet.replicas[0].start();
+    let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
+    let leased =
+        tokio::spawn(async move { crate::support::load::pay(&client, &url, "timed", 1, "leased").await });
+    let pid = fleet.replicas[0].pid();
+    eventually("replica-1 stopped before its round's read", Duration::from_secs(10), || async {
+        crate::support::fleet::is_stopped(pid)
+    })
+    .await;
+    let meanwhile =
+        crate::support::load::pay(&fleet.client, &fleet.replicas[1].url(""), "timed", 2, "unleased").await;
+    assert!(matches!(meanwhile, Outcome::Applied(_)), "replica-2 paid under Postgres alone: {meanwhile:?}");
+    fleet.replicas[0].signal(Signal::SIGCONT);
+    let resumed = leased.await.unwrap();
+    assert!(matches!(resumed, Outcome::Applied(_)), "replica-1 paid once it woke: {resumed:?}");
+
+    let entries: Vec<(i64, i64, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        "select seq, amount, created_at from ledger_entry where wallet_id = 'timed' order by seq",
+    )
+    .fetch_all(&fleet.db)
+    .await
+    .unwrap();
+    assert_eq!(entries.iter().map(|e| e.1).collect::<Vec<_>>(), [OPENING, 2, 1], "the write order");
+    assert!(
+        entries.windows(2).all(|pair| pair[0].2 <= pair[1].2),
+        "entries timed in the write order: {entries:?}"
+    );
+    let acks: Vec<serde_json::Value> = crate::support::load::opened(&[("timed", OPENING)])
+        .into_iter()
+        .chain([told("unleased", &meanwhile, &[("timed", -2)]), told("leased", &resumed, &[("timed", -1)])])
+        .collect();
+    crate::support::fleet::audit_books(fleet.database_url(), &acks);
 }

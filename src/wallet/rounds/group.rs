@@ -353,7 +353,7 @@ async fn run_round(
     // The wallets whose movements need their expired holds read (see `batch`).
     let mut expired_of: HashSet<String> = HashSet::new();
     loop {
-        let now = crate::ledger::entry_time();
+        let read_at = crate::ledger::entry_time();
         let look_up_keys = !(first_attempt && fresh);
         let hold_ids: Vec<Uuid> = jobs
             .pending
@@ -370,7 +370,8 @@ async fn run_round(
             )
             .collect();
         let expired: Vec<&str> = expired_of.iter().map(String::as_str).collect();
-        let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired, now };
+        let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired, now: read_at };
+        crate::failpoint::hit("before_round_read");
         let reading = Box::pin(read(&mut conn, &mut jobs, look_up_keys, holds));
         let (mut found, gave_up) = match answered_within(settings.answer_within, reading).await {
             Some(found) => (found, false),
@@ -394,6 +395,11 @@ async fn run_round(
                 return answer_all(jobs, &err);
             }
         };
+        // The round is timed after its read: whatever the read found (a version another path wrote
+        // while this holder waited, say) was committed before it, so each wallet's entries are
+        // timed in the order they were written, which history's reads by time rely on. A hold
+        // that expired between the two is not among the expired holds read: it counts as held.
+        let now = crate::ledger::entry_time();
         let batches: Vec<Batch<'_>> = jobs.ready.iter().map(Ready::batch).collect();
         // Refunds never ride the rounds (see `Wallets::commit_under`): none is read.
         let refunded = decision::Refunds::new();
