@@ -2,6 +2,7 @@
 //! that decides a movement against a balance.
 
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -34,6 +35,8 @@ pub enum Field {
     Amount,
     Balance,
     Reference,
+    /// A movement's metadata, or an entries filter on it.
+    Metadata,
     /// A page's size.
     Limit,
     /// A page's cursor.
@@ -71,6 +74,7 @@ impl Field {
             Field::Amount => "amount",
             Field::Balance => "balance",
             Field::Reference => "reference",
+            Field::Metadata => "metadata",
             Field::Limit => "limit",
             Field::Before => "before",
             Field::IdempotencyKey => "Idempotency-Key",
@@ -96,6 +100,7 @@ impl Field {
             Field::Amount => "invalid_amount",
             Field::Balance => "invalid_balance",
             Field::Reference => "invalid_reference",
+            Field::Metadata => "invalid_metadata",
             Field::Limit => "invalid_limit",
             Field::IdempotencyKey => "invalid_idempotency_key",
             Field::Legs => "invalid_legs",
@@ -223,6 +228,70 @@ pub fn reference(reference: Option<String>) -> Result<Option<String>, InvalidInp
     }
 }
 
+/// The caller's own key-value pairs on a movement (an order's id, a channel, a country): every
+/// entry the movement writes keeps them, each answer that shows an entry returns them, and a
+/// wallet's entries can be selected by them (`metadata[key]=value`). At most [`Metadata::MAX_KEYS`]
+/// keys of 1 to [`Metadata::MAX_KEY_CHARS`] characters, each value a string of at most
+/// [`Metadata::MAX_VALUE_CHARS`], no NUL (Postgres's `jsonb` cannot hold one): a few kilobytes at
+/// most, in every entry.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(transparent)]
+#[schema(value_type = BTreeMap<String, String>, example = json!({"order_id": "o-1001", "channel": "web"}))]
+pub struct Metadata(BTreeMap<String, String>);
+
+impl Metadata {
+    pub const MAX_KEYS: usize = 16;
+    pub const MAX_KEY_CHARS: usize = 64;
+    pub const MAX_VALUE_CHARS: usize = 256;
+    pub const RULE: &'static str = "an object of at most 16 keys of 1 to 64 characters, each value a string of \
+                                    at most 256 characters, no NUL";
+
+    /// A request's `metadata` object (none: empty).
+    pub fn parse(object: Option<serde_json::Map<String, serde_json::Value>>) -> Result<Self, InvalidInput> {
+        let invalid = || InvalidInput { field: Field::Metadata, rule: Self::RULE };
+        let pairs = object.unwrap_or_default().into_iter().map(|(key, value)| match value {
+            serde_json::Value::String(value) => Ok((key, value)),
+            _ => Err(invalid()),
+        });
+        Self::from_pairs(pairs.collect::<Result<Vec<_>, _>>()?)
+    }
+
+    /// Pairs held to the rule (a key twice breaks it).
+    pub fn from_pairs(pairs: impl IntoIterator<Item = (String, String)>) -> Result<Self, InvalidInput> {
+        let invalid = || InvalidInput { field: Field::Metadata, rule: Self::RULE };
+        let mut map = BTreeMap::new();
+        for (key, value) in pairs {
+            let key_ok = (1..=Self::MAX_KEY_CHARS).contains(&key.chars().count()) && !key.contains('\0');
+            let value_ok = value.chars().count() <= Self::MAX_VALUE_CHARS && !value.contains('\0');
+            if !key_ok || !value_ok || map.insert(key, value).is_some() || map.len() > Self::MAX_KEYS {
+                return Err(invalid());
+            }
+        }
+        Ok(Self(map))
+    }
+
+    /// As the ledger stored it (held to the rule when it was written).
+    pub fn stored(map: Option<BTreeMap<String, String>>) -> Self {
+        Self(map.unwrap_or_default())
+    }
+
+    /// No metadata, for the movements whose entries have none of their own (an opening, a
+    /// refund of a payment made before metadata).
+    pub fn none() -> &'static Metadata {
+        static NONE: Metadata = Metadata(BTreeMap::new());
+        &NONE
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The pairs, for a write (`None` when there are none: the column is then null).
+    pub fn pairs(&self) -> Option<&BTreeMap<String, String>> {
+        (!self.0.is_empty()).then_some(&self.0)
+    }
+}
+
 /// How long a hold lasts before it expires by itself: 1 second to 7 days.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HoldLife(std::time::Duration);
@@ -254,16 +323,20 @@ impl HoldLife {
 pub enum Movement {
     Deposit {
         amount: Amount,
+        metadata: Metadata,
     },
     Pay {
         amount: Amount,
         reference: Option<String>,
+        metadata: Metadata,
     },
-    /// Reserves `amount` of the available balance until `life` from now.
+    /// Reserves `amount` of the available balance until `life` from now; its capture's entry
+    /// keeps its reference and metadata.
     Hold {
         amount: Amount,
         life: HoldLife,
         reference: Option<String>,
+        metadata: Metadata,
     },
     /// Charges `amount` of the hold (all of it without one) and releases the rest.
     Capture {

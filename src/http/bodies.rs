@@ -7,7 +7,7 @@
 //! `#[schema(as = ...)]`); in the code the suffix `Body` keeps it apart from the row it is made
 //! of.
 
-use crate::domain::{EntryKind, HoldStatus, MovementStatus};
+use crate::domain::{EntryKind, HoldStatus, Metadata, MovementStatus};
 use crate::wallet::{Entry, HeldLeg, Hold, MovementHold, MovementRecord, Transfer, Wallet};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -65,6 +65,10 @@ pub struct EntryBody {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false, max_length = 256, example = "order-1001")]
     pub reference: Option<String>,
+    /// The movement's metadata; omitted when it has none.
+    #[serde(skip_serializing_if = "Metadata::is_empty")]
+    #[schema(required = false)]
+    pub metadata: Metadata,
     /// The transfer a `transfer_out` or `transfer_in` entry is a leg of; omitted otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
@@ -91,6 +95,7 @@ impl From<Entry> for EntryBody {
             version,
             fence,
             reference,
+            metadata,
             transfer_id,
             refund_of,
             hold_id,
@@ -105,6 +110,7 @@ impl From<Entry> for EntryBody {
             version,
             fence,
             reference,
+            metadata,
             transfer_id,
             refund_of,
             hold_id,
@@ -132,6 +138,10 @@ pub struct HoldBody {
     pub expires_at: DateTime<Utc>,
     #[schema(required = true, max_length = 256, example = "ride-77")]
     pub reference: Option<String>,
+    /// The hold's metadata (its capture's entry keeps it); omitted when it has none.
+    #[serde(skip_serializing_if = "Metadata::is_empty")]
+    #[schema(required = false)]
+    pub metadata: Metadata,
     pub created_at: DateTime<Utc>,
     /// When it was captured, voided or released; null while held.
     #[schema(required = true)]
@@ -157,6 +167,7 @@ impl From<Hold> for HoldBody {
             status,
             expires_at,
             reference,
+            metadata,
             created_at,
             settled_at,
             capture_entry,
@@ -171,6 +182,7 @@ impl From<Hold> for HoldBody {
             status,
             expires_at,
             reference,
+            metadata,
             created_at,
             settled_at,
             capture_entry,
@@ -204,6 +216,10 @@ pub struct TransferBody {
     /// The caller's own note, or null.
     #[schema(required = true, max_length = 256, example = "invoice-77")]
     pub reference: Option<String>,
+    /// The transfer's metadata (each of its entries keeps it); omitted when it has none.
+    #[serde(skip_serializing_if = "Metadata::is_empty")]
+    #[schema(required = false)]
+    pub metadata: Metadata,
     /// The transfer this one refunds (it moves money back from that one's `to` to its `from`);
     /// omitted when it refunds none.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -218,14 +234,25 @@ pub struct TransferBody {
 
 impl From<Transfer> for TransferBody {
     fn from(transfer: Transfer) -> Self {
-        let Transfer { id, from, to, amount, reference, refund_of, from_entry, to_entry, created_at } =
-            transfer;
+        let Transfer {
+            id,
+            from,
+            to,
+            amount,
+            reference,
+            metadata,
+            refund_of,
+            from_entry,
+            to_entry,
+            created_at,
+        } = transfer;
         TransferBody {
             id,
             from,
             to,
             amount,
             reference,
+            metadata,
             refund_of,
             from_entry: from_entry.into(),
             to_entry: to_entry.into(),
@@ -243,6 +270,10 @@ pub struct MovementBody {
     /// The caller's own note, or null.
     #[schema(required = true, max_length = 256, example = "order-1001")]
     pub reference: Option<String>,
+    /// The movement's metadata (each of its entries keeps it); omitted when it has none.
+    #[serde(skip_serializing_if = "Metadata::is_empty")]
+    #[schema(required = false)]
+    pub metadata: Metadata,
     pub status: MovementStatus,
     /// One entry a leg: a `transfer_out` of each wallet it takes from, a `transfer_in` of each it
     /// pays into, each with the wallet's balance after it. Empty while a held movement is not
@@ -263,10 +294,11 @@ pub struct MovementBody {
 
 impl From<MovementRecord> for MovementBody {
     fn from(movement: MovementRecord) -> Self {
-        let MovementRecord { id, reference, status, legs, hold, refund_of, created_at } = movement;
+        let MovementRecord { id, reference, metadata, status, legs, hold, refund_of, created_at } = movement;
         MovementBody {
             id,
             reference,
+            metadata,
             status,
             legs: legs.into_iter().map(EntryBody::from).collect(),
             hold: hold.map(MovementHoldBody::from),
@@ -310,3 +342,8 @@ impl From<HeldLeg> for HeldLegBody {
         HeldLegBody { wallet_id, amount, hold_id }
     }
 }
+
+/// A request's `metadata`, as JSON gives it; [`Metadata::parse`] holds it to its rule, so a value
+/// that is not a string is `invalid_metadata` like any other break of it, not a body that cannot be
+/// read.
+pub(super) type MetadataObject = Option<serde_json::Map<String, serde_json::Value>>;

@@ -1,6 +1,7 @@
 //! Extractors that turn every rejection into the API's problem format.
 
 use super::error::ApiError;
+use crate::domain::{Field, InvalidInput, Metadata};
 use crate::idempotency::IdempotencyKey;
 use crate::wallet::WalletId;
 use axum::body::Bytes;
@@ -67,6 +68,35 @@ fn is_json(content_type: Option<&axum::http::HeaderValue>) -> bool {
 #[derive(Debug, FromRequestParts)]
 #[from_request(via(axum::extract::Query), rejection(ApiError))]
 pub struct QueryParams<T>(pub T);
+
+/// Query parameters matching `T`, and beside them the `metadata[key]=value` pairs (which `T`,
+/// refusing unknown parameters, cannot name): a filter on metadata, held to its rule.
+#[derive(Debug)]
+pub struct QueryWithMetadata<T>(pub T, pub Metadata);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for QueryWithMetadata<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let Ok(axum::extract::RawQuery(raw)) =
+            axum::extract::RawQuery::from_request_parts(parts, state).await;
+        let (mut rest, mut pairs) = (form_urlencoded::Serializer::new(String::new()), Vec::new());
+        for (name, value) in form_urlencoded::parse(raw.unwrap_or_default().as_bytes()) {
+            match name.strip_prefix("metadata[").and_then(|key| key.strip_suffix(']')) {
+                Some(key) => pairs.push((key.to_owned(), value.into_owned())),
+                None => {
+                    rest.append_pair(&name, &value);
+                }
+            }
+        }
+        // What is left, as a URI of its own for `Query` to read as it reads any (its rejections are
+        // the API's `invalid_query`).
+        let uri = axum::http::Uri::try_from(format!("/?{}", rest.finish()))
+            .map_err(|_| ApiError::from(InvalidInput { field: Field::Metadata, rule: Metadata::RULE }))?;
+        let axum::extract::Query(value) = axum::extract::Query::<T>::try_from_uri(&uri)?;
+        Ok(Self(value, Metadata::from_pairs(pairs)?))
+    }
+}
 
 /// The `{id}` segment of a wallet route, validated before anything else is read.
 #[derive(Debug, utoipa::IntoParams)]

@@ -6,7 +6,7 @@ use super::ApiContext;
 use super::bodies::EntryBody;
 use super::error::described::{NO_WALLET, READ_UNAVAILABLE as UNAVAILABLE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
-use super::extract::{QueryParams, WalletPath};
+use super::extract::{QueryParams, QueryWithMetadata, WalletPath};
 use crate::domain::{Access, EntryKind, Field, InvalidInput};
 use crate::wallet::{Entry, EntryFilter, Order, WalletError};
 use axum::body::{Body, Bytes};
@@ -80,7 +80,13 @@ struct EntriesPage {
     path = "/wallets/{id}/entries",
     tag = "history",
     security(("bearer" = [])),
-    params(WalletPath, EntriesQuery),
+    params(
+        WalletPath,
+        EntriesQuery,
+        ("metadata" = Option<HashMap<String, String>>, Query, style = DeepObject, explode,
+            description = "Entries whose metadata has each key at its value: `metadata[order_id]=o-1001`; \
+                           up to 16 keys, held to the rule of a movement's `metadata`"),
+    ),
     responses(
         (status = 200, description = "A page of entries (JSON), or all of them (`text/csv`, `application/x-ndjson`)",
             body = EntriesPage,
@@ -91,7 +97,7 @@ struct EntriesPage {
             )),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
             description = "`invalid_wallet_id`, `invalid_time`, `invalid_kind`, `invalid_reference`, \
-                           `invalid_order`, `invalid_limit`, `invalid_cursor`, `invalid_query`"),
+                           `invalid_metadata`, `invalid_order`, `invalid_limit`, `invalid_cursor`, `invalid_query`"),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
         (status = 404, description = NO_WALLET, body = ProblemDocument, content_type = PROBLEM_JSON),
@@ -104,7 +110,7 @@ async fn entries(
     Extension(access): Extension<Access>,
     WalletPath(id): WalletPath,
     headers: HeaderMap,
-    QueryParams(query): QueryParams<EntriesQuery>,
+    QueryWithMetadata(query, metadata): QueryWithMetadata<EntriesQuery>,
 ) -> Result<Response, ApiError> {
     let order = match query.order.as_deref() {
         None | Some("asc") => Order::Asc,
@@ -130,7 +136,7 @@ async fn entries(
     if !(1..=MAX_PAGE).contains(&limit) && export.is_none() {
         return Err(InvalidInput { field: Field::Limit, rule: "an integer from 1 to 500" }.into());
     }
-    let filter = EntryFilter { from, to, kinds, reference, order, after, limit };
+    let filter = EntryFilter { from, to, kinds, reference, metadata, order, after, limit };
     if let Some(export) = export {
         let mut chunks = Box::pin(ctx.wallets.entry_chunks(&access, &id, filter).await?);
         // The first chunk before the status: a database that does not answer is still a 503.
@@ -151,8 +157,9 @@ pub enum Export {
     Ndjson,
 }
 
-/// The columns of an export's CSV, in order: an entry's fields, then the cursor after it.
-const CSV_HEADER: &str = "id,wallet_id,version,kind,amount,balance,fence,reference,transfer_id,refund_of,hold_id,created_at,cursor\n";
+/// The columns of an export's CSV, in order: an entry's fields (its metadata as a JSON object, or
+/// empty), then the cursor after it.
+const CSV_HEADER: &str = "id,wallet_id,version,kind,amount,balance,fence,reference,metadata,transfer_id,refund_of,hold_id,created_at,cursor\n";
 
 impl Export {
     /// The export `Accept` asks for, if any (else a page of JSON).
@@ -191,6 +198,8 @@ impl Export {
             }
             Export::Csv => {
                 let optional = |value: Option<uuid::Uuid>| value.map(|id| id.to_string()).unwrap_or_default();
+                let metadata =
+                    entry.metadata.pairs().map(|pairs| serde_json::to_string(pairs).unwrap_or_default());
                 let fields = [
                     entry.id.to_string(),
                     csv_field(&entry.wallet_id),
@@ -200,6 +209,7 @@ impl Export {
                     entry.balance.to_string(),
                     entry.fence.to_string(),
                     csv_field(entry.reference.as_deref().unwrap_or("")),
+                    csv_field(metadata.as_deref().unwrap_or("")),
                     optional(entry.transfer_id),
                     optional(entry.refund_of),
                     optional(entry.hold_id),
@@ -508,6 +518,7 @@ mod tests {
             wallet_id: "w".into(),
             kind: EntryKind::Pay,
             amount: 1,
+            metadata: crate::domain::Metadata::default(),
             balance: 0,
             version: 1,
             fence: 1,

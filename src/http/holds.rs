@@ -2,14 +2,14 @@
 //! it (charge it, in full or in part), void it, or let it expire.
 
 use super::ApiContext;
-use super::bodies::{HoldBody, HoldReceipt};
+use super::bodies::{HoldBody, HoldReceipt, MetadataObject};
 use super::error::described::{
     MOVEMENT_CONFLICT, MOVEMENT_UNAVAILABLE as UNAVAILABLE, NOT_JSON, TOO_LARGE, UNAUTHORIZED,
 };
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
 use super::idempotent::{self, KeyedRequest, render_hold_placed, render_movement};
-use crate::domain::{self, Access, Field, HoldLife};
+use crate::domain::{self, Access, Field, HoldLife, Metadata};
 use crate::idempotency::Scope;
 use crate::wallet::{Amount, Movement, WalletId};
 use axum::{
@@ -60,6 +60,9 @@ struct PlaceHold {
     /// `pay` entry carries it.
     #[schema(max_length = 256, pattern = "^[^\\x00]*$", example = "ride-77")]
     reference: Option<String>,
+    /// Your own key-value pairs (see `Metadata`); the capture's `pay` entry keeps them.
+    #[schema(value_type = Option<Metadata>)]
+    metadata: MetadataObject,
 }
 
 /// Reserves part of the wallet's available balance until it is captured, voided or expires:
@@ -81,7 +84,7 @@ struct PlaceHold {
             )),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
             description = "`invalid_wallet_id`, `invalid_amount`, `invalid_expires_in`, `invalid_reference`, \
-                           `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
+                           `invalid_metadata`, `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
         (status = 404, description = "`wallet_not_found` (also a wallet of another caller)",
@@ -107,12 +110,13 @@ async fn place_hold(
     uri: Uri,
     body: JsonBody<PlaceHold>,
 ) -> Result<Response, ApiError> {
-    let PlaceHold { amount, expires_in, reference } = &body.value;
+    let PlaceHold { amount, expires_in, reference, metadata } = &body.value;
     let life = expires_in.map_or(Ok(HoldLife::DEFAULT), HoldLife::seconds)?;
     let movement = Movement::Hold {
         amount: Amount::new(*amount)?,
         life,
         reference: domain::reference(reference.clone())?,
+        metadata: Metadata::parse(metadata.clone())?,
     };
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_hold_placed);

@@ -2,14 +2,14 @@
 //! between a merchant, a platform's fee and a tax wallet). A transfer is the two-leg case.
 
 use super::ApiContext;
-use super::bodies::MovementBody;
+use super::bodies::{MetadataObject, MovementBody};
 use super::error::described::{MOVEMENT_CONFLICT as CONFLICT, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, OptionalJsonBody};
 use super::idempotent::{
     self, KeyedRequest, movement_record_response, render_movement_record, render_movement_settled,
 };
-use crate::domain::{self, Access, Amount, Field, HoldLife, Legs};
+use crate::domain::{self, Access, Amount, Field, HoldLife, Legs, Metadata};
 use crate::idempotency::Scope;
 use crate::wallet::{InvalidInput, SettleAs, WalletId};
 use axum::{
@@ -69,6 +69,9 @@ struct NewMovement {
     /// The caller's own note: at most 256 characters, no NUL.
     #[schema(max_length = 256, pattern = "^[^\\x00]*$", example = "order-1001")]
     reference: Option<String>,
+    /// Your own key-value pairs, kept with every entry it writes (see `Metadata`).
+    #[schema(value_type = Option<Metadata>)]
+    metadata: MetadataObject,
     /// Place the movement as a hold instead: every debit leg reserved until it is captured or
     /// voided as a whole, or expires; no entry is written until the capture.
     hold: Option<NewMovementHold>,
@@ -100,7 +103,7 @@ struct NewMovementHold {
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
             description = "`invalid_legs` (fewer than 2 or more than 16, a wallet twice, an amount of 0 or past \
                            10^12, not summing to zero, a bad wallet id), `invalid_reference`, \
-                           `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
+                           `invalid_metadata`, `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
         (status = 404, body = ProblemDocument, content_type = PROBLEM_JSON,
@@ -124,7 +127,7 @@ async fn create_movement(
     uri: Uri,
     body: JsonBody<NewMovement>,
 ) -> Result<Response, ApiError> {
-    let NewMovement { legs, reference, hold } = &body.value;
+    let NewMovement { legs, reference, metadata, hold } = &body.value;
     let legs = legs
         .iter()
         .map(|leg| {
@@ -138,13 +141,14 @@ async fn create_movement(
         tracing::Span::current().record("wallet_id", first.as_str());
     }
     let reference = domain::reference(reference.clone())?;
+    let metadata = Metadata::parse(metadata.clone())?;
     let hold = hold
         .as_ref()
         .map(|hold| hold.expires_in.map_or(Ok(HoldLife::DEFAULT), HoldLife::seconds))
         .transpose()?;
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_movement_record);
-    let result = ctx.wallets.move_between(&access, legs, reference, hold, key).await;
+    let result = ctx.wallets.move_between(&access, legs, reference, metadata, hold, key).await;
     Ok(movement_record_response(result, render_movement_record))
 }
 
@@ -158,6 +162,19 @@ struct PartOf {
     /// of it, each rounded down, the units left over to the legs rounding took most from).
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 500)]
     amount: Option<i64>,
+}
+
+/// How much of a movement to move back. Unknown fields are refused.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct MovementRefund {
+    /// Minor units, at most what is left to refund; without it (or with null, or with no body),
+    /// all of it. Each leg gives back its share, as a capture's legs take theirs.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 500)]
+    amount: Option<i64>,
+    /// Your own key-value pairs, kept with every entry it writes (see `Metadata`).
+    #[schema(value_type = Option<Metadata>)]
+    metadata: MetadataObject,
 }
 
 /// Captures a held movement as a whole, under every wallet's lease: every leg's entry written and
@@ -256,13 +273,13 @@ async fn settle(
     tag = "transfers",
     security(("bearer" = [])),
     params(MovementPath, IdempotencyHeader),
-    request_body(content = Option<PartOf>, content_type = "application/json"),
+    request_body(content = Option<MovementRefund>, content_type = "application/json"),
     responses(
         (status = 201, description = "The refund: a movement of every leg back, with one ledger entry a leg \
                                       whose share is not nothing", body = MovementBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
-            description = "`invalid_movement_id`, `invalid_amount`, `invalid_idempotency_key`, `malformed_json`, \
+            description = "`invalid_movement_id`, `invalid_amount`, `invalid_metadata`, `invalid_idempotency_key`, `malformed_json`, \
                            `invalid_body`"),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
@@ -289,12 +306,13 @@ async fn refund_movement(
     MovementPath(id): MovementPath,
     IdempotencyHeader(key): IdempotencyHeader,
     uri: Uri,
-    OptionalJsonBody(body): OptionalJsonBody<PartOf>,
+    OptionalJsonBody(body): OptionalJsonBody<MovementRefund>,
 ) -> Result<Response, ApiError> {
     let amount = body.value.amount.map(Amount::new).transpose()?;
+    let metadata = Metadata::parse(body.value.metadata.clone())?;
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_movement_record);
-    let result = ctx.wallets.refund_movement(&access, id, amount, key).await;
+    let result = ctx.wallets.refund_movement(&access, id, amount, metadata, key).await;
     Ok(movement_record_response(result, render_movement_record))
 }
 

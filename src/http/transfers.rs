@@ -1,13 +1,13 @@
 //! `/transfers` and `/wallets/{id}/refunds`: money between wallets, and back.
 
 use super::ApiContext;
-use super::bodies::{EntryBody, TransferBody};
+use super::bodies::{EntryBody, MetadataObject, TransferBody};
 use super::error::described::{MOVEMENT_CONFLICT as CONFLICT, NOT_JSON, TOO_LARGE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
 use super::idempotent::{self, KeyedRequest, render_entry, render_transfer};
 use crate::domain;
-use crate::domain::{Access, Field};
+use crate::domain::{Access, Field, Metadata};
 use crate::idempotency::Scope;
 use crate::wallet::{Amount, Between, InvalidInput, Parties, Refund, WalletId};
 use axum::{
@@ -57,6 +57,9 @@ struct NewTransfer {
     /// The caller's own note: at most 256 characters, no NUL.
     #[schema(max_length = 256, pattern = "^[^\\x00]*$", example = "invoice-77")]
     reference: Option<String>,
+    /// Your own key-value pairs, kept with every entry it writes (see `Metadata`).
+    #[schema(value_type = Option<Metadata>)]
+    metadata: MetadataObject,
 }
 
 /// Moves money from one wallet to another: both legs in one transaction, under both wallets'
@@ -74,7 +77,7 @@ struct NewTransfer {
             links(("GetTransfer" = (operation_id = "get_transfer", parameters(("id" = "$response.body#/id")))))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
             description = "`same_wallet`, `invalid_wallet_id` (`field`: `from` or `to`), `invalid_amount`, \
-                           `invalid_reference`, `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
+                           `invalid_reference`, `invalid_metadata`, `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
         (status = 404, body = ProblemDocument, content_type = PROBLEM_JSON,
@@ -98,12 +101,16 @@ async fn transfer(
     uri: Uri,
     body: JsonBody<NewTransfer>,
 ) -> Result<Response, ApiError> {
-    let NewTransfer { from, to, amount, reference } = &body.value;
+    let NewTransfer { from, to, amount, reference, metadata } = &body.value;
     let party = |id: &str, field| WalletId::parse(id).map_err(|invalid| InvalidInput { field, ..invalid });
     let parties = Parties::new(party(from, Field::From)?, party(to, Field::To)?)?;
     tracing::Span::current().record("wallet_id", parties.from.as_str());
-    let between =
-        Between { parties, amount: Amount::new(*amount)?, reference: domain::reference(reference.clone())? };
+    let between = Between {
+        parties,
+        amount: Amount::new(*amount)?,
+        reference: domain::reference(reference.clone())?,
+        metadata: Metadata::parse(metadata.clone())?,
+    };
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_transfer);
     Ok(idempotent::transfer_response(ctx.wallets.transfer(&access, between, key).await))
@@ -153,6 +160,9 @@ struct TransferRefund {
     /// Minor units; without it (or with null), all that is not yet refunded.
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 500)]
     amount: Option<i64>,
+    /// Your own key-value pairs, kept with every entry it writes (see `Metadata`).
+    #[schema(value_type = Option<Metadata>)]
+    metadata: MetadataObject,
 }
 
 /// Moves money of a transfer back, from its `to` to its `from`, as a transfer of its own (with
@@ -169,7 +179,7 @@ struct TransferRefund {
             body = TransferBody,
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
-            description = "`invalid_transfer_id`, `invalid_amount`, `invalid_idempotency_key`, \
+            description = "`invalid_transfer_id`, `invalid_amount`, `invalid_metadata`, `invalid_idempotency_key`, \
                            `malformed_json`, `invalid_body`"),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
@@ -195,9 +205,10 @@ async fn refund_transfer(
     body: JsonBody<TransferRefund>,
 ) -> Result<Response, ApiError> {
     let amount = body.value.amount.map(Amount::new).transpose()?;
+    let metadata = Metadata::parse(body.value.metadata.clone())?;
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::transfers(&access.caller), keyed, render_transfer);
-    Ok(idempotent::transfer_response(ctx.wallets.refund_transfer(&access, id, amount, key).await))
+    Ok(idempotent::transfer_response(ctx.wallets.refund_transfer(&access, id, amount, metadata, key).await))
 }
 
 /// Money back into a wallet for one of its payments. Unknown fields are refused.
@@ -210,6 +221,9 @@ struct PaymentRefund {
     /// Minor units; without it (or with null), all that is not yet refunded.
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 500)]
     amount: Option<i64>,
+    /// Your own key-value pairs, kept with every entry it writes (see `Metadata`).
+    #[schema(value_type = Option<Metadata>)]
+    metadata: MetadataObject,
 }
 
 /// Puts money back into the wallet for one of its payments, as a `refund` entry that names it
@@ -226,7 +240,7 @@ struct PaymentRefund {
             headers(("Idempotent-Replayed" = String, description = "`true` on a replayed response"))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
             description = "`invalid_wallet_id`, `invalid_payment_id`, `invalid_amount`, \
-                           `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
+                           `invalid_metadata`, `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
         (status = 404, body = ProblemDocument, content_type = PROBLEM_JSON,
@@ -254,8 +268,9 @@ async fn refund_payment(
     let payment = Uuid::parse_str(&body.value.payment)
         .map_err(|_| InvalidInput { field: Field::Payment, rule: "the id of a pay entry (a UUID)" })?;
     let amount = body.value.amount.map(Amount::new).transpose()?;
+    let metadata = Metadata::parse(body.value.metadata.clone())?;
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_entry);
-    let refund = Refund { wallet: id, payment, amount };
+    let refund = Refund { wallet: id, payment, amount, metadata };
     Ok(idempotent::entry_response(ctx.wallets.refund_payment(&access, refund, key).await))
 }

@@ -1,7 +1,7 @@
 //! `/wallets`: open, read, deposit, pay, and page through the ledger.
 
 use super::ApiContext;
-use super::bodies::{EntryBody, WalletBody};
+use super::bodies::{EntryBody, MetadataObject, WalletBody};
 use super::error::described::{
     MOVEMENT_CONFLICT, MOVEMENT_UNAVAILABLE, NO_WALLET, NOT_JSON, READ_UNAVAILABLE as UNAVAILABLE, TOO_LARGE,
     UNAUTHORIZED,
@@ -11,7 +11,7 @@ use super::extract::{IdempotencyHeader, JsonBody, QueryParams, WalletPath};
 use super::history::{DEFAULT_PAGE, MAX_PAGE};
 use super::idempotent::{self, KeyedRequest, render_movement, render_open};
 use crate::domain;
-use crate::domain::{Access, Field};
+use crate::domain::{Access, Field, Metadata};
 use crate::idempotency::{Receipt, Scope};
 use crate::wallet::{
     AlreadyExists, Amount, EntryFilter, InvalidInput, Moved, Movement, Order, WalletError, WalletId,
@@ -149,6 +149,9 @@ struct Deposit {
     /// Minor units.
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 500)]
     amount: i64,
+    /// Your own key-value pairs, kept with every entry it writes (see `Metadata`).
+    #[schema(value_type = Option<Metadata>)]
+    metadata: MetadataObject,
 }
 
 /// Deposits money, under the wallet's lease and with a fenced commit.
@@ -167,7 +170,7 @@ struct Deposit {
                 parameters(("id" = "$response.body#/wallet_id"))
             )))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
-            description = "`invalid_wallet_id`, `invalid_amount`, `invalid_idempotency_key`, \
+            description = "`invalid_wallet_id`, `invalid_amount`, `invalid_metadata`, `invalid_idempotency_key`, \
                            `malformed_json`, `invalid_body`"),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
@@ -192,7 +195,9 @@ async fn deposit(
     uri: Uri,
     body: JsonBody<Deposit>,
 ) -> Result<Response, ApiError> {
-    let movement = Movement::Deposit { amount: Amount::new(body.value.amount)? };
+    let Deposit { amount, metadata } = &body.value;
+    let movement =
+        Movement::Deposit { amount: Amount::new(*amount)?, metadata: Metadata::parse(metadata.clone())? };
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     Ok(move_money(&ctx, &access, &id, movement, keyed).await)
 }
@@ -207,6 +212,9 @@ struct Pay {
     /// The caller's own note (an order number, say): at most 256 characters, no NUL.
     #[schema(max_length = 256, pattern = "^[^\\x00]*$", example = "order-1001")]
     reference: Option<String>,
+    /// Your own key-value pairs, kept with every entry it writes (see `Metadata`).
+    #[schema(value_type = Option<Metadata>)]
+    metadata: MetadataObject,
 }
 
 /// Pays from the wallet, if its balance covers the amount; nothing is applied otherwise.
@@ -226,7 +234,7 @@ struct Pay {
             )))),
         (status = 400, body = ProblemDocument, content_type = PROBLEM_JSON,
             description = "`invalid_wallet_id`, `invalid_amount`, `invalid_reference`, \
-                           `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
+                           `invalid_metadata`, `invalid_idempotency_key`, `malformed_json`, `invalid_body`"),
         (status = 401, description = UNAUTHORIZED, body = ProblemDocument, content_type = PROBLEM_JSON,
             headers(("WWW-Authenticate" = String))),
         (status = 404, description = NO_WALLET, body = ProblemDocument, content_type = PROBLEM_JSON),
@@ -250,8 +258,12 @@ async fn pay(
     uri: Uri,
     body: JsonBody<Pay>,
 ) -> Result<Response, ApiError> {
-    let Pay { amount, reference } = body.value;
-    let movement = Movement::Pay { amount: Amount::new(amount)?, reference: domain::reference(reference)? };
+    let Pay { amount, reference, metadata } = body.value;
+    let movement = Movement::Pay {
+        amount: Amount::new(amount)?,
+        reference: domain::reference(reference)?,
+        metadata: Metadata::parse(metadata)?,
+    };
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
     Ok(move_money(&ctx, &access, &id, movement, keyed).await)
 }

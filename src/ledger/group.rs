@@ -41,8 +41,9 @@ use super::transfer::{MovementRecord, Transfer};
 use super::{Entry, StoreError, WalletRead};
 use crate::domain::{EntryKind, FenceStanding};
 use chrono::{DateTime, Utc};
+use sqlx::types::Json;
 use sqlx::{PgConnection, QueryBuilder, Row};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 use uuid::Uuid;
@@ -149,13 +150,13 @@ pub async fn read(
                   null::int8 as hold_amount, null::text as hold_status,
                   null::timestamptz as hold_expires_at, null::text as hold_reference,
                   null::timestamptz as hold_created_at, null::int8 as hold_fence,
-                  null::uuid as hold_movement
+                  null::uuid as hold_movement, null::jsonb as hold_metadata
            from wallet w
            where w.id = any($1::text[]) and w.id = any($9::text[])
            union all
            select null, null, null, null, null, null, k.caller, k.scope, k.key, k.fingerprint,
                   k.status, k.content_type, k.body, null, null, null, null, null, null, null, null,
-                  null
+                  null, null
            from idempotency_key k
            join unnest($8::text[], $2::text[], $3::text[], $4::text[]) as q(wallet_id, caller, scope, key)
              on k.wallet_id = q.wallet_id and k.caller = q.caller and k.scope = q.scope
@@ -164,13 +165,13 @@ pub async fn read(
            union all
            select null, null, null, null, null, null, null, null, null, null, null, null, null,
                   h.id, h.wallet_id, h.amount, h.status, h.expires_at, h.reference, h.created_at,
-                  h.fence, h.movement_id
+                  h.fence, h.movement_id, h.metadata
            from hold h
            where h.id = any($5::uuid[]) and h.wallet_id = any($9::text[])
            union all
            select null, null, null, null, null, null, null, null, null, null, null, null, null,
                   h.id, h.wallet_id, h.amount, h.status, h.expires_at, h.reference, h.created_at,
-                  h.fence, h.movement_id
+                  h.fence, h.movement_id, h.metadata
            from hold h
            where h.wallet_id = any($6::text[]) and h.status = 'held' and h.expires_at <= $7
              and h.wallet_id = any($9::text[])"#,
@@ -205,6 +206,7 @@ pub async fn read(
                 status: row.try_get("hold_status")?,
                 expires_at: row.try_get("hold_expires_at")?,
                 reference: row.try_get("hold_reference")?,
+                metadata: super::stored_metadata(&row, "hold_metadata")?,
                 created_at: row.try_get("hold_created_at")?,
                 settled_at: None,
                 capture_entry: None,
@@ -334,6 +336,7 @@ struct EntryWriteRow<'a> {
     hold_id: Option<Uuid>,
     transfer_id: Option<Uuid>,
     refund_of: Option<Uuid>,
+    metadata: Option<Json<&'a BTreeMap<String, String>>>,
 }
 
 impl<'a> From<&'a Entry> for EntryWriteRow<'a> {
@@ -350,6 +353,7 @@ impl<'a> From<&'a Entry> for EntryWriteRow<'a> {
             hold_id: e.hold_id,
             transfer_id: e.transfer_id,
             refund_of: e.refund_of,
+            metadata: e.metadata.pairs().map(Json),
         }
     }
 }
@@ -364,6 +368,7 @@ struct PlacedRow<'a> {
     reference: Option<&'a str>,
     fence: i64,
     movement_id: Option<Uuid>,
+    metadata: Option<Json<&'a BTreeMap<String, String>>>,
 }
 
 /// A transfer, as the composite `transfer_write` binds it (migration 0015).
@@ -375,6 +380,7 @@ struct TransferWriteRow<'a> {
     amount: i64,
     reference: Option<&'a str>,
     refund_of: Option<Uuid>,
+    metadata: Option<Json<&'a BTreeMap<String, String>>>,
 }
 
 /// A movement of many legs, as the composite `movement_write` binds it: it lives with its first
@@ -389,6 +395,7 @@ struct MovementWriteRow<'a> {
     leg_wallets: Option<Vec<&'a str>>,
     leg_amounts: Option<Vec<i64>>,
     refund_of: Option<Uuid>,
+    metadata: Option<Json<&'a BTreeMap<String, String>>>,
 }
 
 impl<'a> From<&'a Transfer> for TransferWriteRow<'a> {
@@ -400,6 +407,7 @@ impl<'a> From<&'a Transfer> for TransferWriteRow<'a> {
             amount: t.amount,
             reference: t.reference.as_deref(),
             refund_of: t.refund_of,
+            metadata: t.metadata.pairs().map(Json),
         }
     }
 }
@@ -416,6 +424,7 @@ impl<'a> From<&'a MovementRecord> for MovementWriteRow<'a> {
             leg_wallets: held.map(|h| h.legs.iter().map(|leg| leg.wallet_id.as_str()).collect()),
             leg_amounts: held.map(|h| h.legs.iter().map(|leg| leg.amount).collect()),
             refund_of: m.refund_of,
+            metadata: m.metadata.pairs().map(Json),
         }
     }
 }
@@ -474,9 +483,9 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
     let holds = r#"
            placed as (
                insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at,
-                                 movement_id)
+                                 movement_id, metadata)
                select p.id, p.wallet_id, p.amount, p.expires_at, p.reference, p.fence, $6,
-                      p.movement_id
+                      p.movement_id, p.metadata
                from unnest($3::hold_placed[]) as p
                where p.wallet_id in (select id from moved)
            ),
@@ -492,16 +501,17 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
     let movements = r#"
            transfers as (
                insert into transfer (id, from_wallet, to_wallet, amount, reference, refund_of,
-                                     created_at)
-               select t.id, t.from_wallet, t.to_wallet, t.amount, t.reference, t.refund_of, $6
+                                     created_at, metadata)
+               select t.id, t.from_wallet, t.to_wallet, t.amount, t.reference, t.refund_of, $6,
+                      t.metadata
                from unnest($8::transfer_write[]) as t
                where t.from_wallet in (select id from moved)
            ),
            movements as (
                insert into movement (id, wallet_id, legs, reference, created_at, expires_at,
-                                     leg_wallets, leg_amounts, refund_of)
+                                     leg_wallets, leg_amounts, refund_of, metadata)
                select m.id, m.wallet_id, m.legs, m.reference, $6, m.expires_at, m.leg_wallets,
-                      m.leg_amounts, m.refund_of
+                      m.leg_amounts, m.refund_of, m.metadata
                from unnest($9::movement_write[]) as m
                where m.wallet_id in (select id from moved)
            ),"#;
@@ -529,9 +539,9 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
            entries as (
                insert into ledger_entry
                    (id, wallet_id, seq, kind, amount, balance_after, fence, reference, hold_id,
-                    transfer_id, refund_of, created_at)
+                    transfer_id, refund_of, created_at, metadata)
                select e.id, e.wallet_id, e.seq, e.kind, e.amount, e.balance_after, e.fence,
-                      e.reference, e.hold_id, e.transfer_id, e.refund_of, $6
+                      e.reference, e.hold_id, e.transfer_id, e.refund_of, $6, e.metadata
                from unnest($2::entry_write[]) as e
                where e.wallet_id in (select id from moved)
            ),
@@ -587,6 +597,7 @@ pub async fn commit(
             reference: h.reference.as_deref(),
             fence: h.fence,
             movement_id: h.movement_id,
+            metadata: h.metadata.pairs().map(Json),
         })
         .collect();
     let keys: Vec<KeyWriteRow<'_>> = write.keys.iter().map(key_row).collect();
@@ -718,23 +729,26 @@ async fn commit_routed(
     if !entries.is_empty() {
         let mut insert = QueryBuilder::new(
             "insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence, reference, \
-             hold_id, transfer_id, refund_of, created_at) ",
+             hold_id, transfer_id, refund_of, created_at, metadata) ",
         );
         insert.push_values(&entries, |mut row, e| {
             row.push_bind(e.id).push_bind(&e.wallet_id).push_bind(e.version).push_bind(e.kind);
             row.push_bind(e.amount).push_bind(e.balance).push_bind(e.fence).push_bind(&e.reference);
             row.push_bind(e.hold_id).push_bind(e.transfer_id).push_bind(e.refund_of).push_bind(created_at);
+            row.push_bind(e.metadata.pairs().map(Json));
         });
         insert.build().execute(&mut *tx).await?;
     }
     let placed: Vec<&Hold> = write.placed.iter().copied().filter(|h| moved(&h.wallet_id)).collect();
     if !placed.is_empty() {
         let mut insert = QueryBuilder::new(
-            "insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at, movement_id) ",
+            "insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at, movement_id, \
+             metadata) ",
         );
         insert.push_values(&placed, |mut row, h| {
             row.push_bind(h.id).push_bind(&h.wallet_id).push_bind(h.amount).push_bind(h.expires_at);
             row.push_bind(&h.reference).push_bind(h.fence).push_bind(created_at).push_bind(h.movement_id);
+            row.push_bind(h.metadata.pairs().map(Json));
         });
         insert.build().execute(&mut *tx).await?;
     }
@@ -762,11 +776,13 @@ async fn commit_routed(
     let transfers: Vec<&Transfer> = write.transfers.iter().copied().filter(|t| moved(&t.from)).collect();
     if !transfers.is_empty() {
         let mut insert = QueryBuilder::new(
-            "insert into transfer (id, from_wallet, to_wallet, amount, reference, refund_of, created_at) ",
+            "insert into transfer (id, from_wallet, to_wallet, amount, reference, refund_of, created_at, \
+             metadata) ",
         );
         insert.push_values(&transfers, |mut row, t| {
             row.push_bind(t.id).push_bind(&t.from).push_bind(&t.to).push_bind(t.amount);
             row.push_bind(&t.reference).push_bind(t.refund_of).push_bind(created_at);
+            row.push_bind(t.metadata.pairs().map(Json));
         });
         insert.build().execute(&mut *tx).await?;
     }
@@ -775,12 +791,12 @@ async fn commit_routed(
     if !movements.is_empty() {
         let mut insert = QueryBuilder::new(
             "insert into movement (id, wallet_id, legs, reference, created_at, expires_at, leg_wallets, \
-             leg_amounts, refund_of) ",
+             leg_amounts, refund_of, metadata) ",
         );
         insert.push_values(&movements, |mut row, m| {
             row.push_bind(m.id).push_bind(m.wallet_id).push_bind(m.legs).push_bind(m.reference);
             row.push_bind(created_at).push_bind(m.expires_at).push_bind(&m.leg_wallets);
-            row.push_bind(&m.leg_amounts).push_bind(m.refund_of);
+            row.push_bind(&m.leg_amounts).push_bind(m.refund_of).push_bind(m.metadata);
         });
         insert.build().execute(&mut *tx).await?;
     }

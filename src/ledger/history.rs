@@ -14,7 +14,7 @@
 //! between the two.
 
 use super::{Entry, StoreError, entry_columns};
-use crate::domain::EntryKind;
+use crate::domain::{EntryKind, Metadata};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool, Row};
 
@@ -39,6 +39,8 @@ pub struct EntryFilter {
     pub kinds: Vec<EntryKind>,
     /// Entries with this reference.
     pub reference: Option<String>,
+    /// Entries whose metadata has each of these keys at its value (all, when empty).
+    pub metadata: Metadata,
     pub order: Order,
     /// Entries past this version, in `order` (the last version of the previous page).
     pub after: Option<i64>,
@@ -116,6 +118,7 @@ pub async fn entries(
                 ", 0) end
                    and (cardinality($4::text[]) = 0 or kind = any($4))
                    and ($5::text is null or reference = $5)
+                   and ($8::jsonb is null or metadata @> $8)
                    and ",
                 $cursor,
                 " order by seq ",
@@ -137,6 +140,7 @@ pub async fn entries(
         .bind(filter.reference.as_deref())
         .bind(filter.after)
         .bind(filter.limit)
+        .bind(filter.metadata.pairs().map(sqlx::types::Json))
         .fetch_all(conn)
         .await?)
 }

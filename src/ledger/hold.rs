@@ -3,7 +3,7 @@
 //! statement ([`super::group::commit`]), like every movement of a wallet's queue.
 
 use super::StoreError;
-use crate::domain::HoldStatus;
+use crate::domain::{HoldStatus, Metadata};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
@@ -21,6 +21,8 @@ pub struct Hold {
     pub status: HoldStatus,
     pub expires_at: DateTime<Utc>,
     pub reference: Option<String>,
+    /// Its movement's metadata, which its capture's entry keeps.
+    pub metadata: Metadata,
     pub created_at: DateTime<Utc>,
     /// When it was captured, voided or released; `None` while held.
     pub settled_at: Option<DateTime<Utc>>,
@@ -41,6 +43,7 @@ pub struct NewHold {
     pub amount: i64,
     pub expires_at: DateTime<Utc>,
     pub reference: Option<String>,
+    pub metadata: Metadata,
     pub fence: i64,
     pub movement_id: Option<Uuid>,
 }
@@ -48,7 +51,7 @@ pub struct NewHold {
 impl Hold {
     /// A hold placed at `now`: held, nothing captured.
     pub fn placed(new: NewHold, now: DateTime<Utc>) -> Hold {
-        let NewHold { wallet_id, amount, expires_at, reference, fence, movement_id } = new;
+        let NewHold { wallet_id, amount, expires_at, reference, metadata, fence, movement_id } = new;
         Hold {
             id: super::new_entry_id(),
             wallet_id,
@@ -57,6 +60,7 @@ impl Hold {
             status: HoldStatus::Held,
             expires_at,
             reference,
+            metadata,
             created_at: now,
             settled_at: None,
             capture_entry: None,
@@ -84,6 +88,7 @@ impl sqlx::FromRow<'_, sqlx::postgres::PgRow> for Hold {
             status: row.try_get("status")?,
             expires_at: row.try_get("expires_at")?,
             reference: row.try_get("reference")?,
+            metadata: super::stored_metadata(row, "metadata")?,
             created_at: row.try_get("created_at")?,
             settled_at: row.try_get("settled_at")?,
             capture_entry: row.try_get("capture_entry")?,

@@ -34,7 +34,7 @@ pub mod schema;
 pub mod storage;
 pub mod transfer;
 
-use crate::domain::EntryKind;
+use crate::domain::{EntryKind, Metadata};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
@@ -196,6 +196,8 @@ pub struct Entry {
     pub fence: i64,
     /// The payment's reference, if it has one.
     pub reference: Option<String>,
+    /// Its movement's metadata.
+    pub metadata: Metadata,
     /// The transfer a `transfer_out` or `transfer_in` entry is a leg of.
     pub transfer_id: Option<Uuid>,
     /// The `pay` entry a `refund` entry returns money for.
@@ -208,8 +210,8 @@ pub struct Entry {
 /// The columns [`Entry`]'s `FromRow` reads, as a literal for `concat!`.
 macro_rules! entry_columns {
     () => {
-        "id, wallet_id, seq, kind, amount, balance_after, fence, reference, transfer_id, refund_of, hold_id, \
-         created_at"
+        "id, wallet_id, seq, kind, amount, balance_after, fence, reference, metadata, transfer_id, refund_of, \
+         hold_id, created_at"
     };
 }
 pub(crate) use entry_columns;
@@ -225,12 +227,20 @@ impl sqlx::FromRow<'_, sqlx::postgres::PgRow> for Entry {
             version: row.try_get("seq")?,
             fence: row.try_get("fence")?,
             reference: row.try_get("reference")?,
+            metadata: stored_metadata(row, "metadata")?,
             transfer_id: row.try_get("transfer_id")?,
             refund_of: row.try_get("refund_of")?,
             hold_id: row.try_get("hold_id")?,
             created_at: row.try_get("created_at")?,
         })
     }
+}
+
+/// The metadata in `column` of `row` (`jsonb`, null when there is none).
+pub(crate) fn stored_metadata(row: &sqlx::postgres::PgRow, column: &str) -> Result<Metadata, sqlx::Error> {
+    let stored: Option<sqlx::types::Json<std::collections::BTreeMap<String, String>>> =
+        row.try_get(column)?;
+    Ok(Metadata::stored(stored.map(|json| json.0)))
 }
 
 /// An entry as the statements that write only `open`, `deposit` and `pay` entries return it.
@@ -259,6 +269,7 @@ impl TryFrom<EntryRow> for Entry {
             version: row.seq,
             fence: row.fence,
             reference: row.reference,
+            metadata: Metadata::default(),
             transfer_id: None,
             refund_of: None,
             hold_id: None,

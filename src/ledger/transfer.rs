@@ -12,7 +12,7 @@
 use super::group::FoundKey;
 use super::idempotency::{KeyRef, ResponseRow};
 use super::{Entry, StoreError, entry_columns};
-use crate::domain::{EntryKind, MovementStatus};
+use crate::domain::{EntryKind, Metadata, MovementStatus};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row};
 use std::collections::HashMap;
@@ -115,6 +115,7 @@ pub struct Transfer {
     pub amount: i64,
     /// The caller's own note, if any.
     pub reference: Option<String>,
+    pub metadata: Metadata,
     /// The transfer this one refunds (it moves money back from that one's `to` to its `from`).
     pub refund_of: Option<Uuid>,
     /// The `transfer_out` entry of `from`.
@@ -139,7 +140,7 @@ pub async fn find_transfer(conn: &mut PgConnection, id: Uuid) -> Result<Option<F
     // workers.
     let Some(row) = sqlx::query(
         // language=PostgreSQL
-        r#"select id, from_wallet, to_wallet, amount, reference, refund_of, created_at
+        r#"select id, from_wallet, to_wallet, amount, reference, refund_of, created_at, metadata
            from transfer where id = $1"#,
     )
     .bind(id)
@@ -180,6 +181,7 @@ pub async fn find_transfer(conn: &mut PgConnection, id: Uuid) -> Result<Option<F
         to: to.clone(),
         amount: row.try_get("amount")?,
         reference: row.try_get("reference")?,
+        metadata: super::stored_metadata(&row, "metadata")?,
         refund_of: row.try_get("refund_of")?,
         from_entry: leg(EntryKind::TransferOut)?,
         to_entry: leg(EntryKind::TransferIn)?,
@@ -300,6 +302,7 @@ pub struct MovementRecord {
     pub id: Uuid,
     /// The caller's own note, if any.
     pub reference: Option<String>,
+    pub metadata: Metadata,
     pub status: MovementStatus,
     /// One entry a leg: a `transfer_out` of each wallet it takes from, a `transfer_in` of each it
     /// pays into, each with the wallet's balance after it. Empty while a held movement is not
@@ -357,7 +360,8 @@ pub async fn find_movement(
     // be on several Citus workers.
     let Some(row) = sqlx::query(
         // language=PostgreSQL
-        "select id, reference, created_at, expires_at, leg_wallets, leg_amounts, refund_of from movement where id = $1",
+        r#"select id, reference, created_at, expires_at, leg_wallets, leg_amounts, refund_of, metadata
+           from movement where id = $1"#,
     )
     .bind(id)
     .fetch_optional(&mut *conn)
@@ -411,6 +415,7 @@ pub async fn find_movement(
     let movement = MovementRecord {
         id: row.try_get("id")?,
         reference: row.try_get("reference")?,
+        metadata: super::stored_metadata(&row, "metadata")?,
         status,
         legs,
         hold,

@@ -38,8 +38,8 @@ mod transfer;
 mod tutorial;
 
 pub use crate::domain::{
-    Access, Amount, Field, HoldLife, InvalidInput, LegRefusal, Legs, Movement, Parties, Refusal, SameWallet,
-    WalletId,
+    Access, Amount, Field, HoldLife, InvalidInput, LegRefusal, Legs, Metadata, Movement, Parties, Refusal,
+    SameWallet, WalletId,
 };
 // The rows the service answers with, as the store reads them; its callers map them to what they
 // show (the HTTP layer, to bodies of its own).

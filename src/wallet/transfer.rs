@@ -35,7 +35,7 @@ use super::decision::{
 use super::outage::{Path, count_one};
 use super::rounds::group;
 use super::{Access, Amount, Refusal, WalletError, WalletId, Wallets, lease_name};
-use crate::domain::{self, FenceStanding, LegRefusal, Legs, Parties};
+use crate::domain::{self, FenceStanding, LegRefusal, Legs, Metadata, Parties};
 use crate::idempotency::Keyed;
 use crate::lease::{self, Lease};
 use crate::ledger::Entry;
@@ -69,6 +69,7 @@ pub struct Between {
     pub parties: Parties,
     pub amount: Amount,
     pub reference: Option<String>,
+    pub metadata: Metadata,
 }
 
 /// A refund of one of a wallet's payments: `amount`, or all that is left without it.
@@ -77,6 +78,7 @@ pub struct Refund {
     pub wallet: WalletId,
     pub payment: Uuid,
     pub amount: Option<Amount>,
+    pub metadata: Metadata,
 }
 
 /// What a committed [`LegsOp`] wrote.
@@ -200,8 +202,8 @@ impl Wallets {
         if self.strategy == super::Strategy::Queue {
             return self.transfer_queued(access, between, key).await;
         }
-        let Between { parties, amount, reference } = between;
-        let op = LegsOp::Transfer { access: access.clone(), parties, amount, reference, key };
+        let Between { parties, amount, reference, metadata } = between;
+        let op = LegsOp::Transfer { access: access.clone(), parties, amount, reference, metadata, key };
         self.run_op(op).await?.into_transfer()
     }
 
@@ -213,6 +215,7 @@ impl Wallets {
         access: &Access,
         id: Uuid,
         amount: Option<Amount>,
+        metadata: Metadata,
         key: Option<Keyed<TransferOutcome>>,
     ) -> Result<Transfer, WalletError> {
         // Counted here too: a refund refused before it runs (no such transfer, or not the
@@ -229,7 +232,9 @@ impl Wallets {
             (stored_id(&original.to)?, amount_moved, false),
         ];
         let of = RefundOf::Transfer { transfer: original.id, key };
-        self.run_op(LegsOp::Refund { access: access.clone(), of, legs, amount }).await?.into_transfer()
+        self.run_op(LegsOp::Refund { access: access.clone(), of, legs, amount, metadata })
+            .await?
+            .into_transfer()
     }
 
     /// Puts money back into a wallet for one of its payments: a `refund` entry that names the
@@ -240,7 +245,7 @@ impl Wallets {
         refund: Refund,
         key: Option<Keyed<RefundOutcome>>,
     ) -> Result<Entry, WalletError> {
-        let Refund { wallet, payment, amount } = refund;
+        let Refund { wallet, payment, amount, metadata } = refund;
         let found = async {
             let mut conn = self.connection().await?;
             let owner = crate::ledger::find_wallet(&mut conn, wallet.as_str()).await?.map(|w| w.owner);
@@ -254,7 +259,8 @@ impl Wallets {
         let paid = found.await.inspect_err(|err| count_outcome::<()>("payment_refund", &Err(err.clone())))?;
         let paid = Amount::new(paid.amount).map_err(|_| WalletError::internal("a stored amount"))?;
         let of = RefundOf::Payment { payment, key };
-        let op = LegsOp::Refund { access: access.clone(), of, legs: vec![(wallet, paid, true)], amount };
+        let legs = vec![(wallet, paid, true)];
+        let op = LegsOp::Refund { access: access.clone(), of, legs, amount, metadata };
         self.run_op(op).await?.into_entry()
     }
 
@@ -267,6 +273,7 @@ impl Wallets {
         access: &Access,
         id: Uuid,
         amount: Option<Amount>,
+        metadata: Metadata,
         key: Option<Keyed<MovementRecordOutcome>>,
     ) -> Result<MovementRecord, WalletError> {
         let found = async {
@@ -287,7 +294,9 @@ impl Wallets {
         let legs =
             found.await.inspect_err(|err| count_outcome::<()>("movement_refund", &Err(err.clone())))?;
         let of = RefundOf::Movement { movement: id, key };
-        self.run_op(LegsOp::Refund { access: access.clone(), of, legs, amount }).await?.into_movement()
+        self.run_op(LegsOp::Refund { access: access.clone(), of, legs, amount, metadata })
+            .await?
+            .into_movement()
     }
 
     /// Moves money between 2 to 16 wallets at once, under every wallet's lease, in one
@@ -300,10 +309,11 @@ impl Wallets {
         access: &Access,
         legs: Legs,
         reference: Option<String>,
+        metadata: Metadata,
         hold: Option<domain::HoldLife>,
         key: Option<Keyed<MovementRecordOutcome>>,
     ) -> Result<MovementRecord, WalletError> {
-        let op = LegsOp::Movement { access: access.clone(), legs, reference, hold, key };
+        let op = LegsOp::Movement { access: access.clone(), legs, reference, metadata, hold, key };
         self.run_op(op).await?.into_movement()
     }
 

@@ -400,6 +400,7 @@ async fn a_fence_counter_moved_far_past_the_row_is_refused_and_spends_none_of_it
         parties: wallet::Parties::new(id.clone(), payee.clone()).unwrap(),
         amount: wallet::Amount::new(1).unwrap(),
         reference: None,
+        metadata: wallet::Metadata::default(),
     };
     match wallets.transfer(&tester(), between, None).await {
         Err(WalletError::FenceImplausible { fence, seen: 2 }) => assert_eq!(fence, moved + 3),

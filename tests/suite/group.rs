@@ -29,6 +29,7 @@ fn payment(id: &WalletId, fence: i64, version: i64, amount: i64, balance: i64) -
         version,
         fence,
         reference: None,
+        metadata: Default::default(),
         transfer_id: None,
         refund_of: None,
         hold_id: None,

@@ -468,7 +468,8 @@ async fn an_export_cut_short_and_resumed_from_its_last_cursor_yields_every_entry
     assert_eq!(command(&[]), csv, "CSV by default");
     assert_eq!(
         csv[0],
-        "id,wallet_id,version,kind,amount,balance,fence,reference,transfer_id,refund_of,hold_id,created_at,cursor"
+        "id,wallet_id,version,kind,amount,balance,fence,reference,metadata,transfer_id,refund_of,hold_id,created_at,\
+         cursor"
     );
     assert_eq!(csv.len(), 1 + entries.len());
     for (line, entry) in csv[1..].iter().zip(&entries) {
@@ -505,7 +506,8 @@ async fn bad_history_requests_are_clear_problems_and_another_callers_wallet_does
         ("/wallets/mine/entries?limit=501", 400, "invalid_limit"),
         ("/wallets/mine/entries?cursor=zzz", 400, "invalid_cursor"),
         ("/wallets/mine/entries?cursor=d5", 400, "invalid_cursor"),
-        ("/wallets/mine/entries?metadata[order]=1", 400, "invalid_query"),
+        ("/wallets/mine/entries?metadata=1", 400, "invalid_query"),
+        ("/wallets/mine/entries?metadata[]=1", 400, "invalid_metadata"),
         ("/wallets/bad%20id/entries", 400, "invalid_wallet_id"),
         ("/wallets/nobody/entries", 404, "wallet_not_found"),
         ("/wallets/nobody/balance?at=2026-01-01T00:00:00Z", 404, "wallet_not_found"),

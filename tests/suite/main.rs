@@ -21,6 +21,7 @@ mod holds;
 mod idempotency;
 mod layers;
 mod lease;
+mod metadata;
 mod metrics;
 mod movements;
 mod notes;

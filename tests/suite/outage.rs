@@ -278,7 +278,12 @@ async fn under_postgres_alone_every_movement_is_decided_as_under_a_lease_and_a_k
             (&b, pay(50), None),
             (
                 &c,
-                Movement::Hold { amount: Amount::new(30).unwrap(), life: HoldLife::DEFAULT, reference: None },
+                Movement::Hold {
+                    amount: Amount::new(30).unwrap(),
+                    life: HoldLife::DEFAULT,
+                    reference: None,
+                    metadata: Default::default(),
+                },
                 None,
             ),
         ],

@@ -38,7 +38,11 @@ async fn spend_through(loss: Loss) {
                         .apply(
                             &tester(),
                             &id,
-                            Movement::Pay { amount: Amount::new(1).unwrap(), reference: None },
+                            Movement::Pay {
+                                amount: Amount::new(1).unwrap(),
+                                reference: None,
+                                metadata: Default::default(),
+                            },
                             None,
                         )
                         .await

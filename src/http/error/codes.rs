@@ -59,6 +59,7 @@ pub const INVALID_AMOUNT: ErrorCode = replica(S::BAD_REQUEST, "invalid_amount", 
 pub const INVALID_WALLET_ID: ErrorCode = replica(S::BAD_REQUEST, "invalid_wallet_id", FIELD_BROKE_ITS_RULE);
 pub const INVALID_BALANCE: ErrorCode = replica(S::BAD_REQUEST, "invalid_balance", FIELD_BROKE_ITS_RULE);
 pub const INVALID_REFERENCE: ErrorCode = replica(S::BAD_REQUEST, "invalid_reference", FIELD_BROKE_ITS_RULE);
+pub const INVALID_METADATA: ErrorCode = replica(S::BAD_REQUEST, "invalid_metadata", FIELD_BROKE_ITS_RULE);
 pub const INVALID_LIMIT: ErrorCode = replica(S::BAD_REQUEST, "invalid_limit", FIELD_BROKE_ITS_RULE);
 pub const INVALID_CURSOR: ErrorCode = replica(S::BAD_REQUEST, "invalid_cursor", FIELD_BROKE_ITS_RULE);
 pub const INVALID_IDEMPOTENCY_KEY: ErrorCode =
@@ -267,6 +268,7 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &INVALID_WALLET_ID,
     &INVALID_BALANCE,
     &INVALID_REFERENCE,
+    &INVALID_METADATA,
     &INVALID_LIMIT,
     &INVALID_CURSOR,
     &INVALID_IDEMPOTENCY_KEY,
@@ -391,6 +393,7 @@ mod tests {
             | Field::Amount
             | Field::Balance
             | Field::Reference
+            | Field::Metadata
             | Field::Limit
             | Field::Before
             | Field::IdempotencyKey
@@ -414,6 +417,7 @@ mod tests {
             Field::Amount,
             Field::Balance,
             Field::Reference,
+            Field::Metadata,
             Field::Limit,
             Field::Before,
             Field::IdempotencyKey,

@@ -16,7 +16,7 @@
 
 use super::{Held, Known, Leg, Links, Settled, as_written, decide_legs, settled};
 use crate::domain::{
-    self, EntryKind, Funds, HoldLife, HoldStatus, LegRefusal, MovementStatus, Parties, pro_rata,
+    self, EntryKind, Funds, HoldLife, HoldStatus, LegRefusal, Metadata, MovementStatus, Parties, pro_rata,
 };
 use crate::idempotency::{Keyed, Prior, StoredResponse};
 use crate::ledger::Entry;
@@ -40,6 +40,7 @@ pub enum LegsOp {
         parties: Parties,
         amount: Amount,
         reference: Option<String>,
+        metadata: Metadata,
         key: Option<Keyed<TransferOutcome>>,
     },
     /// Money between 2 to 16 wallets at once, its legs summing to zero; with `hold`, reserved on
@@ -48,6 +49,7 @@ pub enum LegsOp {
         access: Access,
         legs: Legs,
         reference: Option<String>,
+        metadata: Metadata,
         hold: Option<HoldLife>,
         key: Option<Keyed<MovementRecordOutcome>>,
     },
@@ -64,7 +66,13 @@ pub enum LegsOp {
     /// leg. The caller may use every wallet the refund takes money from (for a payment's refund,
     /// which takes from none, the wallet it pays into); the money goes back where it came from,
     /// whoever owns that.
-    Refund { access: Access, of: RefundOf, legs: Vec<(WalletId, Amount, bool)>, amount: Option<Amount> },
+    Refund {
+        access: Access,
+        of: RefundOf,
+        legs: Vec<(WalletId, Amount, bool)>,
+        amount: Option<Amount>,
+        metadata: Metadata,
+    },
 }
 
 /// How a held movement is settled: captured, all of it or `amount` of it taken from every leg
@@ -402,12 +410,13 @@ impl Deciding<'_, '_> {
     fn post(&mut self, op: &LegsOp, touched: &[usize], now: DateTime<Utc>) -> Decided {
         let legs = self.legs(op, touched, &vec![0; touched.len()]);
         let id = Uuid::new_v4();
-        let (reference, parties) = match op {
-            LegsOp::Transfer { reference, parties, .. } => (reference, Some(parties)),
-            LegsOp::Movement { reference, .. } => (reference, None),
+        let (reference, metadata, parties) = match op {
+            LegsOp::Transfer { reference, metadata, parties, .. } => (reference, metadata, Some(parties)),
+            LegsOp::Movement { reference, metadata, .. } => (reference, metadata, None),
             LegsOp::Settle { .. } | LegsOp::Refund { .. } => unreachable!("posted by its own arm"),
         };
-        let links = Links { movement: Some(id), reference: reference.as_deref(), refund_of: None, now };
+        let links =
+            Links { movement: Some(id), reference: reference.as_deref(), metadata, refund_of: None, now };
         let entries = decide_legs(&legs, (EntryKind::TransferOut, EntryKind::TransferIn), links)?;
         self.apply(&entries, touched);
         Ok(match parties {
@@ -419,6 +428,7 @@ impl Deciding<'_, '_> {
                     to: parties.to.as_str().to_owned(),
                     amount: from_entry.amount,
                     reference: reference.clone(),
+                    metadata: metadata.clone(),
                     refund_of: None,
                     from_entry,
                     to_entry,
@@ -429,6 +439,7 @@ impl Deciding<'_, '_> {
                 record: MovementRecord {
                     id,
                     reference: reference.clone(),
+                    metadata: metadata.clone(),
                     status: MovementStatus::Posted,
                     legs: entries,
                     hold: None,
@@ -442,7 +453,9 @@ impl Deciding<'_, '_> {
 
     /// A movement placed as a hold: every debit leg reserved for `life`, no entry written.
     fn place(&mut self, op: &LegsOp, touched: &[usize], life: HoldLife, now: DateTime<Utc>) -> Decided {
-        let LegsOp::Movement { reference, .. } = op else { unreachable!("only a movement is placed") };
+        let LegsOp::Movement { reference, metadata, .. } = op else {
+            unreachable!("only a movement is placed")
+        };
         let legs = self.legs(op, touched, &vec![0; touched.len()]);
         let id = Uuid::new_v4();
         let expires_at = life.expiry_from(now);
@@ -458,6 +471,7 @@ impl Deciding<'_, '_> {
                 amount: leg.amount.get(),
                 expires_at,
                 reference: reference.clone(),
+                metadata: metadata.clone(),
                 fence: leg.fence,
                 movement_id: Some(id),
             };
@@ -481,6 +495,7 @@ impl Deciding<'_, '_> {
         let record = MovementRecord {
             id,
             reference: reference.clone(),
+            metadata: metadata.clone(),
             status: MovementStatus::Held,
             legs: Vec::new(),
             hold: Some(MovementHold { expires_at, legs: held_legs }),
@@ -552,6 +567,7 @@ impl Deciding<'_, '_> {
             let links = Links {
                 movement: Some(held.record.id),
                 reference: held.record.reference.as_deref(),
+                metadata: &held.record.metadata,
                 refund_of: None,
                 now,
             };
@@ -584,7 +600,7 @@ impl Deciding<'_, '_> {
     /// A refund: every leg of the original back by its share of the amount refunded, in
     /// proportion to what each leg has left to refund ([`LegsOp::Refund`]).
     fn refund(&mut self, op: &LegsOp, touched: &[usize], now: DateTime<Utc>) -> Result<Decided, WalletError> {
-        let LegsOp::Refund { of, amount, .. } = op else { unreachable!("only a refund refunds") };
+        let LegsOp::Refund { of, amount, metadata, .. } = op else { unreachable!("only a refund refunds") };
         let refunded = self
             .known
             .refunded
@@ -609,11 +625,11 @@ impl Deciding<'_, '_> {
         let (kinds, links) = match of {
             RefundOf::Payment { payment, .. } => (
                 (EntryKind::Refund, EntryKind::Refund),
-                Links { movement: None, reference: None, refund_of: Some(*payment), now },
+                Links { movement: None, reference: None, metadata, refund_of: Some(*payment), now },
             ),
             RefundOf::Transfer { .. } | RefundOf::Movement { .. } => (
                 (EntryKind::TransferOut, EntryKind::TransferIn),
-                Links { movement: Some(id), reference: None, refund_of: None, now },
+                Links { movement: Some(id), reference: None, metadata, refund_of: None, now },
             ),
         };
         let entries = match decide_legs(&legs, kinds, links) {
@@ -636,6 +652,7 @@ impl Deciding<'_, '_> {
                     to: to_entry.wallet_id.clone(),
                     amount: total,
                     reference: None,
+                    metadata: metadata.clone(),
                     refund_of: Some(*transfer),
                     from_entry,
                     to_entry,
@@ -646,6 +663,7 @@ impl Deciding<'_, '_> {
                 record: MovementRecord {
                     id,
                     reference: None,
+                    metadata: metadata.clone(),
                     status: MovementStatus::Posted,
                     legs: entries,
                     hold: None,
@@ -920,19 +938,22 @@ mod tests {
             parties: Parties { from: id(from), to: id(to) },
             amount: Amount::new(amount).unwrap(),
             reference: None,
+            metadata: Metadata::default(),
             key: None,
         }
     }
 
     fn keyed(op: LegsOp, key: &str, request: u8) -> LegsOp {
-        let LegsOp::Transfer { access, parties, amount, reference, .. } = op else { unreachable!() };
+        let LegsOp::Transfer { access, parties, amount, reference, metadata, .. } = op else {
+            unreachable!()
+        };
         let key = Keyed {
             scope: Scope::transfers(OWNER),
             key: IdempotencyKey::parse(key.as_bytes()).unwrap(),
             fingerprint: [request; 32],
             render,
         };
-        LegsOp::Transfer { access, parties, amount, reference, key: Some(key) }
+        LegsOp::Transfer { access, parties, amount, reference, metadata, key: Some(key) }
     }
 
     struct Fixture {
@@ -1043,6 +1064,7 @@ mod tests {
             id: Uuid::new_v4(),
             wallet_id: "w0".into(),
             amount: 80,
+            metadata: Metadata::default(),
             captured: 0,
             status: HoldStatus::Held,
             expires_at: Utc::now() - chrono::Duration::seconds(1),
@@ -1073,7 +1095,8 @@ mod tests {
 
     fn split(hold: Option<HoldLife>) -> LegsOp {
         let legs = Legs::new(vec![(id(0), -60), (id(1), -40), (id(2), 100)]).unwrap();
-        LegsOp::Movement { access: Access::own_wallets(OWNER), legs, reference: None, hold, key: None }
+        let access = Access::own_wallets(OWNER);
+        LegsOp::Movement { access, legs, reference: None, metadata: Metadata::default(), hold, key: None }
     }
 
     /// Places a held split of w0 and w1 into w2, and returns the settlement of it, the holds it
@@ -1197,6 +1220,7 @@ mod tests {
             of,
             legs,
             amount: amount.map(|a| Amount::new(a).unwrap()),
+            metadata: Metadata::default(),
         }
     }
 

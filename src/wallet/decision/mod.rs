@@ -23,7 +23,7 @@ mod legs;
 pub use legs::{HeldMovement, LegsOp, LegsPlan, LegsWallet, RefundOf, SettleAs, decide_between, wallets_of};
 
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
-use crate::domain::{Amount, EntryKind, FenceStanding, Funds, HoldStatus, capture_amount};
+use crate::domain::{Amount, EntryKind, FenceStanding, Funds, HoldStatus, Metadata, capture_amount};
 use crate::idempotency::{Keyed, Prior, StoredResponse};
 use crate::ledger::group::FoundKey;
 use crate::ledger::hold::{Hold, NewHold};
@@ -301,30 +301,33 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
         // A deposit, a payment, a capture: one leg, into the wallet from outside the ledger or out
         // of it, decided as every leg of every movement is (`decide_legs`).
         let version = held.version + plan.entries.len() as i64;
-        let one_leg = |funds: Funds, amount: Amount, debit: bool, reference: Option<&str>| {
+        let one_leg = |funds: Funds, amount: Amount, debit: bool, reference: Option<&str>, metadata| {
             let leg = Leg { wallet: id, funds, version, fence, amount, debit };
-            let links = Links { movement: None, reference, refund_of: None, now };
+            let links = Links { movement: None, reference, metadata, refund_of: None, now };
             let entries = decide_legs(&[leg], (EntryKind::Pay, EntryKind::Deposit), links);
             entries.map(|mut entries| entries.remove(0)).map_err(|(_, refusal)| refusal)
         };
         let outcome: MovementOutcome = match &op.movement {
-            Movement::Deposit { amount } => one_leg(funds, *amount, false, None).map(|entry| {
-                funds.balance = entry.balance;
-                Moved::Entry(entry)
-            }),
-            Movement::Pay { amount, reference } => {
-                one_leg(funds, *amount, true, reference.as_deref()).map(|entry| {
+            Movement::Deposit { amount, metadata } => {
+                one_leg(funds, *amount, false, None, metadata).map(|entry| {
                     funds.balance = entry.balance;
                     Moved::Entry(entry)
                 })
             }
-            Movement::Hold { amount, life, reference } => funds.hold(*amount).map(|after| {
+            Movement::Pay { amount, reference, metadata } => {
+                one_leg(funds, *amount, true, reference.as_deref(), metadata).map(|entry| {
+                    funds.balance = entry.balance;
+                    Moved::Entry(entry)
+                })
+            }
+            Movement::Hold { amount, life, reference, metadata } => funds.hold(*amount).map(|after| {
                 funds.held = after;
                 let new = NewHold {
                     wallet_id: id.as_str().to_owned(),
                     amount: amount.get(),
                     expires_at: life.expiry_from(now),
                     reference: reference.clone(),
+                    metadata: metadata.clone(),
                     fence,
                     movement_id: None,
                 };
@@ -347,7 +350,8 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
                     Ok(()) => capture_amount(*amount, hold.amount).and_then(|charged| {
                         // The hold's own amount is released as it is charged.
                         let released = Funds { held: funds.held - hold.amount, ..funds };
-                        let mut paid = one_leg(released, charged, true, hold.reference.as_deref())?;
+                        let mut paid =
+                            one_leg(released, charged, true, hold.reference.as_deref(), &hold.metadata)?;
                         paid.hold_id = Some(hold.id);
                         (funds.balance, funds.held) = (paid.balance, released.held);
                         status_now.insert(hold.id, HoldStatus::Captured);
@@ -438,6 +442,7 @@ pub struct Links<'a> {
     /// The movement the entries are legs of (a transfer's id).
     pub movement: Option<Uuid>,
     pub reference: Option<&'a str>,
+    pub metadata: &'a Metadata,
     /// The `pay` entry a `refund` entry returns money for.
     pub refund_of: Option<Uuid>,
     pub now: DateTime<Utc>,
@@ -472,6 +477,7 @@ pub fn decide_legs(
                 version: leg.version + 1,
                 fence: leg.fence,
                 reference: links.reference.map(str::to_owned),
+                metadata: links.metadata.clone(),
                 transfer_id: links.movement,
                 refund_of: links.refund_of,
                 hold_id: None,
@@ -566,7 +572,7 @@ mod tests {
     }
 
     fn pay(n: i64) -> Movement {
-        Movement::Pay { amount: amount(n), reference: None }
+        Movement::Pay { amount: amount(n), reference: None, metadata: Metadata::default() }
     }
 
     fn hold_of(amount: i64, expired: bool, now: DateTime<Utc>) -> Hold {
@@ -579,6 +585,7 @@ mod tests {
             status: HoldStatus::Held,
             expires_at,
             reference: None,
+            metadata: Metadata::default(),
             created_at: now,
             settled_at: None,
             capture_entry: None,
@@ -732,9 +739,14 @@ mod tests {
 
     fn to_op(step: &Step, key: Option<(u8, u8)>, holds: &[Hold]) -> Op {
         let movement = match *step {
-            Step::Deposit(n) => Movement::Deposit { amount: amount(n) },
+            Step::Deposit(n) => Movement::Deposit { amount: amount(n), metadata: Metadata::default() },
             Step::Pay(n) | Step::Stranger(n) => pay(n),
-            Step::Hold(n) => Movement::Hold { amount: amount(n), life: HoldLife::DEFAULT, reference: None },
+            Step::Hold(n) => Movement::Hold {
+                amount: amount(n),
+                life: HoldLife::DEFAULT,
+                reference: None,
+                metadata: Metadata::default(),
+            },
             Step::Capture(h, a) => Movement::Capture { hold: holds[h].id, amount: a.map(amount) },
             Step::Void(h) => Movement::Void { hold: holds[h].id },
             Step::ReleaseExpired => Movement::ReleaseExpired,
@@ -805,7 +817,13 @@ mod tests {
                 })
                 .collect();
             prop_assert_eq!(legs.iter().map(Leg::signed).sum::<i64>(), 0);
-            let links = Links { movement: Some(Uuid::now_v7()), reference: None, refund_of: None, now: Utc::now() };
+            let links = Links {
+                movement: Some(Uuid::now_v7()),
+                reference: None,
+                metadata: Metadata::none(),
+                refund_of: None,
+                now: Utc::now(),
+            };
             match decide_legs(&legs, (EntryKind::TransferOut, EntryKind::TransferIn), links) {
                 Ok(entries) => {
                     prop_assert_eq!(entries.len(), legs.len());

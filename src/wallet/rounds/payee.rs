@@ -59,8 +59,11 @@ impl Queued {
 
     /// The same transfer, as the rounds decide it, and where its answer goes.
     fn into_op(self) -> (LegsOp, oneshot::Sender<Result<Transfer, WalletError>>) {
-        let Between { parties, amount, reference } = self.between;
-        (LegsOp::Transfer { access: self.access, parties, amount, reference, key: self.key }, self.reply)
+        let Between { parties, amount, reference, metadata } = self.between;
+        (
+            LegsOp::Transfer { access: self.access, parties, amount, reference, metadata, key: self.key },
+            self.reply,
+        )
     }
 }
 

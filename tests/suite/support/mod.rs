@@ -375,6 +375,7 @@ pub fn payment(amount: i64) -> walletlock::wallet::Movement {
     walletlock::wallet::Movement::Pay {
         amount: walletlock::wallet::Amount::new(amount).unwrap(),
         reference: None,
+        metadata: Default::default(),
     }
 }
 

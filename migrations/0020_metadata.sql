@@ -1,0 +1,15 @@
+-- Metadata: the caller's own key-value pairs on a movement (at most 16 string keys and values,
+-- held to that rule by `crate::domain::Metadata` before any write; null when there are none).
+-- Every entry a movement writes keeps its movement's metadata, so a wallet's entries are selected
+-- by it (`metadata @> ...`) with no join. A hold keeps it for its capture's entry, as it keeps its
+-- reference; a transfer and a movement keep it for their own answers.
+alter table ledger_entry add column metadata jsonb;
+alter table hold add column metadata jsonb;
+alter table transfer add column metadata jsonb;
+alter table movement add column metadata jsonb;
+
+-- The round's one statement writes them too (0013, 0015).
+alter type entry_write add attribute metadata jsonb;
+alter type hold_placed add attribute metadata jsonb;
+alter type transfer_write add attribute metadata jsonb;
+alter type movement_write add attribute metadata jsonb;
