@@ -135,7 +135,7 @@ def markdown(header, rows):
 
 def plain(header, rows, left=False):
     """The table aligned in columns: the first left, the others right (all left with `left`)."""
-    widths = [max(len(header[i]), *(len(c[i]) for c in rows)) for i in range(len(header))]
+    widths = [max([len(header[i]), *(len(c[i]) for c in rows)]) for i in range(len(header))]
 
     def line(cells):
         return "  ".join(c.ljust(w) if i == 0 or left else c.rjust(w)
@@ -212,68 +212,83 @@ def cost_cell(r, key, digits):
     return f"{value:.{digits}f}" + ("" if r["costs"]["per"] == "payment" else "/req")
 
 
-def targets(rows):
+def targets(rows, listed=()):
     """The issue's targets: [(target, result, met)] with met True, False, None (not measured) or
-    "-" (a figure the issues ask to state, with no bound)."""
+    "-" (a figure the issues ask to state, with no bound). A target whose runs are not all in `rows`
+    says "not run" (loadtest/bench's BENCH_ONLY left one out), or "not measured" when each was run
+    (`listed`: the labels of runs.tsv) but one's results could not be read."""
     by = {r["label"]: r for r in rows}
-    hot, spread = by.get("walletlock: hot"), by.get("walletlock: spread")
-    read, anchor_hot = by.get("walletlock: read"), by.get("pgbench: hot")
     out = []
 
-    def ratio(target, a, b, bound):
-        if a and b and b["rps"] > 0:
-            x = a["rps"] / b["rps"]
-            out.append((target, f"{x:.2f} ({a['rps']:,.0f}/s ÷ {b['rps']:,.0f}/s)", x >= bound))
-        else:
-            out.append((target, "not measured", None))
+    def missing(*labels):
+        """None when every run of `labels` has its row, else what the target says instead."""
+        gone = [label for label in labels if label not in by]
+        if not gone:
+            return None
+        return "not measured" if all(label in listed for label in gone) else "not run"
 
-    ratio("spread payments/s ÷ read requests/s ≥ 0.6", spread, read, 0.6)
-    ratio("hot payments/s ÷ pgbench hot tps ≥ 1.5", hot, anchor_hot, 1.5)
-    for r, bound, name in ((spread, 50, "spread"), (hot, 30, "hot")):
-        if r:
-            out.append((f"{name} p99 ≤ {bound} ms", f"{fmt_ms(r['p99_ms'])} ms", r["p99_ms"] <= bound))
+    def ratio(target, a, b, bound):
+        """rps of run `a` ÷ rps of run `b` ≥ `bound` (None: stated, no bound)."""
+        gone = missing(a, b)
+        if gone:
+            out.append((target, gone, None if bound is not None else "-"))
+        elif by[b]["rps"] > 0:
+            x = by[a]["rps"] / by[b]["rps"]
+            out.append((target, f"{x:.2f} ({by[a]['rps']:,.0f}/s ÷ {by[b]['rps']:,.0f}/s)",
+                        x >= bound if bound is not None else "-"))
         else:
-            out.append((f"{name} p99 ≤ {bound} ms", "not measured", None))
-    if hot:
-        out.append(("hot: zero lock_timeout", f"{hot['lock_timeout']} of {hot['requests']:,}", hot["lock_timeout"] == 0))
-    else:
-        out.append(("hot: zero lock_timeout", "not measured", None))
+            out.append((target, "not measured", None if bound is not None else "-"))
+
+    def bounded(target, label, result, met):
+        """A target on run `label` alone: result(row) and met(row) when it has its row."""
+        gone = missing(label)
+        out.append((target, gone, None) if gone else (target, result(by[label]), met(by[label])))
+
+    def cost(label, target, key, bound):
+        gone = missing(label)
+        value = None if gone else (by[label].get("costs") or {}).get("per_unit", {}).get(key)
+        if value is None:
+            out.append((target, gone or "not measured", None))
+        else:
+            out.append((target, f"{value:.2f}", value <= bound))
+
+    hot, spread = "walletlock: hot", "walletlock: spread"
+    ratio("spread payments/s ÷ read requests/s ≥ 0.6", spread, "walletlock: read", 0.6)
+    ratio("hot payments/s ÷ pgbench hot tps ≥ 1.5", hot, "pgbench: hot", 1.5)
+    for label, bound, name in ((spread, 50, "spread"), (hot, 30, "hot")):
+        bounded(f"{name} p99 ≤ {bound} ms", label, lambda r: f"{fmt_ms(r['p99_ms'])} ms",
+                lambda r, bound=bound: r["p99_ms"] <= bound)
+    bounded("hot: zero lock_timeout", hot, lambda r: f"{r['lock_timeout']} of {r['requests']:,}",
+            lambda r: r["lock_timeout"] == 0)
     peaks = [mib for r in rows if r["kind"] == "walletlock" for _name, mib in r["rss_mib"]]
     if peaks:
         peak = max(peaks)
         out.append(("every replica's peak RSS < 50 MB", f"{peak * 1.048576:.1f} MB ({peak:.1f} MiB) at most",
                     peak * 1024 * 1024 < 50e6))
     else:
-        out.append(("every replica's peak RSS < 50 MB", "not measured", None))
-    for name, alone, leased in (("hot", "Redis gone: hot", hot), ("spread", "Redis gone: spread", spread)):
-        alone = by.get(alone)
-        if alone and leased and leased["rps"] > 0:
-            x = alone["rps"] / leased["rps"]
-            out.append((f"{name}: under Postgres alone ÷ on leases (stated)",
-                        f"{x:.2f} ({alone['rps']:,.0f}/s ÷ {leased['rps']:,.0f}/s)", "-"))
-    citus = by.get("Citus: spread")
-    if citus and spread and spread["rps"] > 0:
-        x = citus["rps"] / spread["rps"]
-        out.append(("spread: on Citus (coordinator + 2 workers, these cores) ÷ on one Postgres (stated)",
-                    f"{x:.2f} ({citus['rps']:,.0f}/s ÷ {spread['rps']:,.0f}/s)", "-"))
-    def cost(row, target, key, bound):
-        value = ((row or {}).get("costs") or {}).get("per_unit", {}).get(key)
-        out.append((target, "not measured" if value is None else f"{value:.2f}", None if value is None else value <= bound))
-
+        ran = any(r["kind"] == "walletlock" for r in rows) or any(not label.startswith("pgbench") for label in listed)
+        out.append(("every replica's peak RSS < 50 MB", "not measured" if ran else "not run", None))
+    for name in ("hot", "spread"):
+        ratio(f"{name}: under Postgres alone ÷ on leases (stated)", f"Redis gone: {name}", f"walletlock: {name}", None)
+    ratio("spread: on Citus (coordinator + 2 workers, these cores) ÷ on one Postgres (stated)", "Citus: spread",
+          spread, None)
     cost(spread, "spread: statements per payment ≤ 2", "statements", 2)
     cost(spread, "spread: WAL flushes per payment ≤ 0.25", "wal_flushes", 0.25)
     # Issue 33 (one movement model): transfers and splits against spread payments, in this run.
-    transfer, split = by.get("walletlock: transfer"), by.get("walletlock: split")
+    transfer = "walletlock: transfer"
     ratio("transfers/s ÷ spread payments/s ≥ 0.6", transfer, spread, 0.6)
-    ratio("3-leg splits/s ÷ spread payments/s ≥ 0.5", split, spread, 0.5)
+    ratio("3-leg splits/s ÷ spread payments/s ≥ 0.5", "walletlock: split", spread, 0.5)
     cost(transfer, "transfer: statements per transfer ≤ 2", "statements", 2)
     cost(transfer, "transfer: WAL flushes per transfer ≤ 0.3", "wal_flushes", 0.30)
-    if transfer and spread:
-        bound = 1.5 * spread["p99_ms"]
-        out.append((f"transfer p99 ≤ 1.5x spread p99 ({fmt_ms(bound)} ms)", f"{fmt_ms(transfer['p99_ms'])} ms",
-                    transfer["p99_ms"] <= bound))
+    gone = missing(transfer, spread)
+    if gone:
+        out.append(("transfer p99 ≤ 1.5x spread p99", gone, None))
     else:
-        out.append(("transfer p99 ≤ 1.5x spread p99", "not measured", None))
+        bound = 1.5 * by[spread]["p99_ms"]
+        out.append((f"transfer p99 ≤ 1.5x spread p99 ({fmt_ms(bound)} ms)", f"{fmt_ms(by[transfer]['p99_ms'])} ms",
+                    by[transfer]["p99_ms"] <= bound))
+    # Request metadata: spread's payments, each with a metadata object of 4 keys, against spread's.
+    ratio("spread with metadata ÷ spread payments/s ≥ 0.9", "walletlock: spread with metadata", spread, 0.9)
     return out
 
 
@@ -281,8 +296,10 @@ def main():
     out = sys.argv[1]
     settings = load_json(os.path.join(out, "settings.json"))
     rows = []
+    listed = []
     for line in read(os.path.join(out, "runs.tsv")).splitlines():
         label, kind, scenario, run_dir, status, idle = line.rstrip("\n").split("\t")
+        listed.append(label)
         make = pgbench_row if kind == "pgbench" else walletlock_row
         try:
             rows.append(make(label, scenario, run_dir, int(status)))
@@ -301,7 +318,8 @@ def main():
     info = machine()
     replicas = max((len(r["rss_mib"]) for r in rows), default=0)
     header = ["scenario", "rps", "p50 ms", "p99 ms", "unexpected errors", "ratio to anchor"]
-    header += [f"peak RSS, MiB ({'/'.join(f'r{n + 1}' for n in range(replicas))})", "lock_timeout", "books"]
+    rss_header = f"peak RSS, MiB ({'/'.join(f'r{n + 1}' for n in range(replicas))})" if replicas else "peak RSS, MiB"
+    header += [rss_header, "lock_timeout", "books"]
     header += [h for h, _key, _digits in COSTS] + ["other CPU"]
     table = []
     for r in rows:
@@ -349,11 +367,12 @@ def main():
         + ("; ".join(discarded) if discarded else "none")
         + "."
     )
-    goals = targets(rows)
+    goals = targets(rows, listed)
     goal_header = ["target", "result", "met?"]
     goal_cells = [[t, res, {True: "yes", False: "no", None: "?", "-": "-"}[met]] for t, res, met in goals]
     machine_lines = [f"- {k}: {v}" for k, v in info.items()]
-    command = f"BENCH_SECONDS={secs} BENCH_VUS={vus} loadtest/bench"
+    only = settings.get("only", "")
+    command = (f'BENCH_ONLY="{only}" ' if only else "") + f"BENCH_SECONDS={secs} BENCH_VUS={vus} loadtest/bench"
     md = "\n".join(
         [
             "# walletlock benchmark",

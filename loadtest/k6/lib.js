@@ -270,9 +270,12 @@ export function operation(fields) {
   return fields;
 }
 
-// A payment (with the key as its reference) or a deposit.
-export function payment(kind, wallet, amount, key) {
-  const body = kind === 'pay' ? `{"amount":${amount},"reference":"${key}"}` : `{"amount":${amount}}`;
+// A payment (with the key as its reference) or a deposit. EXTRA (optional): more fields of the body,
+// written out as JSON members, e.g. `"metadata":{"channel":"web"}` (spread-metadata.js); the
+// record of an undecided operation keeps the whole body, so books.py replays exactly this request.
+export function payment(kind, wallet, amount, key, extra) {
+  let body = kind === 'pay' ? `{"amount":${amount},"reference":"${key}"}` : `{"amount":${amount}}`;
+  if (extra) body = `${body.slice(0, -1)},${extra}}`;
   return operation({ kind, wallet, amount, key, body, path: `/wallets/${wallet}/${kind}`,
     route: `POST /wallets/{id}/${kind}`, describes: describesEntry, acked: ackedEntry });
 }
@@ -389,9 +392,9 @@ export function finish(op, outcome) {
   }
 }
 
-// One payment or deposit, sent until decided.
-export function move(runId, kind, wallet, amount) {
-  const op = payment(kind, wallet, amount, `${runId}-${kind}-${__VU}-${__ITER}`);
+// One payment or deposit, sent until decided (EXTRA: as in payment()).
+export function move(runId, kind, wallet, amount, extra) {
+  const op = payment(kind, wallet, amount, `${runId}-${kind}-${__VU}-${__ITER}`, extra);
   finish(op, settle(op, null));
 }
 
