@@ -718,6 +718,45 @@ mod tests {
     }
 
     #[test]
+    fn metadata_is_at_most_sixteen_short_string_pairs_without_nul() {
+        let object = |value: serde_json::Value| value.as_object().cloned();
+        assert_eq!(Metadata::parse(None), Ok(Metadata::default()));
+        assert!(Metadata::parse(object(serde_json::json!({ "a": "1", "b": "" }))).is_ok());
+        for bad in [
+            serde_json::json!({ "a": 1 }),
+            serde_json::json!({ "a": null }),
+            serde_json::json!({ "a": ["1"] }),
+            serde_json::json!({ "": "1" }),
+            serde_json::json!({ "a\u{0}": "1" }),
+            serde_json::json!({ "a": "1\u{0}2" }),
+        ] {
+            let refused = Metadata::parse(object(bad.clone()));
+            assert_eq!(refused.map_err(|e| e.field), Err(Field::Metadata), "{bad}");
+        }
+        let pair = |key: &str, value: &str| (key.to_owned(), value.to_owned());
+        assert!(Metadata::from_pairs([pair("a", "1"), pair("a", "2")]).is_err(), "a key twice");
+        let keys = |n: usize| (0..n).map(|n| (format!("{n:0>64}"), "é".repeat(256)));
+        assert_eq!(Metadata::from_pairs(keys(16)).map(|m| m.pairs().map(BTreeMap::len)), Ok(Some(16)));
+        assert!(Metadata::from_pairs(keys(17)).is_err(), "a 17th key");
+    }
+
+    proptest! {
+        #[test]
+        fn metadata_within_its_bounds_is_kept_as_sent_and_past_them_refused(
+            pairs in proptest::collection::btree_map("[^\\x00]{1,64}", "[^\\x00]{0,256}", 0..=16),
+            extra_key in "[^\\x00]{65,70}",
+            extra_value in "[^\\x00]{257,260}",
+        ) {
+            let kept = Metadata::from_pairs(pairs.clone()).unwrap();
+            prop_assert_eq!(kept.pairs().cloned().unwrap_or_default(), pairs.clone());
+            prop_assert_eq!(serde_json::to_value(&kept).unwrap(), serde_json::to_value(&pairs).unwrap());
+            let with = |key: String, value: String| pairs.clone().into_iter().chain([(key, value)]);
+            prop_assert!(Metadata::from_pairs(with(extra_key, "v".into())).is_err(), "a key too long");
+            prop_assert!(Metadata::from_pairs(with("k".into(), extra_value)).is_err(), "a value too long");
+        }
+    }
+
+    #[test]
     fn wallet_ids_are_short_url_safe_words() {
         for ok in ["a", "wallet-42", "A_b-9", &"x".repeat(64)] {
             assert!(WalletId::parse(ok).is_ok(), "{ok:?} should be accepted");
