@@ -397,5 +397,5 @@ wl_start_nginx() {
   "${cmd[@]}" -t -q || wl_die "nginx rejected $dir/nginx.conf"
   # nginx writes its own pid (the master's, which is $!) to DIR/nginx.pid and removes it on exit.
   "${cmd[@]}" >>"$dir/access.log" 2>>"$dir/error.log" &
-  wl_wait_for "nginx" 10 test -s "$dir/nginx.pid"
+  wl_wait_for "nginx" 10 test -s "$dir/nginx.pid" || { tail -n 20 "$dir/error.log" >&2; return 1; }
 }

@@ -275,13 +275,6 @@ impl Metadata {
         Self(map.unwrap_or_default())
     }
 
-    /// No metadata, for the movements whose entries have none of their own (an opening, a
-    /// refund of a payment made before metadata).
-    pub fn none() -> &'static Metadata {
-        static NONE: Metadata = Metadata(BTreeMap::new());
-        &NONE
-    }
-
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }

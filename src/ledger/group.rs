@@ -39,7 +39,7 @@ use super::idempotency::{KeyRef, ResponseRow};
 use super::storage::Storage;
 use super::transfer::{MovementRecord, Transfer};
 use super::{Entry, StoreError, WalletRead};
-use crate::domain::{EntryKind, FenceStanding};
+use crate::domain::{EntryKind, FenceStanding, Metadata};
 use chrono::{DateTime, Utc};
 use sqlx::types::Json;
 use sqlx::{PgConnection, QueryBuilder, Row};
@@ -336,7 +336,6 @@ struct EntryWriteRow<'a> {
     hold_id: Option<Uuid>,
     transfer_id: Option<Uuid>,
     refund_of: Option<Uuid>,
-    metadata: Option<Json<&'a BTreeMap<String, String>>>,
 }
 
 impl<'a> From<&'a Entry> for EntryWriteRow<'a> {
@@ -353,7 +352,6 @@ impl<'a> From<&'a Entry> for EntryWriteRow<'a> {
             hold_id: e.hold_id,
             transfer_id: e.transfer_id,
             refund_of: e.refund_of,
-            metadata: e.metadata.pairs().map(Json),
         }
     }
 }
@@ -368,7 +366,6 @@ struct PlacedRow<'a> {
     reference: Option<&'a str>,
     fence: i64,
     movement_id: Option<Uuid>,
-    metadata: Option<Json<&'a BTreeMap<String, String>>>,
 }
 
 /// A transfer, as the composite `transfer_write` binds it (migration 0015).
@@ -380,7 +377,6 @@ struct TransferWriteRow<'a> {
     amount: i64,
     reference: Option<&'a str>,
     refund_of: Option<Uuid>,
-    metadata: Option<Json<&'a BTreeMap<String, String>>>,
 }
 
 /// A movement of many legs, as the composite `movement_write` binds it: it lives with its first
@@ -395,7 +391,6 @@ struct MovementWriteRow<'a> {
     leg_wallets: Option<Vec<&'a str>>,
     leg_amounts: Option<Vec<i64>>,
     refund_of: Option<Uuid>,
-    metadata: Option<Json<&'a BTreeMap<String, String>>>,
 }
 
 impl<'a> From<&'a Transfer> for TransferWriteRow<'a> {
@@ -407,7 +402,6 @@ impl<'a> From<&'a Transfer> for TransferWriteRow<'a> {
             amount: t.amount,
             reference: t.reference.as_deref(),
             refund_of: t.refund_of,
-            metadata: t.metadata.pairs().map(Json),
         }
     }
 }
@@ -424,7 +418,6 @@ impl<'a> From<&'a MovementRecord> for MovementWriteRow<'a> {
             leg_wallets: held.map(|h| h.legs.iter().map(|leg| leg.wallet_id.as_str()).collect()),
             leg_amounts: held.map(|h| h.legs.iter().map(|leg| leg.amount).collect()),
             refund_of: m.refund_of,
-            metadata: m.metadata.pairs().map(Json),
         }
     }
 }
@@ -485,8 +478,9 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at,
                                  movement_id, metadata)
                select p.id, p.wallet_id, p.amount, p.expires_at, p.reference, p.fence, $6,
-                      p.movement_id, p.metadata
-               from unnest($3::hold_placed[]) as p
+                      p.movement_id, m.metadata
+               from unnest($3::hold_placed[]) with ordinality as p
+               left join unnest($11::jsonb[]) with ordinality as m(metadata, n) on m.n = p.ordinality
                where p.wallet_id in (select id from moved)
            ),
            settled as (
@@ -503,17 +497,19 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                insert into transfer (id, from_wallet, to_wallet, amount, reference, refund_of,
                                      created_at, metadata)
                select t.id, t.from_wallet, t.to_wallet, t.amount, t.reference, t.refund_of, $6,
-                      t.metadata
-               from unnest($8::transfer_write[]) as t
+                      m.metadata
+               from unnest($8::transfer_write[]) with ordinality as t
+               left join unnest($12::jsonb[]) with ordinality as m(metadata, n) on m.n = t.ordinality
                where t.from_wallet in (select id from moved)
            ),
            movements as (
                insert into movement (id, wallet_id, legs, reference, created_at, expires_at,
                                      leg_wallets, leg_amounts, refund_of, metadata)
-               select m.id, m.wallet_id, m.legs, m.reference, $6, m.expires_at, m.leg_wallets,
-                      m.leg_amounts, m.refund_of, m.metadata
-               from unnest($9::movement_write[]) as m
-               where m.wallet_id in (select id from moved)
+               select v.id, v.wallet_id, v.legs, v.reference, $6, v.expires_at, v.leg_wallets,
+                      v.leg_amounts, v.refund_of, m.metadata
+               from unnest($9::movement_write[]) with ordinality as v
+               left join unnest($13::jsonb[]) with ordinality as m(metadata, n) on m.n = v.ordinality
+               where v.wallet_id in (select id from moved)
            ),"#;
     // language=PostgreSQL
     format!(
@@ -541,8 +537,9 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                    (id, wallet_id, seq, kind, amount, balance_after, fence, reference, hold_id,
                     transfer_id, refund_of, created_at, metadata)
                select e.id, e.wallet_id, e.seq, e.kind, e.amount, e.balance_after, e.fence,
-                      e.reference, e.hold_id, e.transfer_id, e.refund_of, $6, e.metadata
-               from unnest($2::entry_write[]) as e
+                      e.reference, e.hold_id, e.transfer_id, e.refund_of, $6, m.metadata
+               from unnest($2::entry_write[]) with ordinality as e
+               left join unnest($10::jsonb[]) with ordinality as m(metadata, n) on m.n = e.ordinality
                where e.wallet_id in (select id from moved)
            ),
            keys as (
@@ -597,7 +594,6 @@ pub async fn commit(
             reference: h.reference.as_deref(),
             fence: h.fence,
             movement_id: h.movement_id,
-            metadata: h.metadata.pairs().map(Json),
         })
         .collect();
     let keys: Vec<KeyWriteRow<'_>> = write.keys.iter().map(key_row).collect();
@@ -613,6 +609,10 @@ pub async fn commit(
         .bind(retention.as_secs_f64())
         .bind(&transfers)
         .bind(&movements)
+        .bind(beside(&write.entries, |e| &e.metadata))
+        .bind(beside(&write.placed, |h| &h.metadata))
+        .bind(beside(&write.transfers, |t| &t.metadata))
+        .bind(beside(&write.movements, |m| &m.metadata))
         .fetch_all(conn)
         .await?;
     let mut committed = Committed::default();
@@ -625,6 +625,21 @@ pub async fn commit(
         }
     }
     Ok(committed)
+}
+
+/// The metadata of each of `rows`, in order, as the `jsonb[]` that goes beside their composite
+/// array in [`commit`]'s statement (joined to it by position): none at all when no row has any,
+/// as in a round of payments without it.
+/// Beside the composite types, not in them: a replica of an earlier release still binds those as
+/// they were while a release's migration runs (migration 0020).
+fn beside<'a, T>(
+    rows: &[&'a T],
+    metadata: impl Fn(&'a T) -> &'a Metadata,
+) -> Vec<Option<Json<&'a BTreeMap<String, String>>>> {
+    if rows.iter().all(|&row| metadata(row).is_empty()) {
+        return Vec::new();
+    }
+    rows.iter().map(|&row| metadata(row).pairs().map(Json)).collect()
 }
 
 fn key_row<'a>(k: &KeyWrite<'a>) -> KeyWriteRow<'a> {
@@ -786,17 +801,21 @@ async fn commit_routed(
         });
         insert.build().execute(&mut *tx).await?;
     }
-    let movements: Vec<MovementWriteRow<'_>> =
-        write.movements.iter().map(|&m| MovementWriteRow::from(m)).filter(|m| moved(m.wallet_id)).collect();
+    let movements: Vec<(MovementWriteRow<'_>, &Metadata)> = write
+        .movements
+        .iter()
+        .map(|&m| (MovementWriteRow::from(m), &m.metadata))
+        .filter(|(m, _)| moved(m.wallet_id))
+        .collect();
     if !movements.is_empty() {
         let mut insert = QueryBuilder::new(
             "insert into movement (id, wallet_id, legs, reference, created_at, expires_at, leg_wallets, \
              leg_amounts, refund_of, metadata) ",
         );
-        insert.push_values(&movements, |mut row, m| {
+        insert.push_values(&movements, |mut row, (m, metadata)| {
             row.push_bind(m.id).push_bind(m.wallet_id).push_bind(m.legs).push_bind(m.reference);
             row.push_bind(created_at).push_bind(m.expires_at).push_bind(&m.leg_wallets);
-            row.push_bind(&m.leg_amounts).push_bind(m.refund_of).push_bind(m.metadata);
+            row.push_bind(&m.leg_amounts).push_bind(m.refund_of).push_bind(metadata.pairs().map(Json));
         });
         insert.build().execute(&mut *tx).await?;
     }

@@ -820,7 +820,7 @@ mod tests {
             let links = Links {
                 movement: Some(Uuid::now_v7()),
                 reference: None,
-                metadata: Metadata::none(),
+                metadata: &Metadata::default(),
                 refund_of: None,
                 now: Utc::now(),
             };
