@@ -478,9 +478,8 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at,
                                  movement_id, metadata)
                select p.id, p.wallet_id, p.amount, p.expires_at, p.reference, p.fence, $6,
-                      p.movement_id, m.metadata
+                      p.movement_id, ($11::jsonb[])[p.ordinality]
                from unnest($3::hold_placed[]) with ordinality as p
-               left join unnest($11::jsonb[]) with ordinality as m(metadata, n) on m.n = p.ordinality
                where p.wallet_id in (select id from moved)
            ),
            settled as (
@@ -497,18 +496,16 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                insert into transfer (id, from_wallet, to_wallet, amount, reference, refund_of,
                                      created_at, metadata)
                select t.id, t.from_wallet, t.to_wallet, t.amount, t.reference, t.refund_of, $6,
-                      m.metadata
+                      ($12::jsonb[])[t.ordinality]
                from unnest($8::transfer_write[]) with ordinality as t
-               left join unnest($12::jsonb[]) with ordinality as m(metadata, n) on m.n = t.ordinality
                where t.from_wallet in (select id from moved)
            ),
            movements as (
                insert into movement (id, wallet_id, legs, reference, created_at, expires_at,
                                      leg_wallets, leg_amounts, refund_of, metadata)
                select v.id, v.wallet_id, v.legs, v.reference, $6, v.expires_at, v.leg_wallets,
-                      v.leg_amounts, v.refund_of, m.metadata
+                      v.leg_amounts, v.refund_of, ($13::jsonb[])[v.ordinality]
                from unnest($9::movement_write[]) with ordinality as v
-               left join unnest($13::jsonb[]) with ordinality as m(metadata, n) on m.n = v.ordinality
                where v.wallet_id in (select id from moved)
            ),"#;
     // language=PostgreSQL
@@ -537,9 +534,9 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                    (id, wallet_id, seq, kind, amount, balance_after, fence, reference, hold_id,
                     transfer_id, refund_of, created_at, metadata)
                select e.id, e.wallet_id, e.seq, e.kind, e.amount, e.balance_after, e.fence,
-                      e.reference, e.hold_id, e.transfer_id, e.refund_of, $6, m.metadata
+                      e.reference, e.hold_id, e.transfer_id, e.refund_of, $6,
+                      ($10::jsonb[])[e.ordinality]
                from unnest($2::entry_write[]) with ordinality as e
-               left join unnest($10::jsonb[]) with ordinality as m(metadata, n) on m.n = e.ordinality
                where e.wallet_id in (select id from moved)
            ),
            keys as (
@@ -628,7 +625,7 @@ pub async fn commit(
 }
 
 /// The metadata of each of `rows`, in order, as the `jsonb[]` that goes beside their composite
-/// array in [`commit`]'s statement (joined to it by position): none at all when no row has any,
+/// array in [`commit`]'s statement (read by each row's position): none at all when no row has any,
 /// as in a round of payments without it.
 /// Beside the composite types, not in them: a replica of an earlier release still binds those as
 /// they were while a release's migration runs (migration 0020).
