@@ -341,15 +341,11 @@ async fn a_split_holder_paused_past_its_leases_applies_nothing_when_it_wakes() {
     // replica-1 stops itself (a GC pause, a frozen VM) holding the leases of all three legs, before
     // its transaction: no row is locked, so only the fences can refuse its write when it wakes.
     let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
-    let stale = tokio::spawn(async move {
+    let mut stale = tokio::spawn(async move {
         let legs = vec![("pa".to_owned(), -40), ("pb".to_owned(), 30), ("pc".to_owned(), 10)];
         send_movement(&client, &url, &legs, "stale-split").await
     });
-    let pid = fleet.replicas[0].pid();
-    crate::support::eventually("replica-1 stopped holding the leases", Duration::from_secs(5), || async {
-        crate::support::fleet::is_stopped(pid)
-    })
-    .await;
+    fleet.replicas[0].stopped_at_failpoint("replica-1 stopped holding the leases", &mut stale).await;
     let read = versions(&fleet.db, &wallets[..3]).await;
 
     // The load through nginx to all three replicas: the paused holder's leases lapse (1 s), and

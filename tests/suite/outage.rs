@@ -381,13 +381,9 @@ async fn a_round_stalled_before_its_read_times_its_payment_after_one_written_mea
     fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", Some("before_round_read:stop"));
     fleet.replicas[0].start();
     let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
-    let leased =
+    let mut leased =
         tokio::spawn(async move { crate::support::load::pay(&client, &url, "timed", 1, "leased").await });
-    let pid = fleet.replicas[0].pid();
-    eventually("replica-1 stopped before its round's read", Duration::from_secs(10), || async {
-        crate::support::fleet::is_stopped(pid)
-    })
-    .await;
+    fleet.replicas[0].stopped_at_failpoint("replica-1 stopped before its round's read", &mut leased).await;
     let meanwhile =
         crate::support::load::pay(&fleet.client, &fleet.replicas[1].url(""), "timed", 2, "unleased").await;
     assert!(matches!(meanwhile, Outcome::Applied(_)), "replica-2 paid under Postgres alone: {meanwhile:?}");

@@ -781,15 +781,11 @@ async fn a_replica_stalled_inside_a_transfer_frees_both_wallets_within_about_a_l
 
     // replica-1 stops itself inside the transfer's transaction: both rows locked, COMMIT unsent.
     let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
-    let stalled =
+    let mut stalled =
         tokio::spawn(
             async move { crate::support::transfers::transfer(&client, &url, pair, 40, "stalled").await },
         );
-    let pid = fleet.replicas[0].pid();
-    crate::support::eventually("replica-1 stopped in its transfer", Duration::from_secs(5), || async {
-        crate::support::fleet::is_stopped(pid)
-    })
-    .await;
+    fleet.replicas[0].stopped_at_failpoint("replica-1 stopped in its transfer", &mut stalled).await;
     let stalled_at = Instant::now();
 
     // The other replica pays from both wallets once Postgres has ended the stalled session (idle in
@@ -884,15 +880,11 @@ async fn a_transfer_holder_paused_past_its_leases_applies_nothing_when_it_wakes(
     // replica-1 stops itself holding both leases, before its transaction: no row is locked, so
     // only the fences can stop its write when it wakes.
     let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
-    let paused =
+    let mut paused =
         tokio::spawn(
             async move { crate::support::transfers::transfer(&client, &url, pair, 40, "paused").await },
         );
-    let pid = fleet.replicas[0].pid();
-    crate::support::eventually("replica-1 stopped holding both leases", Duration::from_secs(5), || async {
-        crate::support::fleet::is_stopped(pid)
-    })
-    .await;
+    fleet.replicas[0].stopped_at_failpoint("replica-1 stopped holding both leases", &mut paused).await;
     let paused_at = Instant::now();
 
     // Its leases lapse (1 s); the other replica takes them and pays from both wallets, so each row
@@ -1031,12 +1023,8 @@ async fn a_replica_paused_past_its_leases_under_the_transfer_load_is_refused_whe
     // replica-1 stops itself (a GC pause, a frozen VM) holding the leases of `pa` and `pb`, before
     // its transaction: no row is locked, so only the fences can refuse its write when it wakes.
     let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
-    let stale = tokio::spawn(async move { transfer_one(&client, &url, ("pa", "pb"), 40).await });
-    let pid = fleet.replicas[0].pid();
-    crate::support::eventually("replica-1 stopped holding both leases", Duration::from_secs(5), || async {
-        crate::support::fleet::is_stopped(pid)
-    })
-    .await;
+    let mut stale = tokio::spawn(async move { transfer_one(&client, &url, ("pa", "pb"), 40).await });
+    fleet.replicas[0].stopped_at_failpoint("replica-1 stopped holding both leases", &mut stale).await;
     let paused_at = Instant::now();
     let read = (version(&fleet.db, "pa").await, version(&fleet.db, "pb").await);
 

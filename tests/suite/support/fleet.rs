@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 use tempfile::TempDir;
+use tokio::task::JoinHandle;
 use walletlock::ledger::schema::ScratchSchema;
 
 pub fn repo() -> &'static Path {
@@ -77,6 +78,22 @@ pub fn is_stopped(pid: u32) -> bool {
 impl Replica {
     pub fn pid(&self) -> u32 {
         self.process.as_ref().expect("running").pid()
+    }
+
+    /// Waits until the replica, armed with a `:stop` failpoint, has stopped itself there while
+    /// `request` (sent to it) is in flight. Bound by outcome: a request answered first fails the
+    /// test with its answer and the replica's log (the failpoint was never reached), and only a
+    /// replica neither stopped nor answering after 60 s fails it on time.
+    pub async fn stopped_at_failpoint<T: std::fmt::Debug>(&self, what: &str, request: &mut JoinHandle<T>) {
+        let (pid, deadline) = (self.pid(), std::time::Instant::now() + Duration::from_secs(60));
+        while !is_stopped(pid) {
+            if request.is_finished() {
+                let answered = request.await;
+                panic!("{what}: answered before it stopped at its failpoint: {answered:?}\n{}", self.log());
+            }
+            assert!(std::time::Instant::now() < deadline, "{what}: not within 60 s\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Sends `signal` (SIGSTOP, SIGCONT...) to the replica.
