@@ -110,7 +110,10 @@ impl StoreError {
     /// - a worker went away before or while the transaction was prepared for its two-phase commit,
     ///   or under every placement of a statement (the transaction is rolled back);
     /// - a worker's own connection-ending error, passed on without its code when it ended a COPY
-    ///   (an `INSERT … SELECT` into a distributed table runs as one).
+    ///   (an `INSERT … SELECT` into a distributed table runs as one);
+    /// - libpq's own words for a worker connection that broke under a statement, which Citus's
+    ///   `ReportResultError` passes on with the generic code when the result carries none
+    ///   ("server closed the connection unexpectedly", seen in a fresh-clone run's Citus test).
     ///
     /// And as an I/O error (58030), a COPY whose worker connection broke while it sent the rows
     /// or ended the COPY, or without a message.
@@ -121,11 +124,15 @@ impl StoreError {
             "terminating connection due to administrator command",
             "terminating connection because of crash of another server process",
         ];
-        const INTERNAL_PREFIXES: [&str; 4] = [
+        const INTERNAL_PREFIXES: [&str; 8] = [
             "could not commit transaction for shard",
             "failed to prepare transaction",
             "failure on connection marked as essential",
             "execution cannot recover from multiple connection failures",
+            "server closed the connection unexpectedly",
+            "no connection to the server",
+            "could not receive data from server",
+            "could not send data to server",
         ];
         match code {
             Some("XX000") => {
@@ -491,4 +498,26 @@ pub async fn entries_page(
     .bind(limit)
     .fetch_all(conn)
     .await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StoreError;
+
+    #[test]
+    fn a_node_lost_under_citus_is_a_connection_failure_whatever_words_it_comes_in() {
+        let lost = |code, message| StoreError::is_citus_connection_failure(Some(code), message);
+        assert!(lost("XX000", "terminating connection due to administrator command"));
+        assert!(lost("XX000", "could not commit transaction for shard 102008 on any active node"));
+        assert!(lost(
+            "XX000",
+            "server closed the connection unexpectedly\n\tThis probably means the server terminated abnormally"
+        ));
+        assert!(lost("XX000", "could not receive data from server: Connection reset by peer"));
+        assert!(lost("58030", "failed to COPY to shard 102009 on localhost:9701"));
+        // The same words under another code, or other words under the generic one, are not.
+        assert!(!lost("23505", "server closed the connection unexpectedly"));
+        assert!(!lost("XX000", "cache lookup failed for type 1234"));
+        assert!(!StoreError::is_citus_connection_failure(None, "server closed the connection unexpectedly"));
+    }
 }
