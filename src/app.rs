@@ -106,6 +106,7 @@ impl Application {
             .with_strategy(args.lease.lease_strategy)
             .with_redis_outage(args.lease.outage())
             .with_keys(keys)
+            .with_events(args.events == crate::config::Switch::On)
             .with_queue_limit(args.wallet_queue_limit as usize);
         let listener = http::server::bind(args.listen, args.listen_backlog)
             .map_err(|err| anyhow::anyhow!("cannot listen on {}: {err}", args.listen))?;

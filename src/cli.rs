@@ -74,6 +74,12 @@ pub enum Command {
         #[arg(long)]
         cursor: Option<String>,
     },
+    /// The events of every wallet (`GET /events` without scope), for an operator, as the tables'
+    /// owner.
+    Events {
+        #[command(subcommand)]
+        command: EventsCommand,
+    },
     /// Load the lease scripts into Redis as the Functions library `walletlock` (replacing an older
     /// one): on the node, on the primary Sentinel names, or on every primary of a Cluster. Run it
     /// as an administrator (REDIS_URL with a user that may FUNCTION LOAD) from the deploy step; the
@@ -223,6 +229,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             export(&database, &wallet, from, to, format, cursor.as_deref()).await?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Events { command: EventsCommand::Tail { database, after, from_start, wallet, types } } => {
+            let start = match (after, from_start) {
+                (Some(after), _) => Start::After(after),
+                (None, true) => Start::First,
+                (None, false) => Start::Now,
+            };
+            tokio::select! {
+                tailed = tail_events(&database, start, wallet, types) => tailed?,
+                () = shutdown_signal() => {}
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::RedisFunctions { redis, keep } => {
             let pool = connect::redis_pool(&redis)?.0;
             let library = crate::lease::load_library(&pool).await?;
@@ -325,4 +343,80 @@ async fn export(
         out.flush()?;
     }
     Ok(())
+}
+
+#[derive(Debug, Subcommand)]
+pub enum EventsCommand {
+    /// Print the events as they are written, one JSON object a line (as `GET /events` shows
+    /// each), until stopped: from now on, or from the first, or after a cursor.
+    Tail {
+        #[command(flatten)]
+        database: DatabaseArgs,
+        /// Start after this cursor (an event's `cursor`, or a page's `next`).
+        #[arg(long, conflicts_with = "from_start")]
+        after: Option<String>,
+        /// Start from the first event ever written, not from now.
+        #[arg(long)]
+        from_start: bool,
+        /// The events of this wallet only.
+        #[arg(long)]
+        wallet: Option<String>,
+        /// Events of these types only, comma-separated (`payment.accepted,refund.accepted`).
+        #[arg(long = "type", value_delimiter = ',')]
+        types: Vec<String>,
+    },
+}
+
+/// Where `walletlock events tail` starts.
+enum Start {
+    Now,
+    First,
+    After(String),
+}
+
+async fn tail_events(
+    database: &DatabaseArgs,
+    start: Start,
+    wallet: Option<String>,
+    types: Vec<String>,
+) -> anyhow::Result<()> {
+    use crate::domain::{EventCursor, EventType, WalletId};
+    use crate::ledger::event::{self, EventFilter};
+    use std::io::Write;
+    let types = types
+        .iter()
+        .map(|name| EventType::parse(name).with_context(|| format!("{name:?} is not an event type")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let wallet_id = wallet.map(|id| WalletId::parse(&id).map(|id| id.as_str().to_owned())).transpose()?;
+    let pool = connect::postgres_pool(database)?;
+    let after = match start {
+        Start::First => None,
+        Start::After(cursor) => {
+            Some(EventCursor::parse(&cursor).context("--after: not a cursor of the feed")?)
+        }
+        // Every event below the horizon is written already: the next ones are at or above it.
+        Start::Now => {
+            let horizon = event::horizon(&mut *pool.acquire().await?).await?;
+            Some(EventCursor { position: horizon, wallet_id: String::new(), seq: 0 })
+        }
+    };
+    let mut filter = EventFilter { after, owner: None, types, wallet_id, limit: 500 };
+    let mut out = std::io::stdout().lock();
+    loop {
+        let page = {
+            let mut conn = pool.acquire().await?;
+            let horizon = event::horizon(&mut conn).await?;
+            event::page(&mut conn, &filter, horizon).await?
+        };
+        if page.is_empty() {
+            tokio::time::sleep(crate::wallet::WAIT_TICK).await;
+            continue;
+        }
+        for stored in page {
+            filter.after = Some(stored.cursor.clone());
+            let line = serde_json::to_string(&crate::http::events::EventBody::from(stored))?;
+            writeln!(out, "{line}")?;
+        }
+        out.flush()?;
+    }
 }

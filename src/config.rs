@@ -153,12 +153,24 @@ pub struct ServeArgs {
     /// with or instead of API_TOKENS.
     #[arg(long, env = "API_TOKENS_FILE")]
     pub api_tokens_file: Option<std::path::PathBuf>,
+    /// Whether each movement writes its events (docs/api/events.md): `on`, or `off` only to
+    /// measure what they cost (loadtest/bench): the feed then misses this replica's movements, and
+    /// `walletlock audit` reports the entries it wrote without one on wallets that had events.
+    #[arg(long, env = "EVENTS", value_enum, default_value = "on")]
+    pub events: Switch,
     #[command(flatten)]
     pub database: DatabaseArgs,
     #[command(flatten)]
     pub redis: RedisArgs,
     #[command(flatten)]
     pub lease: LeaseArgs,
+}
+
+/// A setting that is on or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
 }
 
 impl ServeArgs {

@@ -58,6 +58,10 @@ pub enum Field {
     Order,
     /// A page's cursor, in either order.
     Cursor,
+    /// The types of events asked for.
+    EventType,
+    /// How long a reader of the feed waits for an event.
+    Wait,
 }
 
 impl Field {
@@ -86,6 +90,8 @@ impl Field {
             Field::Kind => "kind",
             Field::Order => "order",
             Field::Cursor => "cursor",
+            Field::EventType => "type",
+            Field::Wait => "wait",
         }
     }
 
@@ -109,6 +115,8 @@ impl Field {
             Field::Kind => "invalid_kind",
             Field::Order => "invalid_order",
             Field::Before | Field::Cursor => "invalid_cursor",
+            Field::EventType => "invalid_event_type",
+            Field::Wait => "invalid_wait",
         }
     }
 }
@@ -402,6 +410,129 @@ impl EntryKind {
     /// Whether the entry takes money out of its wallet (else it puts money in).
     pub fn is_debit(self) -> bool {
         matches!(self, EntryKind::Pay | EntryKind::TransferOut)
+    }
+}
+
+/// What happened to a wallet, as its events name it (`GET /events`, the webhooks). One event per
+/// change of the wallet: each ledger entry, and each hold placed or settled without one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, utoipa::ToSchema)]
+pub enum EventType {
+    /// The wallet was opened, with its opening balance (its `open` entry).
+    #[serde(rename = "wallet.opened")]
+    WalletOpened,
+    #[serde(rename = "deposit.accepted")]
+    DepositAccepted,
+    #[serde(rename = "payment.accepted")]
+    PaymentAccepted,
+    /// A leg of a transfer, in or out of the wallet.
+    #[serde(rename = "transfer.accepted")]
+    TransferAccepted,
+    /// A leg of a movement of many legs, posted or captured (a captured debit leg is the
+    /// capture of its hold: `hold.captured`).
+    #[serde(rename = "movement.accepted")]
+    MovementAccepted,
+    /// Money back: a refund of a payment, or a leg of a refund of a transfer or a movement.
+    #[serde(rename = "refund.accepted")]
+    RefundAccepted,
+    #[serde(rename = "hold.placed")]
+    HoldPlaced,
+    /// A hold captured: with the entry that charged it, unless it charged nothing (a held
+    /// movement's leg whose share of a partial capture was nothing).
+    #[serde(rename = "hold.captured")]
+    HoldCaptured,
+    #[serde(rename = "hold.voided")]
+    HoldVoided,
+    /// A hold released past its expiry, uncaptured.
+    #[serde(rename = "hold.expired")]
+    HoldExpired,
+}
+
+impl EventType {
+    pub const ALL: [EventType; 10] = [
+        EventType::WalletOpened,
+        EventType::DepositAccepted,
+        EventType::PaymentAccepted,
+        EventType::TransferAccepted,
+        EventType::MovementAccepted,
+        EventType::RefundAccepted,
+        EventType::HoldPlaced,
+        EventType::HoldCaptured,
+        EventType::HoldVoided,
+        EventType::HoldExpired,
+    ];
+
+    /// The name the API and the store spell it with.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::WalletOpened => "wallet.opened",
+            EventType::DepositAccepted => "deposit.accepted",
+            EventType::PaymentAccepted => "payment.accepted",
+            EventType::TransferAccepted => "transfer.accepted",
+            EventType::MovementAccepted => "movement.accepted",
+            EventType::RefundAccepted => "refund.accepted",
+            EventType::HoldPlaced => "hold.placed",
+            EventType::HoldCaptured => "hold.captured",
+            EventType::HoldVoided => "hold.voided",
+            EventType::HoldExpired => "hold.expired",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<EventType> {
+        Self::ALL.into_iter().find(|kind| kind.as_str() == name)
+    }
+
+    /// The event of a ledger entry of `kind`: an entry that charges a hold is that hold's
+    /// capture; a leg between wallets is the event of what moved it (`between`: a transfer, a
+    /// movement, or a refund of one).
+    pub fn of_entry(kind: EntryKind, charges_hold: bool, between: EventType) -> EventType {
+        match kind {
+            _ if charges_hold => EventType::HoldCaptured,
+            EntryKind::Open => EventType::WalletOpened,
+            EntryKind::Deposit => EventType::DepositAccepted,
+            EntryKind::Pay => EventType::PaymentAccepted,
+            EntryKind::Refund => EventType::RefundAccepted,
+            EntryKind::TransferOut | EntryKind::TransferIn => between,
+        }
+    }
+
+    /// The event of a hold settled as `status` (a capture that wrote an entry is that entry's).
+    pub fn of_settled(status: HoldStatus) -> EventType {
+        match status {
+            HoldStatus::Held => EventType::HoldPlaced,
+            HoldStatus::Captured => EventType::HoldCaptured,
+            HoldStatus::Voided => EventType::HoldVoided,
+            HoldStatus::Expired => EventType::HoldExpired,
+        }
+    }
+}
+
+/// Where a reader of the events is: after the event `seq` of wallet `wallet_id`, at `position`
+/// in the feed's order (see `crate::ledger::event`). Written `<position>-<seq>-<wallet id>`: the
+/// first two are digits and a wallet id has no other form, so it reads back unambiguously.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventCursor {
+    pub position: i64,
+    pub wallet_id: String,
+    pub seq: i64,
+}
+
+impl EventCursor {
+    pub fn parse(text: &str) -> Option<EventCursor> {
+        let mut parts = text.splitn(3, '-');
+        let mut number = || {
+            let part = parts.next()?;
+            let digits = !part.is_empty() && part.len() <= 19 && part.bytes().all(|b| b.is_ascii_digit());
+            digits.then(|| part.parse::<i64>().ok()).flatten()
+        };
+        let (position, seq) = (number()?, number()?);
+        let wallet = WalletId::parse(parts.next()?).ok()?;
+        (seq >= 1).then(|| EventCursor { position, wallet_id: wallet.as_str().to_owned(), seq })
+    }
+}
+
+impl fmt::Display for EventCursor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}-{}", self.position, self.seq, self.wallet_id)
     }
 }
 
@@ -883,5 +1014,67 @@ mod tests {
             Funds { balance: i64::MAX - 1, held: 0 }.deposit(max),
             Err(Refusal::BalanceOverflow { balance: i64::MAX - 1 })
         );
+    }
+
+    #[test]
+    fn each_event_type_reads_back_from_its_name_and_only_its_name() {
+        for kind in EventType::ALL {
+            assert_eq!(EventType::parse(kind.as_str()), Some(kind));
+            assert_eq!(serde_json::to_value(kind).unwrap(), kind.as_str());
+        }
+        for name in ["", "payment", "payment.refused", "PAYMENT.ACCEPTED", "payment.accepted "] {
+            assert_eq!(EventType::parse(name), None, "{name:?}");
+        }
+    }
+
+    #[test]
+    fn an_entry_is_the_event_of_what_wrote_it() {
+        let between = EventType::TransferAccepted;
+        let of = |kind, charges_hold| EventType::of_entry(kind, charges_hold, between);
+        assert_eq!(of(EntryKind::Open, false), EventType::WalletOpened);
+        assert_eq!(of(EntryKind::Deposit, false), EventType::DepositAccepted);
+        assert_eq!(of(EntryKind::Pay, false), EventType::PaymentAccepted);
+        assert_eq!(of(EntryKind::Refund, false), EventType::RefundAccepted);
+        assert_eq!(of(EntryKind::TransferIn, false), between);
+        assert_eq!(of(EntryKind::TransferOut, false), between);
+        // A capture's entry, of a hold of one wallet or of a held movement's debit leg.
+        assert_eq!(of(EntryKind::Pay, true), EventType::HoldCaptured);
+        assert_eq!(of(EntryKind::TransferOut, true), EventType::HoldCaptured);
+        assert_eq!(EventType::of_settled(HoldStatus::Voided), EventType::HoldVoided);
+        assert_eq!(EventType::of_settled(HoldStatus::Expired), EventType::HoldExpired);
+    }
+
+    #[test]
+    fn a_cursor_reads_only_as_the_feed_writes_it() {
+        let cursor = EventCursor { position: 7_450, wallet_id: "shop-9_a".into(), seq: 12 };
+        assert_eq!(cursor.to_string(), "7450-12-shop-9_a");
+        assert_eq!(EventCursor::parse("7450-12-shop-9_a"), Some(cursor));
+        for bad in [
+            "",
+            "7450",
+            "7450-12",
+            "7450-12-",
+            "7450-0-w",
+            "-12-w",
+            "x-12-w",
+            "7450-+12-w",
+            "7450-12-w w",
+            "99999999999999999999-1-w",
+            "7450-12-w/1",
+        ] {
+            assert_eq!(EventCursor::parse(bad), None, "{bad:?}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn every_cursor_reads_back_as_itself(
+            position in 0..i64::MAX,
+            wallet_id in "[A-Za-z0-9_-]{1,64}",
+            seq in 1..i64::MAX,
+        ) {
+            let cursor = EventCursor { position, wallet_id, seq };
+            prop_assert_eq!(EventCursor::parse(&cursor.to_string()), Some(cursor));
+        }
     }
 }

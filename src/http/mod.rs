@@ -4,6 +4,7 @@
 pub mod auth;
 mod bodies;
 pub mod error;
+pub mod events;
 mod extract;
 mod health;
 pub mod history;
@@ -83,6 +84,8 @@ pub fn router(ctx: ApiContext) -> Router {
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token))
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), shed_when_full)),
         )
+        // A reader of the feed may wait: it holds none of the permits movements are shed by.
+        .merge(events::router().route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token)))
         .merge(health::router())
         .merge(openapi::router())
         .split_for_parts();
@@ -169,9 +172,14 @@ async fn shed_when_full(State(ctx): State<ApiContext>, request: Request, next: N
 /// Bounds each request in time, and during shutdown asks the client (nginx) to close the
 /// connection after this response, so it opens its next one to a replica that is staying.
 async fn bounded_and_draining(State(ctx): State<ApiContext>, request: Request, next: Next) -> Response {
-    let mut response = match tokio::time::timeout(ctx.request_timeout, next.run(request)).await {
+    // A read of the feed may wait for an event besides (it bounds its own wait).
+    let bound = match request.uri().path() {
+        events::PATH => ctx.request_timeout + crate::wallet::MAX_WAIT,
+        _ => ctx.request_timeout,
+    };
+    let mut response = match tokio::time::timeout(bound, next.run(request)).await {
         Ok(response) => response,
-        Err(_) => ApiError::Timeout(ctx.request_timeout).into_response(),
+        Err(_) => ApiError::Timeout(bound).into_response(),
     };
     if response.status().is_success() {
         tracing::Span::current().record("outcome", "ok");

@@ -31,6 +31,7 @@ use utoipa_axum::{router::OpenApiRouter, routes};
         (name = "wallets", description = "Open, read, deposit, pay, page through the ledger (bearer token)"),
         (name = "transfers", description = "Money between wallets, and refunds (bearer token)"),
         (name = "holds", description = "Reserve now, capture or void later, or let expire (bearer token)"),
+        (name = "events", description = "Every wallet's events in order, with long polling (bearer token)"),
         (name = "operations", description = "Health, readiness, metrics and this document; no token"),
     )
 )]

@@ -66,6 +66,7 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
             "idempotency_key",
             "entry_rollup",
             "entry_rollup_until",
+            "event",
         ] {
             let copy = format!(
                 r#"create temporary table {table} (like "{schema}".{table} including all) on commit drop;
@@ -100,6 +101,7 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
     holds(conn, &mut report).await?;
     conservation(conn, &mut report).await?;
     keys(conn, &mut report).await?;
+    events(conn, &mut report).await?;
     tx.rollback().await?;
     Ok(report)
 }
@@ -444,6 +446,75 @@ async fn holds(conn: &mut PgConnection, report: &mut Report) -> Result<(), Store
             "hold {id} ({status}, captured {captured}): {entries} ledger entries, {matching} the `pay` (or a \
              held movement's `transfer_out`) of its capture (want one for a captured hold, none otherwise)"
         ));
+    }
+    Ok(())
+}
+
+/// Every wallet's events are numbered 1..=its `event_seq` with no gap, their positions never go
+/// down along it, and each names an entry or hold of its own wallet. Since its first event, each
+/// of a wallet's entries has exactly one event naming it, and each hold has its `hold.placed` and,
+/// settled without an entry (voided, expired, or captured of nothing), one event of that. (A
+/// wallet's entries and holds from before its first event predate events: migration 0021.)
+async fn events(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
+    let rows = sqlx::query(
+        // language=PostgreSQL
+        r#"select w.id, w.event_seq, count(e.seq) as events, coalesce(max(e.seq), 0) as last
+           from wallet w left join event e on e.wallet_id = w.id
+           group by w.id
+           having w.event_seq <> count(e.seq) or count(e.seq) <> coalesce(max(e.seq), 0)
+           order by w.id"#,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for w in rows {
+        let id: String = w.try_get("id")?;
+        let (numbered, events, last): (i64, i64, i64) =
+            (w.try_get("event_seq")?, w.try_get("events")?, w.try_get("last")?);
+        report
+            .problems
+            .push(format!("wallet {id}: event_seq {numbered} but {events} events numbered up to {last}"));
+    }
+    let rows = sqlx::query(
+        // language=PostgreSQL
+        r#"with since as (select wallet_id, min(created_at) as first from event group by wallet_id),
+           problem as (
+               select e.wallet_id, e.seq, 'event ' || e.seq || ': its position is below the previous event''s' as what
+               from (select *, lag(position) over (partition by wallet_id order by seq) as previous
+                     from event) e
+               where e.position < e.previous
+               union all
+               select e.wallet_id, e.seq, 'event ' || e.seq || ': names no entry or hold of its wallet'
+               from event e
+               where (e.entry_id is null and e.hold_id is null)
+                  or (e.entry_id is not null and not exists (
+                          select from ledger_entry l where l.wallet_id = e.wallet_id and l.id = e.entry_id))
+                  or (e.hold_id is not null and not exists (
+                          select from hold h where h.wallet_id = e.wallet_id and h.id = e.hold_id))
+               union all
+               select l.wallet_id, l.seq, 'entry ' || l.seq || ': ' || count(e.seq) || ' events name it'
+               from ledger_entry l join since s on s.wallet_id = l.wallet_id and l.created_at >= s.first
+               left join event e on e.wallet_id = l.wallet_id and e.entry_id = l.id
+               group by l.wallet_id, l.seq
+               having count(e.seq) <> 1
+               union all
+               select h.wallet_id, null::int8, 'hold ' || h.id || ' (' || h.status || ') with '
+                      || count(e.seq) filter (where e.type = 'hold.placed') || ' hold.placed and '
+                      || count(e.seq) filter (where e.type <> 'hold.placed' and e.entry_id is null)
+                      || ' settlement events'
+               from hold h join since s on s.wallet_id = h.wallet_id and h.created_at >= s.first
+               left join event e on e.wallet_id = h.wallet_id and e.hold_id = h.id
+               group by h.wallet_id, h.id, h.status, h.capture_entry
+               having count(e.seq) filter (where e.type = 'hold.placed') <> 1
+                   or count(e.seq) filter (where e.type <> 'hold.placed' and e.entry_id is null)
+                      <> case when h.status = 'held' or h.capture_entry is not null then 0 else 1 end
+           )
+           select wallet_id, seq, what from problem order by wallet_id, seq limit 100"#,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for row in rows {
+        let (wallet, what): (String, String) = (row.try_get("wallet_id")?, row.try_get("what")?);
+        report.problems.push(format!("wallet {wallet} {what}"));
     }
     Ok(())
 }

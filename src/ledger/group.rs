@@ -34,6 +34,7 @@
 //! one wallet is left out of the round ([`Committed::busy`]) and the others go on: a stalled or
 //! partitioned holder never holds up a round, and two rounds that share wallets never deadlock.
 
+use super::event::{EventColumns, EventWrite};
 use super::hold::Hold;
 use super::idempotency::{KeyRef, ResponseRow};
 use super::storage::Storage;
@@ -308,6 +309,9 @@ pub struct GroupWrite<'a> {
     /// Transfers and movements of many legs made (each written with its first wallet's write).
     pub transfers: Vec<&'a Transfer>,
     pub movements: Vec<&'a MovementRecord>,
+    /// What happened to each wallet, in the order it happened: numbered after the wallet's last
+    /// event by the write itself, so the decision needs no count of them.
+    pub events: Vec<&'a EventWrite>,
 }
 
 /// What a [`commit`] did, by wallet id.
@@ -522,12 +526,28 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                group by b.grp
                having bool_and(l.id is not null and {MATCHES_AS_READ})
            ),
+           ev as (
+               select v.wallet_id, v.type, v.entry_id, v.hold_id,
+                      count(*) over (partition by v.wallet_id) as of_wallet,
+                      row_number() over (partition by v.wallet_id order by v.n) as nth
+               from unnest($14::text[], $15::text[], $16::uuid[], $17::uuid[]) with ordinality
+                   as v(wallet_id, type, entry_id, hold_id, n)
+           ),
            moved as (
                update wallet w set balance = b.balance, version = b.version, fence = b.fence,
-                                   held = b.held, updated_at = now()
+                                   held = b.held, updated_at = now(),
+                                   event_seq = w.event_seq + coalesce(
+                                       (select max(ev.of_wallet) from ev where ev.wallet_id = w.id), 0),
+                                   event_position = greatest(w.event_position, pg_current_xact_id())
                from b
                where w.id = b.id and b.grp in (select grp from matched)
-               returning w.id
+               returning w.id, w.event_seq, w.event_position
+           ),
+           events as (
+               insert into event (wallet_id, seq, position, type, entry_id, hold_id, created_at)
+               select ev.wallet_id, m.event_seq - ev.of_wallet + ev.nth, m.event_position, ev.type,
+                      ev.entry_id, ev.hold_id, $6
+               from ev join moved m on m.id = ev.wallet_id
            ),{holds}{movements}
            entries as (
                insert into ledger_entry
@@ -596,6 +616,7 @@ pub async fn commit(
     let keys: Vec<KeyWriteRow<'_>> = write.keys.iter().map(key_row).collect();
     let transfers: Vec<TransferWriteRow<'_>> = write.transfers.iter().map(|&t| t.into()).collect();
     let movements: Vec<MovementWriteRow<'_>> = write.movements.iter().map(|&m| m.into()).collect();
+    let events = EventColumns::of(write.events.iter().copied());
     let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
         .bind(&write.wallets)
         .bind(&entries)
@@ -610,6 +631,10 @@ pub async fn commit(
         .bind(beside(&write.placed, |h| &h.metadata))
         .bind(beside(&write.transfers, |t| &t.metadata))
         .bind(beside(&write.movements, |m| &m.metadata))
+        .bind(&events.wallets)
+        .bind(&events.kinds)
+        .bind(&events.entries)
+        .bind(&events.holds)
         .fetch_all(conn)
         .await?;
     let mut committed = Committed::default();
@@ -621,6 +646,9 @@ pub async fn commit(
             committed.busy.insert(id);
         }
     }
+    super::event::count_written(
+        write.events.iter().copied().filter(|e| committed.moved.contains(&e.wallet_id)),
+    );
     Ok(committed)
 }
 
@@ -692,17 +720,24 @@ async fn commit_routed(
                ),
                moved as (
                    update wallet w set balance = b.balance, version = b.version, fence = b.fence,
-                                       held = b.held, updated_at = now()
+                                       held = b.held, updated_at = now(),
+                                       event_seq = w.event_seq + $11,
+                                       event_position = greatest(w.event_position, $12::text::xid8)
                    from locked l, b
                    where w.id = l.id and w.id = $1 and {MATCHES_AS_READ}
-                   returning w.id
+                   returning w.id, w.event_seq, w.event_position::text::int8 as event_position
                )
-               select exists (select from locked) as locked, exists (select from moved) as moved"#
+               select exists (select from locked) as locked, exists (select from moved) as moved,
+                      (select event_seq from moved), (select event_position from moved)"#
         )
     });
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let position = super::event::transaction_position(&mut tx).await?;
     let mut committed = Committed::default();
+    // Each moved wallet's last event number before this write, and the position of its events.
+    let mut numbered: HashMap<&str, (i64, i64)> = HashMap::new();
     for w in &write.wallets {
+        let events = write.events.iter().filter(|e| e.wallet_id == w.id).count() as i64;
         let row = sqlx::query(sqlx::AssertSqlSafe(WRITE_ONE.as_str()))
             .bind(w.id)
             .bind(w.fence)
@@ -714,9 +749,13 @@ async fn commit_routed(
             .bind(w.balance)
             .bind(w.held)
             .bind(w.version)
+            .bind(events)
+            .bind(position.to_string())
             .fetch_one(&mut *tx)
             .await?;
         if row.try_get("moved")? {
+            let last: i64 = row.try_get("event_seq")?;
+            numbered.insert(w.id, (last - events, row.try_get("event_position")?));
             committed.moved.insert(w.id.to_owned());
         } else if !row.try_get::<bool, _>("locked")? {
             committed.busy.insert(w.id.to_owned());
@@ -816,6 +855,27 @@ async fn commit_routed(
         });
         insert.build().execute(&mut *tx).await?;
     }
+    let events: Vec<(&EventWrite, i64, i64)> = write
+        .events
+        .iter()
+        .filter_map(|&event| {
+            let (last, position) = numbered.get_mut(event.wallet_id.as_str())?;
+            *last += 1;
+            Some((event, *last, *position))
+        })
+        .collect();
+    if !events.is_empty() {
+        let mut insert = QueryBuilder::new(
+            "insert into event (wallet_id, seq, position, type, entry_id, hold_id, created_at) ",
+        );
+        insert.push_values(&events, |mut row, (event, seq, position)| {
+            row.push_bind(&event.wallet_id).push_bind(*seq);
+            row.push_bind(position.to_string()).push_unseparated("::text::xid8");
+            row.push_bind(event.kind.as_str()).push_bind(event.entry_id).push_bind(event.hold_id);
+            row.push_bind(created_at);
+        });
+        insert.build().execute(&mut *tx).await?;
+    }
     let keys: Vec<&KeyWrite> = write.keys.iter().filter(|k| moved(k.wallet_id)).collect();
     if !keys.is_empty() {
         let mut insert = QueryBuilder::new(
@@ -834,5 +894,6 @@ async fn commit_routed(
         insert.build().execute(&mut *tx).await?;
     }
     tx.commit().await?;
+    super::event::count_written(events.iter().map(|(event, _, _)| *event));
     Ok(committed)
 }

@@ -26,6 +26,7 @@
 
 pub mod audit;
 pub mod books;
+pub mod event;
 pub mod group;
 pub mod history;
 pub mod hold;
@@ -34,7 +35,7 @@ pub mod schema;
 pub mod storage;
 pub mod transfer;
 
-use crate::domain::{EntryKind, Metadata};
+use crate::domain::{EntryKind, EventType, Metadata};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
@@ -318,25 +319,31 @@ pub struct WalletRead {
     pub version: i64,
 }
 
-/// Creates a wallet owned by `owner` with an opening balance and its `open` entry, so that from
-/// its first moment the wallet's balance equals the sum of its ledger. No lease is needed: a new
-/// row has no other writer, and its primary key refuses a second creation.
+/// Creates a wallet owned by `owner` with an opening balance, its `open` entry and (`with_event`)
+/// its first event, in the caller's transaction (which the event's position is taken from: see
+/// [`event`]), so that from its first moment the wallet's balance equals the sum of its ledger. No
+/// lease is needed: a new row has no other writer, and its primary key refuses a second creation.
 pub async fn create_wallet(
     conn: &mut PgConnection,
     id: &str,
     owner: &str,
     balance: i64,
+    with_event: bool,
 ) -> Result<(Wallet, Entry), StoreError> {
     // A new wallet has no holds: all of its balance is available. (Said here rather than by
     // `find_wallet`'s subquery on `hold`, which Citus cannot plan in an INSERT's RETURNING.)
+    let position = event::transaction_position(&mut *conn).await?;
     let wallet = sqlx::query_as::<_, Wallet>(
         // language=PostgreSQL
-        "insert into wallet (id, balance, version, owner) values ($1, $2, 1, $3) \
+        "insert into wallet (id, balance, version, owner, event_seq, event_position) \
+         values ($1, $2, 1, $3, $5, $4::text::xid8) \
          returning id, balance, held, version, fence, owner, created_at, updated_at, balance as available",
     )
     .bind(id)
     .bind(balance)
     .bind(owner)
+    .bind(position.to_string())
+    .bind(i64::from(with_event))
     .fetch_one(&mut *conn)
     .await
     .map_err(|err| match &err {
@@ -355,6 +362,21 @@ pub async fn create_wallet(
         balance,
     )
     .fetch_one(&mut *conn)
+    .await?;
+    if !with_event {
+        return Ok((wallet, open.try_into()?));
+    }
+    // Its first event, at the position the wallet's row took.
+    sqlx::query(
+        // language=PostgreSQL
+        "insert into event (wallet_id, seq, position, type, entry_id, created_at)
+         select id, 1, event_position, $3, $2, $4 from wallet where id = $1",
+    )
+    .bind(id)
+    .bind(open.id)
+    .bind(EventType::WalletOpened.as_str())
+    .bind(open.created_at)
+    .execute(&mut *conn)
     .await?;
     Ok((wallet, open.try_into()?))
 }
@@ -473,6 +495,31 @@ pub async fn commit(
     }
     let mut written = rows.into_iter().map(Entry::try_from).collect::<Result<Vec<_>, _>>()?;
     written.sort_by_key(|entry| entry.version);
+    // Their events, numbered after the wallet's last (the row is locked by the write above).
+    let events: Vec<&str> = written
+        .iter()
+        .map(|entry| EventType::of_entry(entry.kind, false, EventType::PaymentAccepted).as_str())
+        .collect();
+    let position = event::transaction_position(&mut *tx).await?;
+    sqlx::query(
+        // language=PostgreSQL
+        r#"with w as (
+               update wallet set event_seq = event_seq + cardinality($2::uuid[]),
+                                 event_position = greatest(event_position, $5::text::xid8)
+               where id = $1
+               returning event_seq - cardinality($2::uuid[]) as last, event_position
+           )
+           insert into event (wallet_id, seq, position, type, entry_id, created_at)
+           select $1, w.last + e.n, w.event_position, e.type, e.entry_id, $4
+           from w, unnest($2::uuid[], $3::text[]) with ordinality as e(entry_id, type, n)"#,
+    )
+    .bind(id)
+    .bind(written.iter().map(|entry| entry.id).collect::<Vec<_>>())
+    .bind(&events)
+    .bind(written[0].created_at)
+    .bind(position.to_string())
+    .execute(&mut *tx)
+    .await?;
     Ok(written)
 }
 

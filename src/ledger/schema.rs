@@ -33,7 +33,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
 /// not scoped to one wallet share one placement (migration 0010 says why). Tables already
 /// distributed are left as they are, so every `migrate` may run it; a table created by a later
 /// migration needs its line here.
-const DISTRIBUTION: [(&str, &str); 8] = [
+const DISTRIBUTION: [(&str, &str); 9] = [
     ("wallet", "id"),
     ("hold", "wallet_id"),
     ("ledger_entry", "wallet_id"),
@@ -42,6 +42,7 @@ const DISTRIBUTION: [(&str, &str); 8] = [
     ("idempotency_key", "wallet_id"),
     ("entry_rollup", "wallet_id"),
     ("entry_rollup_until", "wallet_id"),
+    ("event", "wallet_id"),
 ];
 
 /// Distributes the tables of the current schema that are not yet distributed (see
@@ -86,11 +87,12 @@ pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
         // The columns a movement writes, and no other: a wallet's id and owner never change.
         format!(r#"revoke update on "{schema}".wallet from {role}"#),
         format!(
-            r#"grant select, insert, update (balance, version, fence, held, updated_at) on "{schema}".wallet to {role}"#
+            r#"grant select, insert, update (balance, version, fence, held, updated_at, event_seq, event_position) on "{schema}".wallet to {role}"#
         ),
         format!(r#"grant select, insert on "{schema}".ledger_entry to {role}"#),
         format!(r#"grant select, insert on "{schema}".transfer to {role}"#),
         format!(r#"grant select, insert on "{schema}".movement to {role}"#),
+        format!(r#"grant select, insert on "{schema}".event to {role}"#),
         format!(r#"revoke update on "{schema}".hold from {role}"#),
         format!(
             r#"grant select, insert, update (status, captured, capture_entry, settled_at) on "{schema}".hold to {role}"#

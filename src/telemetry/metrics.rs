@@ -209,6 +209,16 @@ pub const IDEMPOTENCY_CONFLICTS: Metric = metric(
     "Requests refused because their key was in flight or used for another request.",
 );
 
+// Events (`crate::ledger::event`, `crate::wallet`).
+pub const EVENTS_WRITTEN: Metric = metric(
+    "walletlock_events_written_total",
+    Counter,
+    &["type"],
+    "Events committed with their movements, by type (wallet.opened, payment.accepted, hold.placed, ...).",
+);
+pub const EVENTS_READ: Metric =
+    metric("walletlock_events_read_total", Counter, &[], "Events answered by GET /events.");
+
 // The replica itself (this module).
 pub const REPLICA_INFO: Metric = metric(
     "walletlock_replica_info",
@@ -257,6 +267,8 @@ pub const ALL: &[Metric] = &[
     REDIS_POOL_WAITING,
     IDEMPOTENT_REPLAYS,
     IDEMPOTENCY_CONFLICTS,
+    EVENTS_WRITTEN,
+    EVENTS_READ,
     REPLICA_INFO,
     PEAK_RESIDENT_MEMORY,
 ];

@@ -248,7 +248,9 @@ impl Sandbox {
     /// A fresh wallet holding `balance`, owned by the caller [`DEMO_CALLER`].
     pub async fn wallet(&self, balance: i64) -> anyhow::Result<WalletId> {
         let id = WalletId::generate();
-        ledger::create_wallet(&mut *self.db.acquire().await?, id.as_str(), DEMO_CALLER, balance).await?;
+        let mut tx = self.db.begin().await?;
+        ledger::create_wallet(&mut tx, id.as_str(), DEMO_CALLER, balance, true).await?;
+        tx.commit().await?;
         Ok(id)
     }
 

@@ -64,7 +64,11 @@ impl Wallets {
 
 /// Whether `access` may read the wallet: [`WalletError::NotFound`] if it does not exist or is
 /// another caller's.
-async fn visible(conn: &mut PgConnection, access: &Access, id: &WalletId) -> Result<(), WalletError> {
+pub(super) async fn visible(
+    conn: &mut PgConnection,
+    access: &Access,
+    id: &WalletId,
+) -> Result<(), WalletError> {
     let wallet = ledger::find_wallet(conn, id.as_str()).await?;
     if wallet.is_some_and(|wallet| access.may_use(wallet.owner.as_deref())) {
         Ok(())

@@ -27,6 +27,7 @@
 
 mod decision;
 mod error;
+mod events;
 mod history;
 mod holds;
 mod instruments;
@@ -43,12 +44,14 @@ pub use crate::domain::{
 };
 // The rows the service answers with, as the store reads them; its callers map them to what they
 // show (the HTTP layer, to bodies of its own).
+pub use crate::ledger::event::StoredEvent;
 pub use crate::ledger::history::{BalanceAt, EntryFilter, KindTotal, Order, Statement};
 pub use crate::ledger::hold::Hold;
 pub use crate::ledger::transfer::{HeldLeg, MovementHold, MovementRecord, Transfer};
 pub use crate::ledger::{Entry, Wallet};
 pub use decision::SettleAs;
 pub use error::{SharedError, WalletError};
+pub use events::{EventsAsked, EventsPage, MAX_WAIT, WAIT_TICK};
 pub use instruments::register_metrics;
 pub use outage::RedisOutage;
 pub use rounds::queue::{MAX_BATCH, MAX_HOLD};
@@ -138,6 +141,9 @@ pub struct Shared {
     queue_limit: usize,
     /// Where every movement is written, in rounds across wallets.
     rounds: group::Rounds,
+    /// How the rounds write (also movements written outside them: transfers in a transaction of
+    /// their own, a wallet alone under Postgres alone).
+    round_settings: group::RoundSettings,
     /// How long the responses of transfers and refunds are kept for their idempotency keys (the
     /// rounds keep their own copy for deposits and payments).
     keys: idempotency::Keys,

@@ -5,7 +5,7 @@ use super::decision::Held;
 use super::{Access, AlreadyExists, OpenOutcome, WalletError, WalletId, Wallets, error::commit, lease_name};
 use crate::idempotency::{self, Receipt};
 use crate::ledger::{self, StoreError, Wallet};
-use crate::telemetry::metrics::PG_POOL_ACQUIRE_WAIT;
+use crate::telemetry::metrics::{EVENTS_WRITTEN, PG_POOL_ACQUIRE_WAIT};
 use sqlx::pool::PoolConnection;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,7 +35,9 @@ impl Wallets {
         let (this, id, owner) = (self.clone(), id.clone(), owner.to_owned());
         self.run_to_end(receipt.as_ref().map(|r| r.claim.clone()), async move {
             let mut tx = this.db.begin().await?;
-            match ledger::create_wallet(&mut tx, id.as_str(), &owner, balance).await {
+            match ledger::create_wallet(&mut tx, id.as_str(), &owner, balance, this.round_settings.events)
+                .await
+            {
                 Ok((wallet, open)) => {
                     if let Some(receipt) = &receipt
                         && !idempotency::complete(&mut tx, receipt, &Ok(wallet.clone()), Some(open.id))
@@ -44,6 +46,10 @@ impl Wallets {
                         return Err(WalletError::KeyTakenOver);
                     }
                     commit(tx).await?;
+                    if this.round_settings.events {
+                        let opened = crate::domain::EventType::WalletOpened.as_str();
+                        metrics::counter!(EVENTS_WRITTEN.name, "type" => opened).increment(1);
+                    }
                     this.leave_note(&id, &wallet);
                     Ok(wallet)
                 }

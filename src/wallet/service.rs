@@ -20,8 +20,10 @@ impl Wallets {
         let in_flight = TaskTracker::new();
         let storage = KnownStorage::default();
         let keys = idempotency::Keys::new(db.clone(), KeySettings::default());
-        let (rounds, unleased) = start_rounds(&db, &leases, keys.settings().retention, &storage, &in_flight);
+        let round_settings = round_settings(&leases, keys.settings().retention, true);
+        let (rounds, unleased) = start_rounds(&db, round_settings, &storage, &in_flight);
         Self(Arc::new(Shared {
+            round_settings,
             db,
             leases,
             strategy: Strategy::Queue,
@@ -65,9 +67,20 @@ impl Wallets {
     /// Stores movements' responses for `keys.retention`.
     pub fn with_keys(mut self, keys: KeySettings) -> Self {
         let service = Arc::make_mut(&mut self.0);
+        service.round_settings.retention = keys.retention;
         (service.rounds, service.unleased) =
-            start_rounds(&service.db, &service.leases, keys.retention, &service.storage, &service.in_flight);
+            start_rounds(&service.db, service.round_settings, &service.storage, &service.in_flight);
         service.keys = idempotency::Keys::new(service.db.clone(), keys);
+        self
+    }
+
+    /// Whether movements write their events (on by default; off only to measure what they cost:
+    /// the feed then misses this replica's movements, and the audit reports their entries).
+    pub fn with_events(mut self, events: bool) -> Self {
+        let service = Arc::make_mut(&mut self.0);
+        service.round_settings.events = events;
+        (service.rounds, service.unleased) =
+            start_rounds(&service.db, service.round_settings, &service.storage, &service.in_flight);
         self
     }
 
@@ -109,19 +122,21 @@ impl Wallets {
     }
 }
 
-/// Starts the replica's rounds, on leases and under Postgres alone, storing keys' responses for
-/// `retention`. The rounds give up a statement left unanswered for one lease TTL: by then the
-/// lease would have expired without its watchdog, and the wallet is better in another holder's
-/// hands.
+/// How the rounds write: storing keys' responses for `retention`, with events or not. They give
+/// up a statement left unanswered for one lease TTL: by then the lease would have expired without
+/// its watchdog, and the wallet is better in another holder's hands.
+fn round_settings(leases: &LeaseClient, retention: Duration, events: bool) -> group::RoundSettings {
+    group::RoundSettings { retention, answer_within: leases.settings().ttl.get(), events }
+}
+
+/// Starts the replica's rounds, on leases and under Postgres alone.
 fn start_rounds(
     db: &PgPool,
-    leases: &LeaseClient,
-    retention: Duration,
+    settings: group::RoundSettings,
     storage: &KnownStorage,
     in_flight: &TaskTracker,
 ) -> (group::Rounds, unleased::UnleasedRounds) {
-    let settings = group::RoundSettings { retention, answer_within: leases.settings().ttl.get() };
     let rounds = group::Rounds::start(db.clone(), settings, storage.clone(), in_flight.clone());
-    let unleased = unleased::UnleasedRounds::start(db.clone(), retention, storage.clone(), in_flight.clone());
+    let unleased = unleased::UnleasedRounds::start(db.clone(), settings, storage.clone(), in_flight.clone());
     (rounds, unleased)
 }

@@ -606,8 +606,9 @@ impl Wallets {
         if plan.runs() {
             let mut write = store_round::GroupWrite::default();
             group::add_legs(&mut write, &legs_wallets, ops, &plan);
+            self.round_settings.events_of(&mut write);
             let storage = self.storage.on(&mut tx).await?;
-            let retention = self.keys.settings().retention;
+            let retention = self.round_settings.retention;
             match Box::pin(store_round::commit(&mut tx, storage, &write, now, retention)).await {
                 Ok(committed) if committed.moved.len() == write.wallets.len() => {}
                 // Its rows are locked by this transaction: only a bug lets one not match.

@@ -56,7 +56,9 @@ async fn without_the_lease_concurrent_spends_lose_updates() {
     let env = TestEnv::new();
     let (_schema, db) = env.database(50).await;
     let id = WalletId::generate();
-    ledger::create_wallet(&mut db.acquire().await.unwrap(), id.as_str(), CALLER, 100).await.unwrap();
+    let mut tx = db.begin().await.unwrap();
+    ledger::create_wallet(&mut tx, id.as_str(), CALLER, 100, true).await.unwrap();
+    tx.commit().await.unwrap();
 
     // Everyone reads before anyone writes back: the interleaving a busy fleet produces by chance.
     let all_read = Arc::new(Barrier::new(50));

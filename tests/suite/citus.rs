@@ -109,6 +109,7 @@ async fn under_citus_each_payment_is_one_transaction_on_the_worker_holding_its_w
         [
             ("entry_rollup", "wallet_id"),
             ("entry_rollup_until", "wallet_id"),
+            ("event", "wallet_id"),
             ("hold", "wallet_id"),
             ("idempotency_key", "wallet_id"),
             ("ledger_entry", "wallet_id"),

@@ -41,7 +41,9 @@ async fn commit(
 
 async fn wallet_with(db: &sqlx::PgPool, balance: i64) -> WalletId {
     let id = WalletId::generate();
-    ledger::create_wallet(&mut db.acquire().await.unwrap(), id.as_str(), CALLER, balance).await.unwrap();
+    let mut tx = db.begin().await.unwrap();
+    ledger::create_wallet(&mut tx, id.as_str(), CALLER, balance, true).await.unwrap();
+    tx.commit().await.unwrap();
     id
 }
 

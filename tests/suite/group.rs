@@ -15,7 +15,9 @@ use walletlock::wallet::{Moved, WalletError, WalletId, lease_name};
 
 async fn wallet_with(db: &sqlx::PgPool, balance: i64) -> WalletId {
     let id = WalletId::generate();
-    ledger::create_wallet(&mut db.acquire().await.unwrap(), id.as_str(), CALLER, balance).await.unwrap();
+    let mut tx = db.begin().await.unwrap();
+    ledger::create_wallet(&mut tx, id.as_str(), CALLER, balance, true).await.unwrap();
+    tx.commit().await.unwrap();
     id
 }
 

@@ -12,6 +12,7 @@ mod citus;
 mod compose;
 mod demos;
 mod durability;
+mod events;
 mod faults;
 mod fence;
 mod fleet;

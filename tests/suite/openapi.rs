@@ -38,6 +38,7 @@ const ROUTES: &[(&str, &str, &[&str])] = &[
     ("get", "/holds/{id}", GET_STATUSES),
     ("post", "/holds/{id}/capture", POST_STATUSES),
     ("post", "/holds/{id}/void", &["200", "400", "401", "404", "409", "422", "503"]),
+    ("get", "/events", GET_STATUSES),
     ("get", "/healthz", &["200"]),
     ("get", "/readyz", &["200", "503"]),
     ("get", "/metrics", &["200"]),
@@ -135,11 +136,14 @@ async fn the_document_describes_every_route_and_status() {
         }
     }
 
-    // A bearer token on the /wallets, /transfers, /movements and /holds operations only.
+    // A bearer token on the /wallets, /transfers, /movements, /holds and /events operations only.
     assert_eq!(doc["components"]["securitySchemes"]["bearer"], json!({ "type": "http", "scheme": "bearer" }));
     for (method, path, _) in ROUTES {
         let security = &operation(&doc, method, path)["security"];
-        if ["/wallets", "/transfers", "/movements", "/holds"].iter().any(|api| path.starts_with(api)) {
+        if ["/wallets", "/transfers", "/movements", "/holds", "/events"]
+            .iter()
+            .any(|api| path.starts_with(api))
+        {
             assert_eq!(*security, json!([{ "bearer": [] }]), "{method} {path}");
             let unauthorized = &operation(&doc, method, path)["responses"]["401"];
             assert_eq!(unauthorized["headers"]["WWW-Authenticate"]["required"], true, "{method} {path}");
@@ -250,7 +254,8 @@ async fn schemathesis_finds_no_server_error_and_no_response_off_the_schema() {
             "not_a_server_error,status_code_conformance,content_type_conformance,\
              response_schema_conformance,response_headers_conformance",
         ])
-        .args(["--max-examples", "50", "--seed", "20261130", "--request-timeout", "10"])
+        // Above GET /events' longest wait (30 s), which it may try.
+        .args(["--max-examples", "50", "--seed", "20261130", "--request-timeout", "40"])
         .args(["--generation-database", "none", "--output-sanitize", "false", "--no-color"])
         .current_dir(dir.path())
         .stdin(Stdio::null())

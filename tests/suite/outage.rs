@@ -59,7 +59,7 @@ async fn outage_gauges(fleet: &Fleet) -> Vec<f64> {
 }
 
 /// The movements one replica applied, by path: (lease, postgres_only).
-async fn moved_by_path(fleet: &Fleet, replica: usize) -> (f64, f64) {
+pub(crate) async fn moved_by_path(fleet: &Fleet, replica: usize) -> (f64, f64) {
     let by_path = samples(fleet, replica, "walletlock_movements_by_path_total").await;
     let count = |path: &str| {
         by_path
@@ -72,7 +72,7 @@ async fn moved_by_path(fleet: &Fleet, replica: usize) -> (f64, f64) {
 }
 
 /// The movements the whole fleet applied, by path.
-async fn fleet_by_path(fleet: &Fleet) -> (f64, f64) {
+pub(crate) async fn fleet_by_path(fleet: &Fleet) -> (f64, f64) {
     let mut total = (0.0, 0.0);
     for replica in 0..fleet.replicas.len() {
         let (lease, postgres_only) = moved_by_path(fleet, replica).await;

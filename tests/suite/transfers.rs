@@ -590,8 +590,8 @@ async fn a_refund_retried_with_its_key_is_replayed_and_moves_money_once() {
 }
 
 /// Appends an entry to `wallet`'s ledger as a writer that keeps each wallet's own books straight
-/// would: the next number, the balance after it, the wallet's fence, and the wallet row moved with
-/// it. Its id.
+/// would: the next number, the balance after it, the wallet's fence, its event, and the wallet row moved
+/// with it. Its id.
 async fn append_entry(
     db: &sqlx::PgPool,
     wallet: &str,
@@ -605,13 +605,21 @@ async fn append_entry(
              update wallet
              set balance = balance
                            + case when $2::text in ('pay', 'transfer_out') then -$3::int8 else $3::int8 end,
-                 version = version + 1
+                 version = version + 1,
+                 event_seq = event_seq + 1,
+                 event_position = greatest(event_position, pg_current_xact_id())
              where id = $1
-             returning id, balance, version, fence)
-         insert into ledger_entry
-             (id, wallet_id, seq, kind, amount, balance_after, fence, transfer_id, refund_of)
-         select gen_random_uuid(), id, version, $2::text, $3::int8, balance, fence, $4, $5 from moved
-         returning id",
+             returning id, balance, version, fence, event_seq, event_position),
+         entry as (
+             insert into ledger_entry
+                 (id, wallet_id, seq, kind, amount, balance_after, fence, transfer_id, refund_of)
+             select gen_random_uuid(), id, version, $2::text, $3::int8, balance, fence, $4, $5 from moved
+             returning id, created_at),
+         event as (
+             insert into event (wallet_id, seq, position, type, entry_id, created_at)
+             select moved.id, event_seq, event_position, 'transfer.accepted', entry.id, entry.created_at
+             from moved, entry)
+         select id from entry",
     )
     .bind(wallet)
     .bind(kind)

@@ -75,6 +75,8 @@ pub const INVALID_MOVEMENT_ID: ErrorCode =
 pub const INVALID_TIME: ErrorCode = replica(S::BAD_REQUEST, "invalid_time", FIELD_BROKE_ITS_RULE);
 pub const INVALID_KIND: ErrorCode = replica(S::BAD_REQUEST, "invalid_kind", FIELD_BROKE_ITS_RULE);
 pub const INVALID_ORDER: ErrorCode = replica(S::BAD_REQUEST, "invalid_order", FIELD_BROKE_ITS_RULE);
+pub const INVALID_EVENT_TYPE: ErrorCode = replica(S::BAD_REQUEST, "invalid_event_type", FIELD_BROKE_ITS_RULE);
+pub const INVALID_WAIT: ErrorCode = replica(S::BAD_REQUEST, "invalid_wait", FIELD_BROKE_ITS_RULE);
 pub const SAME_WALLET: ErrorCode = replica(
     S::BAD_REQUEST,
     "same_wallet",
@@ -281,6 +283,8 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &INVALID_TIME,
     &INVALID_KIND,
     &INVALID_ORDER,
+    &INVALID_EVENT_TYPE,
+    &INVALID_WAIT,
     &SAME_WALLET,
     &MALFORMED_JSON,
     &INVALID_BODY,
@@ -404,7 +408,9 @@ mod tests {
             | Field::PeriodEnd
             | Field::Kind
             | Field::Order
-            | Field::Cursor => (),
+            | Field::Cursor
+            | Field::EventType
+            | Field::Wait => (),
         };
         for field in [
             Field::WalletId,
@@ -429,6 +435,8 @@ mod tests {
             Field::Kind,
             Field::Order,
             Field::Cursor,
+            Field::EventType,
+            Field::Wait,
         ] {
             let listed =
                 named(field.code()).unwrap_or_else(|| panic!("{} is not in ERROR_CODES", field.code()));

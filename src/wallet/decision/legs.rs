@@ -16,10 +16,12 @@
 
 use super::{Held, Known, Leg, Links, Settled, as_written, decide_legs, settled};
 use crate::domain::{
-    self, EntryKind, Funds, HoldLife, HoldStatus, LegRefusal, Metadata, MovementStatus, Parties, pro_rata,
+    self, EntryKind, EventType, Funds, HoldLife, HoldStatus, LegRefusal, Metadata, MovementStatus, Parties,
+    pro_rata,
 };
 use crate::idempotency::{Keyed, Prior, StoredResponse};
 use crate::ledger::Entry;
+use crate::ledger::event::EventWrite;
 use crate::ledger::hold::{Hold, NewHold};
 use crate::ledger::transfer::{HeldLeg, MovementHold, MovementRecord, Transfer};
 use crate::wallet::transfer::{Done, MovementRecordOutcome, RefundOutcome, TransferOutcome};
@@ -282,6 +284,9 @@ pub struct LegsPlan {
     /// Each wallet after the movements, in the job's order (`None`: no such wallet).
     pub after: Vec<Option<Held>>,
     pub transfers: Vec<Transfer>,
+    /// What happened to each wallet, in the order it happened: an event per entry, and per hold
+    /// placed or settled without one.
+    pub events: Vec<EventWrite>,
     /// The movements made (not those settled: they are stored already).
     pub movements: Vec<MovementRecord>,
     /// The response to store for each keyed movement that ran: (index, response, its first entry).
@@ -381,12 +386,14 @@ impl Deciding<'_, '_> {
             .collect()
     }
 
-    /// Applies `entries` (one a leg, in `touched`'s order) to the job's wallets.
-    fn apply(&mut self, entries: &[Entry], touched: &[usize]) {
+    /// Applies `entries` (one a leg, in `touched`'s order) of a movement whose legs are events of
+    /// type `between` to the job's wallets.
+    fn apply(&mut self, entries: &[Entry], touched: &[usize], between: EventType) {
         for (entry, &w) in entries.iter().zip(touched) {
             let held = self.state[w].as_mut().expect("touched wallets exist");
             (held.balance, held.version) = (entry.balance, entry.version);
         }
+        self.plan.events.extend(entries.iter().map(|entry| EventWrite::of_entry(entry, between)));
         self.plan.entries.extend(entries.iter().cloned());
     }
 
@@ -403,6 +410,10 @@ impl Deciding<'_, '_> {
         let held = self.state[w].as_mut().expect("touched wallets exist");
         held.held -= hold.amount;
         self.status_now.insert(hold.id, status);
+        // A capture that charged something is its entry's event.
+        if capture_entry.is_none() {
+            self.plan.events.push(EventWrite::of_hold(&hold.wallet_id, hold.id, status));
+        }
         self.plan.settled.push((w, settled(hold.id, status, captured, capture_entry)));
     }
 
@@ -418,7 +429,9 @@ impl Deciding<'_, '_> {
         let links =
             Links { movement: Some(id), reference: reference.as_deref(), metadata, refund_of: None, now };
         let entries = decide_legs(&legs, (EntryKind::TransferOut, EntryKind::TransferIn), links)?;
-        self.apply(&entries, touched);
+        let between =
+            if parties.is_some() { EventType::TransferAccepted } else { EventType::MovementAccepted };
+        self.apply(&entries, touched, between);
         Ok(match parties {
             Some(parties) => {
                 let [from_entry, to_entry]: [Entry; 2] = entries.try_into().expect("two legs, two entries");
@@ -491,7 +504,11 @@ impl Deciding<'_, '_> {
                 self.state[w].as_mut().expect("touched wallets exist").held += hold.amount;
             }
         }
-        self.plan.placed.extend(holds.into_iter().flatten());
+        let placed = holds.into_iter().flatten();
+        for hold in placed {
+            self.plan.events.push(EventWrite::of_hold(&hold.wallet_id, hold.id, HoldStatus::Held));
+            self.plan.placed.push(hold);
+        }
         let record = MovementRecord {
             id,
             reference: reference.clone(),
@@ -580,7 +597,11 @@ impl Deciding<'_, '_> {
                 entry.hold_id = holds[n].as_ref().map(|h| h.id);
                 written[n] = Some((entry.id, entry.amount));
             }
-            self.apply(&entries, &at.iter().map(|&n| touched[n]).collect::<Vec<_>>());
+            self.apply(
+                &entries,
+                &at.iter().map(|&n| touched[n]).collect::<Vec<_>>(),
+                EventType::MovementAccepted,
+            );
             record =
                 MovementRecord { status: MovementStatus::Captured, legs: entries, ..held.record.clone() };
         }
@@ -636,7 +657,7 @@ impl Deciding<'_, '_> {
             Ok(entries) => entries,
             Err((n, refusal)) => return Ok(Err((at[n], refusal))),
         };
-        self.apply(&entries, &at.iter().map(|&n| touched[n]).collect::<Vec<_>>());
+        self.apply(&entries, &at.iter().map(|&n| touched[n]).collect::<Vec<_>>(), EventType::RefundAccepted);
         let refunded_now = self.refunded_now.entry(of.id()).or_default();
         for entry in &entries {
             *refunded_now.entry(entry.wallet_id.clone()).or_default() += entry.amount;
@@ -718,6 +739,7 @@ pub fn decide_between(
             settled: Vec::new(),
             after: Vec::new(),
             transfers: Vec::new(),
+            events: Vec::new(),
             movements: Vec::new(),
             responses: Vec::new(),
             key_aliases: Vec::new(),
@@ -1427,6 +1449,15 @@ mod tests {
             };
             prop_assert_eq!(shape(&again), shape(&plan));
             prop_assert_eq!(balances(&again), balances(&plan));
+            // Each leg's entry is a `transfer.accepted` event of its wallet, in the entries' order.
+            let events: Vec<(Option<Uuid>, &str, EventType)> =
+                plan.events.iter().map(|e| (e.entry_id, e.wallet_id.as_str(), e.kind)).collect();
+            let entries: Vec<(Option<Uuid>, &str, EventType)> = plan
+                .entries
+                .iter()
+                .map(|e| (Some(e.id), e.wallet_id.as_str(), EventType::TransferAccepted))
+                .collect();
+            prop_assert_eq!(events, entries);
         }
     }
 }

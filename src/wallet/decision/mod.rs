@@ -23,8 +23,11 @@ mod legs;
 pub use legs::{HeldMovement, LegsOp, LegsPlan, LegsWallet, RefundOf, SettleAs, decide_between, wallets_of};
 
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
-use crate::domain::{Amount, EntryKind, FenceStanding, Funds, HoldStatus, Metadata, capture_amount};
+use crate::domain::{
+    Amount, EntryKind, EventType, FenceStanding, Funds, HoldStatus, Metadata, capture_amount,
+};
 use crate::idempotency::{Keyed, Prior, StoredResponse};
+use crate::ledger::event::EventWrite;
 use crate::ledger::group::FoundKey;
 use crate::ledger::hold::{Hold, NewHold};
 use crate::ledger::{self, Entry};
@@ -149,6 +152,9 @@ pub struct Plan {
     /// The holds placed, and those settled.
     pub placed: Vec<Hold>,
     pub settled: Vec<Settled>,
+    /// What happened to the wallet, in the order it happened: an event per entry, and per hold
+    /// placed or settled without one.
+    pub events: Vec<EventWrite>,
     /// The wallet after them.
     pub after: Held,
     /// The response to store for each op with a key that ran: (op index, response).
@@ -159,6 +165,15 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Settles a hold of `wallet`, with its event unless the entry it wrote is the event (a
+    /// capture that charged something).
+    fn settle(&mut self, wallet: &str, settled: Settled) {
+        if settled.capture_entry.is_none() {
+            self.events.push(EventWrite::of_hold(wallet, settled.hold, settled.status));
+        }
+        self.settled.push(settled);
+    }
+
     /// Whether any op runs: then the batch must be written (or, with only refusals, its hold
     /// checked) before it is answered.
     pub fn runs(&self) -> bool {
@@ -259,6 +274,7 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
         entries: Vec::new(),
         placed: Vec::new(),
         settled: Vec::new(),
+        events: Vec::new(),
         after: held.clone(),
         responses: Vec::new(),
         needs_expired: false,
@@ -270,7 +286,7 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             if hold.status == HoldStatus::Held && hold.expires_at <= now {
                 funds.held -= hold.amount;
                 status_now.insert(hold.id, HoldStatus::Expired);
-                plan.settled.push(settled(hold.id, HoldStatus::Expired, 0, None));
+                plan.settle(id.as_str(), settled(hold.id, HoldStatus::Expired, 0, None));
             }
         }
     }
@@ -332,6 +348,7 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
                     movement_id: None,
                 };
                 let hold = Hold::placed(new, now);
+                plan.events.push(EventWrite::of_hold(id.as_str(), hold.id, HoldStatus::Held));
                 plan.placed.push(hold.clone());
                 Moved::Hold { hold, entry: None }
             }),
@@ -345,7 +362,7 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             }
             Movement::Capture { hold: hold_id, amount } => {
                 let hold = &known.holds[hold_id];
-                match standing(hold, &mut status_now, &mut funds, &mut plan.settled, now) {
+                match standing(hold, &mut status_now, &mut funds, &mut plan, now) {
                     Err(refusal) => Err(refusal),
                     Ok(()) => capture_amount(*amount, hold.amount).and_then(|charged| {
                         // The hold's own amount is released as it is charged.
@@ -356,7 +373,10 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
                         (funds.balance, funds.held) = (paid.balance, released.held);
                         status_now.insert(hold.id, HoldStatus::Captured);
                         let charged = charged.get();
-                        plan.settled.push(settled(hold.id, HoldStatus::Captured, charged, Some(paid.id)));
+                        plan.settle(
+                            id.as_str(),
+                            settled(hold.id, HoldStatus::Captured, charged, Some(paid.id)),
+                        );
                         let hold = Hold {
                             captured: charged,
                             status: HoldStatus::Captured,
@@ -370,10 +390,10 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             }
             Movement::Void { hold: hold_id } => {
                 let hold = &known.holds[hold_id];
-                standing(hold, &mut status_now, &mut funds, &mut plan.settled, now).map(|()| {
+                standing(hold, &mut status_now, &mut funds, &mut plan, now).map(|()| {
                     funds.held -= hold.amount;
                     status_now.insert(hold.id, HoldStatus::Voided);
-                    plan.settled.push(settled(hold.id, HoldStatus::Voided, 0, None));
+                    plan.settle(id.as_str(), settled(hold.id, HoldStatus::Voided, 0, None));
                     let hold = Hold { status: HoldStatus::Voided, settled_at: Some(now), ..hold.clone() };
                     Moved::Hold { hold, entry: None }
                 })
@@ -385,6 +405,8 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             Movement::ReleaseExpired => Ok(Moved::Released),
         };
         if let Some(entry) = outcome.as_ref().ok().and_then(Moved::entry) {
+            // Only deposits, payments and captures are decided here: no leg between wallets.
+            plan.events.push(EventWrite::of_entry(entry, EventType::MovementAccepted));
             plan.entries.push(entry.clone());
         }
         // Short of funds while something is held: the holds that expired may cover it, and only a
@@ -510,7 +532,7 @@ fn standing(
     hold: &Hold,
     status_now: &mut HashMap<Uuid, HoldStatus>,
     funds: &mut Funds,
-    settled_so_far: &mut Vec<Settled>,
+    plan: &mut Plan,
     now: DateTime<Utc>,
 ) -> Result<(), Refusal> {
     let status = status_now.get(&hold.id).copied().unwrap_or(hold.status);
@@ -520,7 +542,7 @@ fn standing(
     if hold.expires_at <= now {
         funds.held -= hold.amount;
         status_now.insert(hold.id, HoldStatus::Expired);
-        settled_so_far.push(settled(hold.id, HoldStatus::Expired, 0, None));
+        plan.settle(&hold.wallet_id, settled(hold.id, HoldStatus::Expired, 0, None));
         return Err(Refusal::HoldExpired);
     }
     Ok(())
@@ -887,6 +909,36 @@ mod tests {
             prop_assert!(0 <= plan.after.held && plan.after.held <= plan.after.balance);
             let settled_ids: HashSet<Uuid> = plan.settled.iter().map(|s| s.hold).collect();
             prop_assert_eq!(settled_ids.len(), plan.settled.len(), "a hold settles once");
+
+            // An event for each change, in order: each entry's (in the order of the entries), each
+            // hold placed, and each settlement that wrote no entry; nothing else.
+            prop_assert!(plan.events.iter().all(|e| e.wallet_id == wallet().as_str()));
+            let of_entries: Vec<Uuid> = plan.events.iter().filter_map(|e| e.entry_id).collect();
+            prop_assert_eq!(of_entries, plan.entries.iter().map(|e| e.id).collect::<Vec<_>>());
+            for entry_event in plan.events.iter().filter(|e| e.entry_id.is_some()) {
+                let entry = plan.entries.iter().find(|e| Some(e.id) == entry_event.entry_id).unwrap();
+                prop_assert_eq!(entry_event.hold_id, entry.hold_id);
+                prop_assert_eq!(entry_event.kind, EventType::of_entry(entry.kind, entry.hold_id.is_some(), EventType::MovementAccepted));
+            }
+            let of_holds: Vec<(Uuid, EventType)> =
+                plan.events.iter().filter(|e| e.entry_id.is_none()).map(|e| (e.hold_id.unwrap(), e.kind)).collect();
+            let mut expected: Vec<(Uuid, EventType)> =
+                plan.placed.iter().map(|h| (h.id, EventType::HoldPlaced)).collect();
+            expected.extend(
+                plan.settled.iter().filter(|s| s.capture_entry.is_none()).map(|s| (s.hold, EventType::of_settled(s.status))),
+            );
+            let sorted = |mut events: Vec<(Uuid, EventType)>| {
+                events.sort_by_key(|(id, kind)| (*id, kind.as_str()));
+                events
+            };
+            prop_assert_eq!(sorted(of_holds.clone()), sorted(expected));
+            // A hold placed in this batch and settled in it: placed first.
+            for (n, (id, kind)) in of_holds.iter().enumerate() {
+                if *kind != EventType::HoldPlaced {
+                    let placed_at = of_holds.iter().position(|(other, k)| other == id && *k == EventType::HoldPlaced);
+                    prop_assert!(placed_at.is_none_or(|at| at < n), "hold {} settled before placed", id);
+                }
+            }
 
             // A key decides once: one response per key, and only its first request can run.
             let mut keys_answered = HashSet::new();

@@ -24,14 +24,14 @@ use crate::ledger::transfer::{LockedWallet, lock_free_wallets, lock_wallets};
 use crate::telemetry::metrics::BATCH_SIZE;
 use crate::wallet::decision::{self, Batch, Held, Known, Op, Plan};
 use crate::wallet::outage::{Path, count_path};
-use crate::wallet::rounds::group::{self, MAX_ROUND_OPS};
+use crate::wallet::rounds::group::{self, MAX_ROUND_OPS, RoundSettings};
 use crate::wallet::rounds::queue::{MAX_BATCH, MAX_HOLD, Reply};
 use crate::wallet::transfer::ROW_LOCK_TIMEOUT;
 use crate::wallet::{Moved, WalletError, WalletId, Wallets};
 use sqlx::{PgConnection, PgPool};
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
@@ -58,12 +58,12 @@ impl UnleasedRounds {
     /// next); stops when the last clone is dropped, or once `tracker` is closed and empty.
     pub(in crate::wallet) fn start(
         db: PgPool,
-        retention: Duration,
+        settings: RoundSettings,
         storage: KnownStorage,
         tracker: TaskTracker,
     ) -> Self {
         let (batches, queued) = mpsc::unbounded_channel();
-        tokio::spawn(gather(db, retention, storage, tracker, queued));
+        tokio::spawn(gather(db, settings, storage, tracker, queued));
         Self { batches }
     }
 
@@ -89,7 +89,7 @@ fn failed(ops: usize, err: &WalletError) -> RoundOutcome {
 
 async fn gather(
     db: PgPool,
-    retention: Duration,
+    settings: RoundSettings,
     storage: KnownStorage,
     tracker: TaskTracker,
     mut queued: mpsc::UnboundedReceiver<BatchWithReply>,
@@ -118,7 +118,7 @@ async fn gather(
             ops += next.1.len();
             round.push(next);
         }
-        Box::pin(run_round(&db, retention, storage, round)).await;
+        Box::pin(run_round(&db, settings, storage, round)).await;
     }
 }
 
@@ -152,7 +152,7 @@ impl Locked {
 
 /// One round: lock the rows no one else holds, read, decide, write, commit; the batches whose rows
 /// were held come back ([`RoundOutcome::NotRun`]).
-async fn run_round(db: &PgPool, retention: Duration, storage: Storage, round: Vec<BatchWithReply>) {
+async fn run_round(db: &PgPool, settings: RoundSettings, storage: Storage, round: Vec<BatchWithReply>) {
     let answer_all = |round: Vec<(oneshot::Sender<RoundOutcome>, usize)>, err: &WalletError| {
         for (reply, ops) in round {
             let _ = reply.send(failed(ops, err));
@@ -184,7 +184,7 @@ async fn run_round(db: &PgPool, retention: Duration, storage: Storage, round: Ve
         return;
     }
     let batches: Vec<Batch<'_>> = locked.iter().map(Locked::batch).collect();
-    let written = decide_write_commit(tx, storage, &batches, retention).await;
+    let written = decide_write_commit(tx, storage, &batches, settings).await;
     drop(batches);
     match written {
         Ok(results) => {
@@ -211,15 +211,16 @@ async fn decide_write_commit(
     mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
     storage: Storage,
     batches: &[Batch<'_>],
-    retention: Duration,
+    settings: RoundSettings,
 ) -> Result<Vec<Vec<Result<Moved, WalletError>>>, Failed> {
     let (now, plans) = decide_all(&mut tx, batches).await?;
     let mut write = GroupWrite::default();
     for (batch, plan) in batches.iter().zip(&plans).filter(|(_, plan)| plan.runs()) {
         group::add_wallet(&mut write, batch, plan);
     }
+    settings.events_of(&mut write);
     if !write.wallets.is_empty() {
-        match Box::pin(store::commit(&mut tx, storage, &write, now, retention)).await {
+        match Box::pin(store::commit(&mut tx, storage, &write, now, settings.retention)).await {
             Ok(committed) if committed.moved.len() == write.wallets.len() => {}
             // Every row written is locked by this transaction: nobody else can have moved it.
             Ok(_) => return Err(WalletError::internal("a row locked for a write did not match it").into()),
@@ -348,10 +349,9 @@ impl Wallets {
             return Ok(ops.iter().map(|_| Err(WalletError::NotFound)).collect());
         };
         let held = held(row);
-        let retention = self.keys.settings().retention;
         let storage = self.storage.on(&mut tx).await?;
         let batch = Batch { id, fence: held.fence, held: &held, ops };
-        let mut results = Box::pin(decide_write_commit(tx, storage, &[batch], retention)).await?;
+        let mut results = Box::pin(decide_write_commit(tx, storage, &[batch], self.round_settings)).await?;
         results.pop().ok_or_else(|| WalletError::internal("a batch decided into nothing").into())
     }
 }

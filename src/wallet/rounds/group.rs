@@ -147,6 +147,17 @@ pub struct RoundSettings {
     /// round's requests hear 503 (`outcome_unknown` for a write: the fence decides whether it
     /// lands), and their holders release the wallets' leases, so another replica can take them.
     pub answer_within: Duration,
+    /// Whether a round writes its movements' events (the `EVENTS` setting).
+    pub events: bool,
+}
+
+impl RoundSettings {
+    /// What `write` commits: all of it, or without its events when they are off.
+    pub(in crate::wallet) fn events_of(self, write: &mut GroupWrite<'_>) {
+        if !self.events {
+            write.events.clear();
+        }
+    }
 }
 
 /// The replica's rounds. Cheap to clone.
@@ -435,6 +446,7 @@ async fn run_round(
                 add_legs(&mut write, wallets, &r.job.ops, plan);
             }
         }
+        settings.events_of(&mut write);
         let written = if write.wallets.is_empty() {
             Ok(Default::default())
         } else {
@@ -730,6 +742,7 @@ pub(in crate::wallet) fn add_legs<'a>(
     let Some(first) = first else { return };
     write.entries.extend(plan.entries.iter());
     write.placed.extend(plan.placed.iter());
+    write.events.extend(plan.events.iter());
     write.settled.extend(plan.settled.iter().map(|(n, s)| Settlement {
         hold: s.hold,
         wallet_id: wallets[*n].id.as_str(),
@@ -784,6 +797,7 @@ pub(in crate::wallet) fn add_wallet<'a>(write: &mut GroupWrite<'a>, batch: &Batc
     });
     write.entries.extend(plan.entries.iter());
     write.placed.extend(plan.placed.iter());
+    write.events.extend(plan.events.iter());
     write.settled.extend(plan.settled.iter().map(|s| Settlement {
         hold: s.hold,
         wallet_id: id,
