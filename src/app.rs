@@ -8,6 +8,7 @@ use crate::http::auth::Callers;
 use crate::http::{self, ApiContext, Draining};
 use crate::idempotency::KeySettings;
 use crate::wallet::Wallets;
+use crate::wallet::webhooks::WebhookSettings;
 use secrecy::ExposeSecret;
 use std::sync::Arc;
 use std::time::Duration;
@@ -107,6 +108,16 @@ impl Application {
             .with_redis_outage(args.lease.outage())
             .with_keys(keys)
             .with_events(args.events == crate::config::Switch::On)
+            .with_webhooks(WebhookSettings {
+                allow_hosts: args
+                    .webhook_allow_hosts
+                    .iter()
+                    .map(|h| h.trim().to_owned())
+                    .filter(|h| !h.is_empty())
+                    .collect(),
+                timeout: args.webhook_timeout,
+                retry_for: args.webhook_retry_for,
+            })
             .with_queue_limit(args.wallet_queue_limit as usize);
         let listener = http::server::bind(args.listen, args.listen_backlog)
             .map_err(|err| anyhow::anyhow!("cannot listen on {}: {err}", args.listen))?;
@@ -144,11 +155,13 @@ impl Application {
         let purger = tokio::spawn(purge_expired_keys(ctx.wallets.clone(), stop_purging.clone()));
         let sweeper = tokio::spawn(sweep_expired_holds(ctx.wallets.clone(), stop_purging.clone()));
         let trimmer = tokio::spawn(trim_heap(stop_purging.clone()));
+        let dispatcher = tokio::spawn(ctx.wallets.dispatcher(http::events::render).run(stop_purging.clone()));
         http::server::serve(listener, http::router(ctx.clone()), ctx.draining.clone(), shutdown, grace).await;
         stop_purging.cancel();
         let _ = purger.await;
         let _ = sweeper.await;
         let _ = trimmer.await;
+        let _ = dispatcher.await;
         if !ctx.wallets.drain(grace).await {
             tracing::warn!("payments still in flight after the grace period");
         }

@@ -400,7 +400,7 @@ async fn tail_events(
             Some(EventCursor { position: horizon, wallet_id: String::new(), seq: 0 })
         }
     };
-    let mut filter = EventFilter { after, owner: None, types, wallet_id, limit: 500 };
+    let mut filter = EventFilter { after, types, wallet_id, limit: 500, ..EventFilter::default() };
     let mut out = std::io::stdout().lock();
     loop {
         let page = {

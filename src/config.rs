@@ -158,6 +158,18 @@ pub struct ServeArgs {
     /// `walletlock audit` reports the entries it wrote without one on wallets that had events.
     #[arg(long, env = "EVENTS", value_enum, default_value = "on")]
     pub events: Switch,
+    /// Hosts (names or addresses, comma-separated) a webhook endpoint may be at although they are
+    /// not public addresses: an operator's own receivers. Callers may not make the replicas call
+    /// loopback, private or link-local addresses otherwise (docs/api/webhooks.md).
+    #[arg(long, env = "WEBHOOK_ALLOW_HOSTS", value_delimiter = ',')]
+    pub webhook_allow_hosts: Vec<String>,
+    /// How long a webhook delivery waits for the endpoint's answer.
+    #[arg(long, env = "WEBHOOK_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub webhook_timeout: Duration,
+    /// How long an endpoint that does not take a wallet's event is retried (with backoff) before it
+    /// is disabled, with the reason.
+    #[arg(long, env = "WEBHOOK_RETRY_FOR", default_value = "3days", value_parser = duration)]
+    pub webhook_retry_for: Duration,
     #[command(flatten)]
     pub database: DatabaseArgs,
     #[command(flatten)]

@@ -62,6 +62,8 @@ pub enum Field {
     EventType,
     /// How long a reader of the feed waits for an event.
     Wait,
+    /// A webhook endpoint's id, in the path.
+    EndpointId,
 }
 
 impl Field {
@@ -92,6 +94,7 @@ impl Field {
             Field::Cursor => "cursor",
             Field::EventType => "type",
             Field::Wait => "wait",
+            Field::EndpointId => "id",
         }
     }
 
@@ -117,6 +120,7 @@ impl Field {
             Field::Before | Field::Cursor => "invalid_cursor",
             Field::EventType => "invalid_event_type",
             Field::Wait => "invalid_wait",
+            Field::EndpointId => "invalid_endpoint_id",
         }
     }
 }

@@ -307,6 +307,16 @@ fn wallet_problem(err: &WalletError) -> Problem {
         WalletError::TransferNotFound => {
             Problem::new(&codes::TRANSFER_NOT_FOUND, "Transfer not found", "no transfer has this id")
         }
+        WalletError::EndpointNotFound => Problem::new(
+            &codes::WEBHOOK_ENDPOINT_NOT_FOUND,
+            "Webhook endpoint not found",
+            "no webhook endpoint of yours has this id",
+        ),
+        WalletError::EndpointRefused(why) => Problem::new(
+            &codes::INVALID_WEBHOOK_URL,
+            "Invalid input",
+            format!("url: {why}; an endpoint is a public http or https URL (or a host the operator allows)"),
+        ),
         WalletError::PaymentNotFound => Problem::new(
             &codes::PAYMENT_NOT_FOUND,
             "Payment not found",

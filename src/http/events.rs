@@ -89,6 +89,11 @@ pub struct EventBody {
     hold: Option<HoldBody>,
 }
 
+/// An event as a webhook delivers it: its body here, as JSON.
+pub fn render(event: &StoredEvent) -> Vec<u8> {
+    serde_json::to_vec(&EventBody::from(event.clone())).unwrap_or_default()
+}
+
 impl From<StoredEvent> for EventBody {
     fn from(event: StoredEvent) -> Self {
         EventBody {

@@ -16,6 +16,7 @@ mod probe;
 pub mod server;
 mod transfers;
 mod wallets;
+mod webhooks;
 
 pub use error::ApiError;
 pub use probe::probe;
@@ -86,6 +87,9 @@ pub fn router(ctx: ApiContext) -> Router {
         )
         // A reader of the feed may wait: it holds none of the permits movements are shed by.
         .merge(events::router().route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token)))
+        .merge(
+            webhooks::router().route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token)),
+        )
         .merge(health::router())
         .merge(openapi::router())
         .split_for_parts();

@@ -32,6 +32,7 @@ use utoipa_axum::{router::OpenApiRouter, routes};
         (name = "transfers", description = "Money between wallets, and refunds (bearer token)"),
         (name = "holds", description = "Reserve now, capture or void later, or let expire (bearer token)"),
         (name = "events", description = "Every wallet's events in order, with long polling (bearer token)"),
+        (name = "webhooks", description = "Endpoints that receive the events, signed (bearer token)"),
         (name = "operations", description = "Health, readiness, metrics and this document; no token"),
     )
 )]
@@ -52,7 +53,8 @@ impl Modify for BearerAndCommonHeaders {
         let components = openapi.components.get_or_insert_with(Default::default);
         components.add_security_scheme("bearer", SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)));
         for item in openapi.paths.paths.values_mut() {
-            let operations = [&mut item.get, &mut item.post].into_iter().flatten();
+            let operations =
+                [&mut item.get, &mut item.post, &mut item.put, &mut item.delete].into_iter().flatten();
             for response in operations.flat_map(|op| op.responses.responses.values_mut()) {
                 let RefOr::T(response) = response else { continue };
                 for (name, description) in COMMON_HEADERS {

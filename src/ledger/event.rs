@@ -114,14 +114,17 @@ impl StoredEvent {
     }
 }
 
-/// Which events to read: those after `after` (from the first, without), of the wallets of `owner`
-/// (every wallet's, without), of these types (every type, when empty), of one wallet.
+/// Which events to read: those after `after` (from the first, without) and up to `until` (if
+/// given), of the wallets of `owner` (every wallet's, without), of these types (every type, when
+/// empty), of one wallet, or of these wallets (every wallet, when empty).
 #[derive(Debug, Clone, Default)]
 pub struct EventFilter {
     pub after: Option<EventCursor>,
+    pub until: Option<EventCursor>,
     pub owner: Option<String>,
     pub types: Vec<EventType>,
     pub wallet_id: Option<String>,
+    pub wallets: Vec<String>,
     pub limit: i64,
 }
 
@@ -161,7 +164,9 @@ pub async fn page(
          where (e.position, e.wallet_id, e.seq) > ($1::text::xid8, $2, $3)
            and e.position < $4::text::xid8
            and ($5::text is null or w.owner = $5)
-           and (cardinality($6::text[]) = 0 or e.type = any($6))"
+           and (cardinality($6::text[]) = 0 or e.type = any($6))
+           and (cardinality($10::text[]) = 0 or e.wallet_id = any($10))
+           and ($11::text is null or (e.position, e.wallet_id, e.seq) <= ($11::text::xid8, $12, $13))"
     );
     static ALL_WALLETS: std::sync::LazyLock<String> =
         std::sync::LazyLock::new(|| format!("{SELECTED} order by e.position, e.wallet_id, e.seq limit $7"));
@@ -187,6 +192,10 @@ pub async fn page(
         .bind(filter.limit)
         .bind(filter.wallet_id.as_deref())
         .bind(after_seq)
+        .bind(&filter.wallets)
+        .bind(filter.until.as_ref().map(|until| until.position.to_string()))
+        .bind(filter.until.as_ref().map(|until| until.wallet_id.as_str()))
+        .bind(filter.until.as_ref().map(|until| until.seq))
         .fetch_all(&mut *conn)
         .await?;
     let mut events = Vec::with_capacity(rows.len());

@@ -34,6 +34,7 @@ pub mod idempotency;
 pub mod schema;
 pub mod storage;
 pub mod transfer;
+pub mod webhook;
 
 use crate::domain::{EntryKind, EventType, Metadata};
 use chrono::{DateTime, Utc};

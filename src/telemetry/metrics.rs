@@ -219,6 +219,25 @@ pub const EVENTS_WRITTEN: Metric = metric(
 pub const EVENTS_READ: Metric =
     metric("walletlock_events_read_total", Counter, &[], "Events answered by GET /events.");
 
+// Webhooks (`crate::wallet`'s dispatcher).
+pub const WEBHOOK_DELIVERIES: Metric = metric(
+    "walletlock_webhook_deliveries_total",
+    Counter,
+    &["outcome"],
+    "Webhook deliveries attempted, by outcome: delivered (a 2xx) or failed (retried later).",
+);
+pub const WEBHOOK_LAG: Metric = seconds(
+    "walletlock_webhook_lag_seconds",
+    &[],
+    "Time from an event's commit to its delivery to an endpoint.",
+);
+pub const WEBHOOK_ENDPOINTS_DISABLED: Metric = metric(
+    "walletlock_webhook_endpoints_disabled_total",
+    Counter,
+    &[],
+    "Webhook endpoints disabled for failing past WEBHOOK_RETRY_FOR.",
+);
+
 // The replica itself (this module).
 pub const REPLICA_INFO: Metric = metric(
     "walletlock_replica_info",
@@ -269,6 +288,9 @@ pub const ALL: &[Metric] = &[
     IDEMPOTENCY_CONFLICTS,
     EVENTS_WRITTEN,
     EVENTS_READ,
+    WEBHOOK_DELIVERIES,
+    WEBHOOK_LAG,
+    WEBHOOK_ENDPOINTS_DISABLED,
     REPLICA_INFO,
     PEAK_RESIDENT_MEMORY,
 ];

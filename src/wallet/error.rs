@@ -51,6 +51,12 @@ pub enum WalletError {
     /// The hold reserves a leg of held movement `movement`: it is captured or voided with it.
     #[error("the hold is a leg of movement {movement}")]
     HoldOfMovement { movement: uuid::Uuid },
+    /// No webhook endpoint of the caller's has this id.
+    #[error("webhook endpoint not found")]
+    EndpointNotFound,
+    /// A webhook endpoint's URL the replicas may not call, and why.
+    #[error("the endpoint's URL is refused: {0}")]
+    EndpointRefused(String),
     #[error("wallet already exists")]
     Exists,
     #[error(transparent)]
@@ -122,7 +128,9 @@ impl WalletError {
             | WalletError::PaymentNotFound
             | WalletError::HoldNotFound
             | WalletError::MovementNotFound
+            | WalletError::EndpointNotFound
             | WalletError::LegNotFound { .. } => "not_found",
+            WalletError::EndpointRefused(_) => "invalid",
             WalletError::LegRefused { refusal, .. } => refusal.code(),
             WalletError::Exists => "exists",
             WalletError::MovementNotHeld | WalletError::HoldOfMovement { .. } => "not_held_alone",

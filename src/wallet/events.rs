@@ -55,6 +55,7 @@ impl Wallets {
             types: asked.types,
             wallet_id: asked.wallet_id.map(|id| id.as_str().to_owned()),
             limit: asked.limit,
+            ..EventFilter::default()
         };
         loop {
             let events = {

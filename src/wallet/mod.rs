@@ -21,6 +21,9 @@
 //!   (`unleased`);
 //! - `tutorial`: the tutorial's strategy ([`Strategy::Tutorial`]), a product setting (the
 //!   benchmark's baseline) and so here, not in `crate::tutorial`, which the product never imports;
+//! - `events`: the change feed (`GET /events`), read with no lease, waited on by long polling;
+//! - `webhooks/`: endpoints, and the delivery of their events by every replica under leases
+//!   (`dispatch`), signed and sent (`deliver`);
 //! - around them: `service` (building the service, running movements to their end, draining),
 //!   `open` (opening and reading wallets), `holds` (finding holds, the sweeper), `error`,
 //!   `instruments` (metrics).
@@ -37,6 +40,7 @@ mod rounds;
 mod service;
 mod transfer;
 mod tutorial;
+pub mod webhooks;
 
 pub use crate::domain::{
     Access, Amount, Field, HoldLife, InvalidInput, LegRefusal, Legs, Metadata, Movement, Parties, Refusal,
@@ -144,6 +148,8 @@ pub struct Shared {
     /// How the rounds write (also movements written outside them: transfers in a transaction of
     /// their own, a wallet alone under Postgres alone).
     round_settings: group::RoundSettings,
+    /// How webhooks are delivered (and which URLs endpoints may have).
+    webhooks: Arc<webhooks::WebhookSettings>,
     /// How long the responses of transfers and refunds are kept for their idempotency keys (the
     /// rounds keep their own copy for deposits and payments).
     keys: idempotency::Keys,

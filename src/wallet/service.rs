@@ -24,6 +24,7 @@ impl Wallets {
         let (rounds, unleased) = start_rounds(&db, round_settings, &storage, &in_flight);
         Self(Arc::new(Shared {
             round_settings,
+            webhooks: Arc::default(),
             db,
             leases,
             strategy: Strategy::Queue,
@@ -72,6 +73,18 @@ impl Wallets {
             start_rounds(&service.db, service.round_settings, &service.storage, &service.in_flight);
         service.keys = idempotency::Keys::new(service.db.clone(), keys);
         self
+    }
+
+    /// How webhooks are delivered, and which URLs endpoints may have.
+    pub fn with_webhooks(mut self, settings: super::webhooks::WebhookSettings) -> Self {
+        Arc::make_mut(&mut self.0).webhooks = Arc::new(settings);
+        self
+    }
+
+    /// The replica's webhook dispatcher, which sends each event as `render` writes it (the
+    /// API's body of the event): run it with [`super::webhooks::Dispatcher::run`].
+    pub fn dispatcher(&self, render: super::webhooks::RenderEvent) -> super::webhooks::Dispatcher {
+        super::webhooks::Dispatcher::new(self.db.clone(), self.leases.clone(), self.webhooks.clone(), render)
     }
 
     /// Whether movements write their events (on by default; off only to measure what they cost:

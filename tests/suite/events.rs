@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-const WALLETS: [&str; 4] = ["ev0", "ev1", "ev2", "ev3"];
+pub(crate) const WALLETS: [&str; 4] = ["ev0", "ev1", "ev2", "ev3"];
 
 async fn post(fleet: &Fleet, path: &str, body: Value) -> (u16, Value) {
     let response = fleet
@@ -39,7 +39,7 @@ async fn page(client: &reqwest::Client, fleet: &Fleet, query: &str) -> (Vec<Valu
 }
 
 /// Every event of the feed so far, read page by page from the first.
-async fn read_all(fleet: &Fleet, extra: &str) -> Vec<Value> {
+pub(crate) async fn read_all(fleet: &Fleet, extra: &str) -> Vec<Value> {
     let (mut events, mut after) = (Vec::new(), String::new());
     loop {
         let (got, next) = page(&fleet.client, fleet, &format!("limit=37&after={after}{extra}")).await;
@@ -67,9 +67,18 @@ fn numbered_in_order(events: &[Value]) -> BTreeMap<String, i64> {
     last
 }
 
+/// A failure a fault test may see, with nothing applied: a lease lost to a stopped replica, a
+/// dependency gone for a moment.
+fn transient((status, code): (u16, Option<&str>)) -> bool {
+    matches!(
+        (status, code),
+        (409, Some("lease_lost")) | (503, Some("lock_timeout" | "dependency_unavailable"))
+    )
+}
+
 /// Pays, deposits, holds (captured, voided, left to expire), transfers, splits and refunds
 /// from `n`'s own corner of the wallets until `stop`; how many of each kind of event it caused.
-async fn move_money(
+pub(crate) async fn move_money(
     fleet: &Fleet,
     n: usize,
     stop: Arc<AtomicBool>,
@@ -93,14 +102,18 @@ async fn move_money(
                 }
             }
         } else {
-            assert_eq!(paid["code"], "insufficient_funds", "{paid}");
-            refused.fetch_add(1, Ordering::Relaxed);
+            match (status, paid["code"].as_str()) {
+                (422, Some("insufficient_funds")) => _ = refused.fetch_add(1, Ordering::Relaxed),
+                other => assert!(transient(other), "{paid}"),
+            }
         }
         // One no wallet can pay: refused whatever the others did.
         let (status, refusal) =
             post(fleet, &format!("/wallets/{mine}/pay"), json!({ "amount": 1_000_000 })).await;
-        assert_eq!((status, refusal["code"].as_str()), (422, Some("insufficient_funds")), "{refusal}");
-        refused.fetch_add(1, Ordering::Relaxed);
+        match (status, refusal["code"].as_str()) {
+            (422, Some("insufficient_funds")) => _ = refused.fetch_add(1, Ordering::Relaxed),
+            other => assert!(transient(other), "{refusal}"),
+        }
         if ok(post(fleet, &format!("/wallets/{mine}/deposit"), json!({ "amount": 5 })).await.0) {
             count("deposit.accepted", 1);
         }
@@ -281,14 +294,16 @@ async fn the_feed_shows_a_caller_its_own_wallets_answers_a_waiting_reader_at_onc
     assert_eq!(response.unwrap().status(), 201);
 
     // Each caller sees the events of its own wallets, and another's wallet does not exist to it.
-    let (mine, next) = page(&fleet.client, &fleet, "").await;
+    // (A moment's wait: on a database shared with others, a transaction of theirs may hold the
+    // feed back for a while.)
+    let (mine, next) = page(&fleet.client, &fleet, "wait=20").await;
     assert_eq!(mine.len(), 1, "{mine:?}");
     assert_eq!(
         (mine[0]["type"].as_str(), mine[0]["wallet_id"].as_str()),
         (Some("wallet.opened"), Some("mine"))
     );
     assert_eq!(mine[0]["entry"]["amount"], 100);
-    let (theirs, _) = page(&other, &fleet, "").await;
+    let (theirs, _) = page(&other, &fleet, "wait=20").await;
     assert_eq!(theirs.iter().map(|e| e["wallet_id"].as_str().unwrap()).collect::<Vec<_>>(), ["theirs"]);
     let hidden = fleet.client.get(fleet.url("/events?wallet_id=theirs")).send().await.unwrap();
     assert_eq!(hidden.status(), 404);

@@ -33,3 +33,4 @@ mod redis_loss;
 mod tls;
 mod topologies;
 mod transfers;
+mod webhooks;

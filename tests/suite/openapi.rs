@@ -39,6 +39,14 @@ const ROUTES: &[(&str, &str, &[&str])] = &[
     ("post", "/holds/{id}/capture", POST_STATUSES),
     ("post", "/holds/{id}/void", &["200", "400", "401", "404", "409", "422", "503"]),
     ("get", "/events", GET_STATUSES),
+    ("post", "/webhook-endpoints", &["201", "400", "401", "404", "413", "415", "503"]),
+    ("get", "/webhook-endpoints", &["200", "401", "503"]),
+    ("get", "/webhook-endpoints/{id}", GET_STATUSES),
+    ("put", "/webhook-endpoints/{id}", &["200", "400", "401", "404", "413", "415", "503"]),
+    ("delete", "/webhook-endpoints/{id}", &["204", "400", "401", "404", "503"]),
+    ("post", "/webhook-endpoints/{id}/rotate-secret", &["200", "400", "401", "404", "503"]),
+    ("post", "/webhook-endpoints/{id}/replay", &["200", "400", "401", "404", "413", "415", "503"]),
+    ("get", "/webhook-endpoints/{id}/attempts", GET_STATUSES),
     ("get", "/healthz", &["200"]),
     ("get", "/readyz", &["200", "503"]),
     ("get", "/metrics", &["200"]),
@@ -98,7 +106,11 @@ async fn the_document_describes_every_route_and_status() {
                     "{method} {path} {status} {header}"
                 );
             }
-            let content = response["content"].as_object().unwrap();
+            // Every answer has a body but a deletion's.
+            let Some(content) = response["content"].as_object() else {
+                assert_eq!((*method, status.as_str()), ("delete", "204"), "{path}");
+                continue;
+            };
             if status.starts_with(['4', '5'])
                 && ["/wallets", "/transfers", "/movements"].iter().any(|prefix| path.starts_with(prefix))
             {
@@ -140,7 +152,7 @@ async fn the_document_describes_every_route_and_status() {
     assert_eq!(doc["components"]["securitySchemes"]["bearer"], json!({ "type": "http", "scheme": "bearer" }));
     for (method, path, _) in ROUTES {
         let security = &operation(&doc, method, path)["security"];
-        if ["/wallets", "/transfers", "/movements", "/holds", "/events"]
+        if ["/wallets", "/transfers", "/movements", "/holds", "/events", "/webhook-endpoints"]
             .iter()
             .any(|api| path.starts_with(api))
         {
@@ -158,7 +170,10 @@ async fn the_document_describes_every_route_and_status() {
     for (method, path, _) in ROUTES.iter().filter(|(_, p, _)| p.contains("{id}")) {
         let id = parameter(operation(&doc, method, path), "id");
         assert_eq!(id["in"], "path");
-        if ["/transfers", "/movements", "/holds"].iter().any(|prefix| path.starts_with(prefix)) {
+        if ["/transfers", "/movements", "/holds", "/webhook-endpoints"]
+            .iter()
+            .any(|prefix| path.starts_with(prefix))
+        {
             assert_eq!(id["schema"]["format"], "uuid", "{method} {path}");
         } else {
             assert_eq!(id["schema"]["pattern"], "^[A-Za-z0-9_-]{1,64}$", "{method} {path}");
@@ -257,6 +272,9 @@ async fn schemathesis_finds_no_server_error_and_no_response_off_the_schema() {
         // Above GET /events' longest wait (30 s), which it may try.
         .args(["--max-examples", "50", "--seed", "20261130", "--request-timeout", "40"])
         .args(["--generation-database", "none", "--output-sanitize", "false", "--no-color"])
+        // Not the webhook endpoints: an endpoint the fuzzer registers at a public URL would have
+        // the replica call out of this machine. tests/suite/webhooks.rs covers them.
+        .args(["--exclude-path-regex", "^/webhook-endpoints"])
         .current_dir(dir.path())
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())

@@ -77,6 +77,8 @@ pub const INVALID_KIND: ErrorCode = replica(S::BAD_REQUEST, "invalid_kind", FIEL
 pub const INVALID_ORDER: ErrorCode = replica(S::BAD_REQUEST, "invalid_order", FIELD_BROKE_ITS_RULE);
 pub const INVALID_EVENT_TYPE: ErrorCode = replica(S::BAD_REQUEST, "invalid_event_type", FIELD_BROKE_ITS_RULE);
 pub const INVALID_WAIT: ErrorCode = replica(S::BAD_REQUEST, "invalid_wait", FIELD_BROKE_ITS_RULE);
+pub const INVALID_ENDPOINT_ID: ErrorCode =
+    replica(S::BAD_REQUEST, "invalid_endpoint_id", FIELD_BROKE_ITS_RULE);
 pub const SAME_WALLET: ErrorCode = replica(
     S::BAD_REQUEST,
     "same_wallet",
@@ -112,6 +114,13 @@ pub const WALLET_NOT_YET_OPEN: ErrorCode = replica(
 );
 pub const TRANSFER_NOT_FOUND: ErrorCode =
     replica(S::NOT_FOUND, "transfer_not_found", "no transfer with this id");
+pub const WEBHOOK_ENDPOINT_NOT_FOUND: ErrorCode =
+    replica(S::NOT_FOUND, "webhook_endpoint_not_found", "no webhook endpoint of this caller's with this id");
+pub const INVALID_WEBHOOK_URL: ErrorCode = replica(
+    S::BAD_REQUEST,
+    "invalid_webhook_url",
+    "an endpoint's URL that is not a public http or https URL (a private, loopback or link-local address, unless the operator allows its host); nothing was changed",
+);
 pub const PAYMENT_NOT_FOUND: ErrorCode =
     replica(S::NOT_FOUND, "payment_not_found", "no `pay` entry of this wallet with this id");
 pub const HOLD_NOT_FOUND: ErrorCode =
@@ -285,6 +294,7 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &INVALID_ORDER,
     &INVALID_EVENT_TYPE,
     &INVALID_WAIT,
+    &INVALID_ENDPOINT_ID,
     &SAME_WALLET,
     &MALFORMED_JSON,
     &INVALID_BODY,
@@ -296,6 +306,8 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &NOT_FOUND,
     &WALLET_NOT_YET_OPEN,
     &TRANSFER_NOT_FOUND,
+    &WEBHOOK_ENDPOINT_NOT_FOUND,
+    &INVALID_WEBHOOK_URL,
     &PAYMENT_NOT_FOUND,
     &HOLD_NOT_FOUND,
     &MOVEMENT_NOT_FOUND,
@@ -410,7 +422,8 @@ mod tests {
             | Field::Order
             | Field::Cursor
             | Field::EventType
-            | Field::Wait => (),
+            | Field::Wait
+            | Field::EndpointId => (),
         };
         for field in [
             Field::WalletId,
@@ -437,6 +450,7 @@ mod tests {
             Field::Cursor,
             Field::EventType,
             Field::Wait,
+            Field::EndpointId,
         ] {
             let listed =
                 named(field.code()).unwrap_or_else(|| panic!("{} is not in ERROR_CODES", field.code()));

@@ -12,6 +12,7 @@ pub mod fleet;
 pub mod load;
 pub mod movements;
 pub mod proxy;
+pub mod receiver;
 pub mod servers;
 pub mod tls;
 pub mod transfers;
@@ -63,7 +64,13 @@ pub fn api_client_trusting(ca_pem: &[u8]) -> reqwest::Client {
 fn api_client_builder(token: &str) -> reqwest::ClientBuilder {
     let mut headers = reqwest::header::HeaderMap::new();
     headers.insert("authorization", format!("Bearer {token}").parse().expect("header"));
-    reqwest::Client::builder().default_headers(headers).pool_max_idle_per_host(64)
+    // No built-in roots: the tests' clients speak plain HTTP, or trust the test CA alone
+    // (`api_client_trusting`). The product's reqwest loads the system's roots for each client
+    // built otherwise, which a test building thousands of clients would pay for each time.
+    reqwest::Client::builder()
+        .default_headers(headers)
+        .pool_max_idle_per_host(64)
+        .tls_built_in_root_certs(false)
 }
 
 /// Whether the tests' Postgres is a Citus cluster: `WALLETLOCK_TEST_POSTGRES=citus` (`single`, or
