@@ -92,8 +92,8 @@ pub async fn create(
     .bind(type_names(&spec.types))
     .bind(&spec.wallet_ids)
     .bind(secret)
-    // Every event below the horizon is written: the first to deliver is at or above it.
-    .bind(horizon - 1)
+    // Every event below the horizon was written before: the first to deliver is at or above it.
+    .bind(horizon)
     .bind(enabled)
     .fetch_one(conn)
     .await?)
@@ -126,7 +126,8 @@ pub async fn enabled(conn: &mut PgConnection) -> Result<Vec<Endpoint>, StoreErro
 }
 
 /// Sets what a caller sets of `owner`'s endpoint, and enables or disables it (a caller's
-/// disabling has no reason; enabling clears the one the dispatcher gave).
+/// disabling has no reason; enabling clears the one the dispatcher gave, and gives the wallets
+/// waiting for it a new retry period, from their next attempt, now).
 pub async fn update(
     conn: &mut PgConnection,
     id: Uuid,
@@ -134,6 +135,17 @@ pub async fn update(
     spec: &EndpointSpec,
     enabled: bool,
 ) -> Result<Option<Endpoint>, StoreError> {
+    if enabled {
+        sqlx::query(
+            "update webhook_pending p set first_failed_at = now(), next_attempt_at = now()
+             from webhook_endpoint e
+             where p.endpoint_id = $1 and e.id = p.endpoint_id and e.owner = $2 and not e.enabled",
+        )
+        .bind(id)
+        .bind(owner)
+        .execute(&mut *conn)
+        .await?;
+    }
     Ok(sqlx::query_as(
         // language=PostgreSQL
         "update webhook_endpoint set url = $3, types = $4, wallet_ids = $5, enabled = $6,
@@ -258,6 +270,18 @@ pub struct PassWrite {
     pub attempts: Vec<Attempt>,
     /// Why the endpoint is disabled now (it kept failing past the retry period).
     pub disable: Option<String>,
+}
+
+impl PassWrite {
+    /// Whether the pass moved nothing and learnt nothing (no event, no attempt): then it needs no
+    /// write.
+    pub fn is_empty(&self) -> bool {
+        self.after.is_none()
+            && self.pending.is_empty()
+            && self.caught_up.is_empty()
+            && self.attempts.is_empty()
+            && self.disable.is_none()
+    }
 }
 
 /// Writes a pass of the dispatcher holding the endpoint's lease with `fence`, which found it at

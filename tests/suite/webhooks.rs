@@ -287,3 +287,43 @@ async fn deliveries_go_on_while_redis_is_gone() {
     assert_eq!(receiver.bad_signatures(), 0);
     env.own_redis().start_again();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_failing_past_the_retry_period_is_disabled_with_the_reason_and_goes_on_once_enabled() {
+    let env = TestEnv::new();
+    let settings = [SETTINGS[0], SETTINGS[1], ("WEBHOOK_RETRY_FOR", "2s")];
+    let fleet = Fleet::start(&env, 1, &settings).await;
+    let mut receiver = Receiver::start().await;
+    let (_, endpoint) =
+        send(&fleet, &fleet.client, "POST", "/webhook-endpoints", Some(json!({ "url": receiver.url() })))
+            .await;
+    receiver.set_secret(endpoint["secret"].as_str().unwrap());
+    let path = format!("/webhook-endpoints/{}", endpoint["id"].as_str().unwrap());
+    receiver.down().await;
+    open_wallets(&fleet, &["wh-gone"], 100).await;
+
+    // Refused connections, retried with backoff, past the retry period: disabled, with the reason.
+    eventually("the endpoint is disabled", Duration::from_secs(30), || {
+        let (fleet, path) = (&fleet, &path);
+        async move {
+            let (_, read) = send(fleet, &fleet.client, "GET", path, None).await;
+            read["enabled"] == false
+        }
+    })
+    .await;
+    let (_, read) = send(&fleet, &fleet.client, "GET", &path, None).await;
+    let reason = read["disabled_reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("failed for longer than"), "{read}");
+    assert_eq!(read["waiting"][0]["wallet_id"], "wh-gone", "{read}");
+
+    // Enabled again with the receiver back, it delivers what waited, in order.
+    receiver.up().await;
+    let (status, _) = send(&fleet, &fleet.client, "PUT", &path, Some(json!({ "url": receiver.url() }))).await;
+    assert_eq!(status, 200);
+    eventually("what waited is delivered", Duration::from_secs(30), || {
+        let taken = receiver.taken();
+        async move { !taken.is_empty() }
+    })
+    .await;
+    in_order_at_least_once(&receiver.taken());
+}

@@ -299,6 +299,10 @@ impl Dispatcher {
                 None => {}
             }
         }
+        if pass.is_empty() {
+            // Nothing new: no write (an idle endpoint costs its dispatcher two reads a tick).
+            return Ok(false);
+        }
         let written = store::finish_pass(&mut *conn, endpoint.id, fence, &endpoint.after, &pass).await?;
         if written && pass.disable.is_some() {
             metrics::counter!(WEBHOOK_ENDPOINTS_DISABLED.name).increment(1);
