@@ -101,6 +101,11 @@ pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
         // The statements' rollups, which they fill as they go (src/ledger/history.rs).
         format!(r#"grant select, insert on "{schema}".entry_rollup to {role}"#),
         format!(r#"grant select, insert, update on "{schema}".entry_rollup_until to {role}"#),
+        // Webhooks: endpoints are the callers' to manage, and the dispatchers move their place,
+        // keep the waiting wallets and the attempts (and purge old attempts).
+        format!(r#"grant select, insert, update, delete on "{schema}".webhook_endpoint to {role}"#),
+        format!(r#"grant select, insert, update, delete on "{schema}".webhook_pending to {role}"#),
+        format!(r#"grant select, insert, delete on "{schema}".webhook_attempt to {role}"#),
     ] {
         tx.execute(sqlx::AssertSqlSafe(statement)).await?;
     }

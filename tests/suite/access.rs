@@ -5,8 +5,9 @@
 use crate::support::app::spawn_app;
 use crate::support::fleet::Fleet;
 use crate::support::load::open_wallets;
+use crate::support::receiver::Receiver;
 use crate::support::servers::{OwnedChild, RedisServer};
-use crate::support::{OPS_TOKEN, OTHER_TOKEN, TestEnv, api_client_with, books};
+use crate::support::{OPS_TOKEN, OTHER_TOKEN, TestEnv, api_client_with, books, eventually};
 use serde_json::{Value, json};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -233,15 +234,43 @@ async fn the_app_role_reads_and_writes_its_tables_and_nothing_more() {
 
     let host = env.database_url.split_once('@').unwrap().1; // 127.0.0.1:port/database
     let app_url = format!("postgres://{role}@{host}?options[search_path]={}", schema.name());
-    let app =
-        crate::support::app::spawn_app_on(&env, schema, db.clone(), &["--database-url", &app_url]).await;
+    let app = crate::support::app::spawn_app_on(
+        &env,
+        schema,
+        db.clone(),
+        &["--database-url", &app_url, "--webhook-allow-hosts", "127.0.0.1"],
+    )
+    .await;
     app.open_wallet("least", 100).await;
+    // A webhook endpoint, registered and delivered to (its place, its attempts) as the app role.
+    let receiver = Receiver::start().await;
+    let endpoint: Value = app
+        .client
+        .post(app.url("/webhook-endpoints"))
+        .json(&json!({ "url": receiver.url(), "wallet_ids": ["least"] }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    receiver.set_secret(
+        endpoint["secret"].as_str().unwrap_or_else(|| panic!("an endpoint, as the app role: {endpoint}")),
+    );
     let paid = app
         .client
         .post(app.url("/wallets/least/pay"))
         .header("idempotency-key", "k")
         .json(&json!({ "amount": 10 }));
     assert_eq!(paid.send().await.unwrap().status(), 200, "the replica works as the app role");
+    eventually("the events reach the endpoint", Duration::from_secs(20), || {
+        let taken = receiver.taken().len();
+        async move { taken == 1 }
+    })
+    .await;
+    let attempts = app.url(&format!("/webhook-endpoints/{}/attempts", endpoint["id"].as_str().unwrap()));
+    let attempts: Value = app.client.get(attempts).send().await.unwrap().json().await.unwrap();
+    assert_eq!(attempts["attempts"].as_array().map(Vec::len), Some(1), "{attempts}");
 
     let as_app = sqlx::PgPool::connect(&app_url).await.unwrap();
     for forbidden in [
