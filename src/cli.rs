@@ -241,6 +241,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Events { command: EventsCommand::Listen { listen, secret, quiet } } => {
+            crate::http::listen::listen(listen, secret, quiet).await?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::RedisFunctions { redis, keep } => {
             let pool = connect::redis_pool(&redis)?.0;
             let library = crate::lease::load_library(&pool).await?;
@@ -364,6 +368,21 @@ pub enum EventsCommand {
         /// Events of these types only, comma-separated (`payment.accepted,refund.accepted`).
         #[arg(long = "type", value_delimiter = ',')]
         types: Vec<String>,
+    },
+    /// Receive webhooks as an endpoint would, on this machine (for a developer, or the bench):
+    /// verify each delivery's signature, print each event (one JSON line), and answer
+    /// `GET /stats` with what arrived (events, duplicates, bad signatures, lag percentiles).
+    Listen {
+        /// Where to listen; register `http://<this>/` as the endpoint's URL (deploy/local allows
+        /// 127.0.0.1).
+        #[arg(long, default_value = "127.0.0.1:9000")]
+        listen: std::net::SocketAddr,
+        /// The endpoint's signing secret (`whsec_...`), as registering it answered.
+        #[arg(long, env = "WEBHOOK_SECRET")]
+        secret: String,
+        /// Print nothing per event (a bench reads `GET /stats`).
+        #[arg(long)]
+        quiet: bool,
     },
 }
 

@@ -10,6 +10,7 @@ mod health;
 pub mod history;
 mod holds;
 mod idempotent;
+pub mod listen;
 mod movements;
 mod openapi;
 mod probe;

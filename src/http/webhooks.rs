@@ -92,6 +92,10 @@ struct EndpointBody {
     /// Why walletlock disabled it (it kept failing past the retry period); null otherwise.
     #[schema(required = true)]
     disabled_reason: Option<String>,
+    /// Since when it has answered no delivery (refused, timed out): then one waiting wallet is
+    /// tried at a time, backed off, until it answers again. Null while it answers.
+    #[schema(required = true)]
+    failing_since: Option<DateTime<Utc>>,
     /// Its place in the feed: every event up to here is delivered, or waits (`waiting`).
     after: String,
     /// The wallets whose next event it has not taken yet: their events wait, retried with
@@ -124,6 +128,7 @@ fn endpoint_body(state: EndpointState, secret: bool, waiting: bool) -> EndpointB
         secret: secret.then_some(e.secret),
         enabled: e.enabled,
         disabled_reason: e.disabled_reason,
+        failing_since: e.failing.map(|failing| failing.since),
         after: e.after.to_string(),
         waiting: waiting.then(|| {
             pending

@@ -24,6 +24,8 @@ pub struct Endpoint {
     pub after: EventCursor,
     /// The highest dispatcher lease that moved `after`.
     pub fence: i64,
+    /// Since when it answers no delivery, if it does not.
+    pub failing: Option<Failing>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -53,10 +55,34 @@ impl sqlx::FromRow<'_, sqlx::postgres::PgRow> for Endpoint {
                 seq: row.try_get("after_seq")?,
             },
             fence: row.try_get("fence")?,
+            failing: match (row.try_get("failing_since")?, row.try_get("probe_at")?) {
+                (Some(since), Some(probe_at)) => {
+                    Some(Failing { since, probes: row.try_get("probes")?, probe_at })
+                }
+                _ => None,
+            },
             created_at: row.try_get("created_at")?,
             updated_at: row.try_get("updated_at")?,
         })
     }
+}
+
+/// An endpoint that answers no delivery (migration 0023): since when, how many probes failed
+/// since, and when the next one goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Failing {
+    pub since: DateTime<Utc>,
+    pub probes: i32,
+    pub probe_at: DateTime<Utc>,
+}
+
+/// What a pass learnt of whether its endpoint answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// It answers none (still, or from now).
+    Failing(Failing),
+    /// It answered a delivery again: every wallet waiting for it is due at once.
+    Recovered,
 }
 
 /// What a caller sets of an endpoint.
@@ -149,7 +175,10 @@ pub async fn update(
     Ok(sqlx::query_as(
         // language=PostgreSQL
         "update webhook_endpoint set url = $3, types = $4, wallet_ids = $5, enabled = $6,
-                disabled_reason = case when $6 then null else disabled_reason end, updated_at = now()
+                disabled_reason = case when $6 then null else disabled_reason end,
+                failing_since = case when $6 and not enabled then null else failing_since end,
+                probe_at = case when $6 and not enabled then null else probe_at end,
+                probes = case when $6 and not enabled then 0 else probes end, updated_at = now()
          where id = $1 and owner = $2 returning *",
     )
     .bind(id)
@@ -270,6 +299,7 @@ pub struct PassWrite {
     pub attempts: Vec<Attempt>,
     /// Why the endpoint is disabled now (it kept failing past the retry period).
     pub disable: Option<String>,
+    pub health: Option<Health>,
 }
 
 impl PassWrite {
@@ -281,6 +311,7 @@ impl PassWrite {
             && self.caught_up.is_empty()
             && self.attempts.is_empty()
             && self.disable.is_none()
+            && self.health.is_none()
     }
 }
 
@@ -296,13 +327,20 @@ pub async fn finish_pass(
 ) -> Result<bool, StoreError> {
     let mut tx = sqlx::Connection::begin(conn).await?;
     let after = pass.after.as_ref().unwrap_or(was);
+    let failing = match pass.health {
+        Some(Health::Failing(failing)) => Some(failing),
+        _ => None,
+    };
     let moved = sqlx::query(
         // language=PostgreSQL
         "update webhook_endpoint
          set after_position = $5, after_wallet = $6, after_seq = $7, fence = $2,
              enabled = enabled and $8::text is null,
              disabled_reason = coalesce($8, disabled_reason),
-             updated_at = case when $8::text is null then updated_at else now() end
+             updated_at = case when $8::text is null then updated_at else now() end,
+             failing_since = case $10 when 'failing' then $11 when 'recovered' then null else failing_since end,
+             probes = case $10 when 'failing' then $12 when 'recovered' then 0 else probes end,
+             probe_at = case $10 when 'failing' then $13 when 'recovered' then null else probe_at end
          where id = $1 and fence <= $2 and after_position = $3 and after_wallet = $4 and after_seq = $9",
     )
     .bind(endpoint)
@@ -314,10 +352,27 @@ pub async fn finish_pass(
     .bind(after.seq)
     .bind(pass.disable.as_deref())
     .bind(was.seq)
+    .bind(match pass.health {
+        Some(Health::Failing(_)) => Some("failing"),
+        Some(Health::Recovered) => Some("recovered"),
+        None => None,
+    })
+    .bind(failing.map(|f| f.since))
+    .bind(failing.map_or(0, |f| f.probes))
+    .bind(failing.map(|f| f.probe_at))
     .execute(&mut *tx)
     .await?;
     if moved.rows_affected() != 1 {
         return Ok(false);
+    }
+    if pass.health == Some(Health::Recovered) {
+        // Before this pass's own waiting wallets are written, which keep their own times.
+        sqlx::query(
+            "update webhook_pending set next_attempt_at = now() where endpoint_id = $1 and next_attempt_at > now()",
+        )
+        .bind(endpoint)
+        .execute(&mut *tx)
+        .await?;
     }
     if !pass.pending.is_empty() {
         let column = |f: fn(&Pending) -> String| pass.pending.iter().map(f).collect::<Vec<_>>();

@@ -289,7 +289,8 @@ async fn deliveries_go_on_while_redis_is_gone() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_endpoint_failing_past_the_retry_period_is_disabled_with_the_reason_and_goes_on_once_enabled() {
+async fn an_endpoint_that_does_not_answer_is_probed_then_disabled_past_the_retry_period_and_goes_on_once_enabled()
+ {
     let env = TestEnv::new();
     let settings = [SETTINGS[0], SETTINGS[1], ("WEBHOOK_RETRY_FOR", "2s")];
     let fleet = Fleet::start(&env, 1, &settings).await;
@@ -300,9 +301,17 @@ async fn an_endpoint_failing_past_the_retry_period_is_disabled_with_the_reason_a
     receiver.set_secret(endpoint["secret"].as_str().unwrap());
     let path = format!("/webhook-endpoints/{}", endpoint["id"].as_str().unwrap());
     receiver.down().await;
-    open_wallets(&fleet, &["wh-gone"], 100).await;
+    let wallets: Vec<String> = (0..60).map(|n| format!("wh-gone-{n:02}")).collect();
+    open_wallets(&fleet, &wallets.iter().map(String::as_str).collect::<Vec<_>>(), 100).await;
 
-    // Refused connections, retried with backoff, past the retry period: disabled, with the reason.
+    // Refused connections: the endpoint, not each event, is failing, and is probed with one
+    // wallet at a time, with backoff, not with every wallet's events.
+    eventually("the endpoint is seen failing", Duration::from_secs(30), || {
+        let (fleet, path) = (&fleet, &path);
+        async move { send(fleet, &fleet.client, "GET", path, None).await.1["failing_since"].is_string() }
+    })
+    .await;
+    // Past the retry period: disabled, with the reason.
     eventually("the endpoint is disabled", Duration::from_secs(30), || {
         let (fleet, path) = (&fleet, &path);
         async move {
@@ -314,7 +323,10 @@ async fn an_endpoint_failing_past_the_retry_period_is_disabled_with_the_reason_a
     let (_, read) = send(&fleet, &fleet.client, "GET", &path, None).await;
     let reason = read["disabled_reason"].as_str().unwrap_or_default();
     assert!(reason.contains("failed for longer than"), "{read}");
-    assert_eq!(read["waiting"][0]["wallet_id"], "wh-gone", "{read}");
+    assert!(read["waiting"].as_array().is_some_and(|waiting| !waiting.is_empty()), "{read}");
+    let (_, attempts) = send(&fleet, &fleet.client, "GET", &format!("{path}/attempts"), None).await;
+    let tried = attempts["attempts"].as_array().map_or(0, Vec::len);
+    assert!(tried < wallets.len(), "{tried} attempts for {} wallets: {attempts}", wallets.len());
 
     // Enabled again with the receiver back, it delivers what waited, in order.
     receiver.up().await;
@@ -322,8 +334,77 @@ async fn an_endpoint_failing_past_the_retry_period_is_disabled_with_the_reason_a
     assert_eq!(status, 200);
     eventually("what waited is delivered", Duration::from_secs(30), || {
         let taken = receiver.taken();
-        async move { !taken.is_empty() }
+        let wallets = &wallets;
+        async move { wallets.iter().all(|w| taken.iter().any(|t| t.body["wallet_id"] == w.as_str())) }
     })
     .await;
     in_order_at_least_once(&receiver.taken());
+    let (_, read) = send(&fleet, &fleet.client, "GET", &path, None).await;
+    assert!(read["failing_since"].is_null(), "{read}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_listen_verifies_and_counts_what_an_endpoint_receives() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 1, &SETTINGS).await;
+    let listen = format!("127.0.0.1:{}", crate::support::servers::free_port());
+    let (_, endpoint) = send(
+        &fleet,
+        &fleet.client,
+        "POST",
+        "/webhook-endpoints",
+        Some(json!({ "url": format!("http://{listen}/") })),
+    )
+    .await;
+    let secret = endpoint["secret"].as_str().unwrap();
+    let run = |secret: &str, listen: &str| {
+        crate::support::servers::OwnedChild(
+            std::process::Command::new(env!("CARGO_BIN_EXE_walletlock"))
+                .args(["events", "listen", "--quiet", "--listen", listen, "--secret", secret])
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let _listener = run(secret, &listen);
+    open_wallets(&fleet, &["listened"], 100).await;
+    let (status, _) =
+        send(&fleet, &fleet.client, "POST", "/wallets/listened/pay", Some(json!({ "amount": 1 }))).await;
+    assert_eq!(status, 200);
+    let stats = || async {
+        let stats = reqwest::get(format!("http://{listen}/stats")).await;
+        match stats {
+            Ok(stats) => stats.json::<Value>().await.unwrap_or(Value::Null),
+            Err(_) => Value::Null,
+        }
+    };
+    eventually("the listener has both events", Duration::from_secs(20), || async {
+        stats().await["events"] == 2
+    })
+    .await;
+    let stats = stats().await;
+    assert_eq!(stats["bad_signatures"], 0, "{stats}");
+    assert!(stats["lag_p99_seconds"].as_f64().is_some_and(|lag| lag >= 0.0), "{stats}");
+
+    // A listener with another secret takes nothing: every delivery is refused as unsigned.
+    let other = format!("127.0.0.1:{}", crate::support::servers::free_port());
+    let _wrong = run("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", &other);
+    let (_, moved) = send(
+        &fleet,
+        &fleet.client,
+        "PUT",
+        &format!("/webhook-endpoints/{}", endpoint["id"].as_str().unwrap()),
+        Some(json!({ "url": format!("http://{other}/") })),
+    )
+    .await;
+    assert_eq!(moved["url"], format!("http://{other}/"));
+    send(&fleet, &fleet.client, "POST", "/wallets/listened/pay", Some(json!({ "amount": 1 }))).await;
+    eventually("the wrongly keyed listener refuses it", Duration::from_secs(20), || async {
+        let stats = reqwest::get(format!("http://{other}/stats")).await;
+        let stats = match stats {
+            Ok(stats) => stats.json::<Value>().await.unwrap_or(Value::Null),
+            Err(_) => Value::Null,
+        };
+        stats["bad_signatures"].as_u64().is_some_and(|bad| bad > 0) && stats["events"] == 0
+    })
+    .await;
 }

@@ -16,12 +16,13 @@ use crate::domain::EventCursor;
 use crate::lease::{Lease, LeaseClient, LeaseError};
 use crate::ledger::StoreError;
 use crate::ledger::event::{self, EventFilter, StoredEvent};
-use crate::ledger::webhook::{self as store, Attempt, Endpoint, PassWrite, Pending};
+use crate::ledger::webhook::{self as store, Attempt, Endpoint, Failing, Health, PassWrite, Pending};
 use crate::telemetry::metrics::{WEBHOOK_DELIVERIES, WEBHOOK_ENDPOINTS_DISABLED, WEBHOOK_LAG};
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use sqlx::{PgConnection, PgPool};
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -44,6 +45,9 @@ const WALLETS_AT_ONCE: usize = 16;
 /// [`LONGEST_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 const LONGEST_BACKOFF: Duration = Duration::from_secs(3600);
+/// A failing endpoint's probes back off the same way up to this: one request every few seconds
+/// costs nothing, and a receiver that comes back is found within it, its backlog drained at once.
+const LONGEST_PROBE_BACKOFF: Duration = Duration::from_secs(5);
 /// How long the attempts are kept.
 const KEEP_ATTEMPTS: Duration = Duration::from_secs(7 * 24 * 3600);
 
@@ -55,8 +59,12 @@ fn lease_name(endpoint: Uuid) -> String {
 /// When a wallet that failed `attempts` times is tried again: exponential, with jitter (a random
 /// time between half and all of it), so endpoints coming back are not hit by every retry at once.
 pub fn next_attempt(attempts: i32, now: DateTime<Utc>) -> DateTime<Utc> {
+    backed_off(attempts, now, LONGEST_BACKOFF)
+}
+
+fn backed_off(attempts: i32, now: DateTime<Utc>, longest: Duration) -> DateTime<Utc> {
     let doubled = FIRST_BACKOFF.saturating_mul(1u32 << attempts.clamp(1, 20).saturating_sub(1) as u32);
-    let backoff = doubled.min(LONGEST_BACKOFF);
+    let backoff = doubled.min(longest);
     let jittered = backoff.mul_f64(0.5 + rand::random::<f64>() * 0.5);
     now + chrono::Duration::from_std(jittered).unwrap_or_default()
 }
@@ -210,6 +218,11 @@ impl Dispatcher {
     }
 
     /// One page of a pass; whether it was full (more events may follow at once).
+    ///
+    /// An endpoint that answers (or is not known not to) gets its due waiting wallets and the
+    /// next events after its place. One that answered none of a page's deliveries is failing
+    /// ([`Failing`]): it gets one waiting wallet at its probe's time, and nothing more until it
+    /// answers a delivery; then every waiting wallet is due at once.
     async fn page(
         &self,
         conn: &mut PgConnection,
@@ -217,10 +230,21 @@ impl Dispatcher {
         fence: i64,
     ) -> Result<bool, StoreError> {
         let now = Utc::now();
+        if endpoint.failing.is_some_and(|failing| failing.probe_at > now) {
+            return Ok(false);
+        }
         let horizon = event::horizon(&mut *conn).await?;
-        let pending = store::pending(&mut *conn, endpoint.id).await?;
+        let mut pending = store::pending(&mut *conn, endpoint.id).await?;
         let mut pass = PassWrite::default();
         let waiting: HashSet<String> = pending.iter().map(|p| p.wallet_id.clone()).collect();
+        // With no wallet waiting (a replay moved its place back), the next events probe it.
+        let probing = endpoint.failing.is_some() && !pending.is_empty();
+        if probing {
+            // The probe: the wallet that has waited for its attempt the longest.
+            pending.sort_by_key(|p| p.next_attempt_at);
+            pending.truncate(1);
+            pending.iter_mut().for_each(|p| p.next_attempt_at = now);
+        }
         // The waiting wallets that are due: their events up to the endpoint's place, in order.
         let mut due: Vec<(Pending, Vec<StoredEvent>)> = Vec::new();
         for waiter in pending.into_iter().filter(|p| p.next_attempt_at <= now) {
@@ -240,7 +264,7 @@ impl Dispatcher {
             let events = event::page(&mut *conn, &filter, horizon).await?;
             due.push((waiter, events));
         }
-        // Then the events after its place.
+        // Then the events after its place, unless it is failing.
         let filter = EventFilter {
             after: Some(endpoint.after.clone()),
             owner: Some(endpoint.owner.clone()),
@@ -249,7 +273,7 @@ impl Dispatcher {
             limit: PAGE,
             ..EventFilter::default()
         };
-        let events = event::page(&mut *conn, &filter, horizon).await?;
+        let events = if probing { Vec::new() } else { event::page(&mut *conn, &filter, horizon).await? };
         let full = events.len() as i64 == PAGE;
         pass.after = events.last().map(|e| e.cursor.clone());
         let mut by_wallet: HashMap<String, Vec<StoredEvent>> = HashMap::new();
@@ -276,11 +300,22 @@ impl Dispatcher {
             waiter: None,
         }));
 
+        let answers = Answers::default();
         let outcomes: Vec<WalletOutcome> = futures::stream::iter(work)
-            .map(|work| self.deliver_wallet(endpoint, work, now))
+            .map(|work| self.deliver_wallet(endpoint, work, now, &answers))
             .buffer_unordered(WALLETS_AT_ONCE)
             .collect()
             .await;
+        pass.health = answers.health(endpoint.failing, now);
+        if let Some(Health::Failing(failing)) = pass.health {
+            let over = (now - failing.since).to_std().unwrap_or_default() > self.settings.retry_for;
+            if over {
+                pass.disable = Some(format!(
+                    "deliveries failed for longer than {:?}: the endpoint answered none since {}",
+                    self.settings.retry_for, failing.since
+                ));
+            }
+        }
         for outcome in outcomes {
             pass.attempts.extend(outcome.attempts);
             match outcome.waits {
@@ -308,27 +343,46 @@ impl Dispatcher {
             metrics::counter!(WEBHOOK_ENDPOINTS_DISABLED.name).increment(1);
             tracing::warn!(endpoint = %endpoint.id, reason = pass.disable.as_deref(), "webhook endpoint disabled");
         }
-        Ok(written && full)
+        // A probe answered: the waiting wallets, all due now, go on at once.
+        Ok(written && (full || pass.health == Some(Health::Recovered)))
     }
 
     /// Delivers `events`, one wallet's in order, until one is not taken. A wallet that was waiting
     /// (`waiter`, with whether `more` of its events wait past these) waits on from there, or has
-    /// caught up.
+    /// caught up. Once the page has seen the endpoint answer nothing (and take nothing), the
+    /// wallet's events are held back untried: it waits, due at once, for the endpoint's probe.
     async fn deliver_wallet(
         &self,
         endpoint: &Endpoint,
         work: WalletWork,
         now: DateTime<Utc>,
+        answers: &Answers,
     ) -> WalletOutcome {
         let WalletWork { wallet, events, waiter } = work;
         let was_waiting = waiter.is_some();
         let mut attempts = Vec::with_capacity(events.len());
         let mut last_taken = None;
         for stored in &events {
+            if answers.none_yet() {
+                let before = waiter.as_ref().map(|(w, _)| w).filter(|w| w.seq == stored.seq());
+                let waits = Pending {
+                    wallet_id: wallet.clone(),
+                    seq: stored.seq(),
+                    attempts: before.map_or(0, |w| w.attempts),
+                    first_failed_at: before.map_or(now, |w| w.first_failed_at),
+                    next_attempt_at: now,
+                    last_error: before.map_or_else(
+                        || "not tried: the endpoint answers no delivery".to_owned(),
+                        |w| w.last_error.clone(),
+                    ),
+                };
+                return WalletOutcome { wallet, attempts, waits: Some(waits), was_waiting };
+            }
             let event_id = format!("{}.{}", stored.wallet_id(), stored.seq());
             let attempted_at = Utc::now();
             let delivered: Delivered =
                 self.sender.deliver(&endpoint.url, &endpoint.secret, &event_id, (self.render)(stored)).await;
+            answers.note(&delivered);
             let outcome = if delivered.taken() { "delivered" } else { "failed" };
             metrics::counter!(WEBHOOK_DELIVERIES.name, "outcome" => outcome).increment(1);
             attempts.push(Attempt {
@@ -368,6 +422,44 @@ impl Dispatcher {
     }
 }
 
+/// Whether a page's deliveries were answered: any with a status (taken or not), any not at all
+/// (refused, timed out: then the endpoint, not the event, is the trouble).
+#[derive(Default)]
+struct Answers {
+    answered: AtomicBool,
+    unanswered: AtomicBool,
+}
+
+impl Answers {
+    fn note(&self, delivered: &Delivered) {
+        let flag = if delivered.status.is_some() { &self.answered } else { &self.unanswered };
+        flag.store(true, Ordering::Relaxed);
+    }
+
+    /// The endpoint has answered no delivery of the page, and left one unanswered.
+    fn none_yet(&self) -> bool {
+        self.unanswered.load(Ordering::Relaxed) && !self.answered.load(Ordering::Relaxed)
+    }
+
+    /// What the page says of the endpoint that was `failing` (or not) before it.
+    fn health(&self, failing: Option<Failing>, now: DateTime<Utc>) -> Option<Health> {
+        let answered = self.answered.load(Ordering::Relaxed);
+        match failing {
+            Some(_) if answered => Some(Health::Recovered),
+            Some(failing) => {
+                let probes = failing.probes.saturating_add(1);
+                let probe_at = backed_off(probes, now, LONGEST_PROBE_BACKOFF);
+                Some(Health::Failing(Failing { probes, probe_at, ..failing }))
+            }
+            None if self.none_yet() => {
+                let probe_at = backed_off(1, now, LONGEST_PROBE_BACKOFF);
+                Some(Health::Failing(Failing { since: now, probes: 1, probe_at }))
+            }
+            None => None,
+        }
+    }
+}
+
 /// What the dispatcher holds an endpoint by, for a pass.
 enum Hold {
     Lease(Box<Lease>),
@@ -395,6 +487,48 @@ struct WalletOutcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn delivered(status: Option<u16>) -> Delivered {
+        let error = (status != Some(204)).then(|| "failed".to_owned());
+        Delivered { status, latency: Duration::ZERO, error }
+    }
+
+    fn answers(statuses: &[Option<u16>]) -> Answers {
+        let answers = Answers::default();
+        statuses.iter().for_each(|&status| answers.note(&delivered(status)));
+        answers
+    }
+
+    #[test]
+    fn an_endpoint_fails_when_a_page_gets_no_answer_at_all_and_recovers_at_its_first_answer() {
+        let now = Utc::now();
+        // Answered, even with an error status: the events, not the endpoint, are refused.
+        assert_eq!(answers(&[Some(500), None]).health(None, now), None);
+        assert_eq!(answers(&[]).health(None, now), None);
+        assert!(!answers(&[Some(500), None]).none_yet());
+        let Some(Health::Failing(failing)) = answers(&[None, None]).health(None, now) else {
+            panic!("refused or timed out, and nothing answered: failing")
+        };
+        assert_eq!((failing.since, failing.probes), (now, 1));
+        assert!(failing.probe_at > now);
+
+        let later = now + chrono::Duration::seconds(5);
+        let Some(Health::Failing(still)) = answers(&[None]).health(Some(failing), later) else {
+            panic!("an unanswered probe: still failing")
+        };
+        assert_eq!((still.since, still.probes), (now, 2), "since when it fails stays");
+        assert!(still.probe_at > later);
+        let long_failing = Failing { probes: 30, ..failing };
+        let Some(Health::Failing(probed)) = answers(&[None]).health(Some(long_failing), later) else {
+            panic!("still failing")
+        };
+        assert!(probed.probe_at <= later + LONGEST_PROBE_BACKOFF, "probes back off up to a few seconds");
+        // A page with nothing to deliver leaves it failing.
+        assert!(matches!(answers(&[]).health(Some(failing), later), Some(Health::Failing(_))));
+        for answer in [Some(204), Some(500)] {
+            assert_eq!(answers(&[answer]).health(Some(failing), later), Some(Health::Recovered));
+        }
+    }
 
     #[test]
     fn retries_back_off_exponentially_with_jitter_up_to_an_hour() {
