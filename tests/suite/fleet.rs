@@ -186,7 +186,7 @@ fn the_deploy_scripts_count_a_killed_unreaped_process_as_stopped() {
 
     // This test is its parent and does not reap it yet: it stays a zombie.
     signal(pid, Signal::SIGKILL);
-    wait_until("the killed process is a zombie", Duration::from_secs(5), || state(pid) == Some('Z'));
+    wait_until("the killed process is a zombie", Duration::from_secs(30), || state(pid) == Some('Z'));
     assert!(!alive(pid), "a zombie is not alive");
     let signal_zero = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), None);
     assert!(signal_zero.is_ok(), "though kill -0 finds it");

@@ -357,7 +357,7 @@ async fn a_replica_killed_between_a_hold_and_its_capture_or_inside_the_capture_l
     };
     assert!(capture(fleet.replicas[1].url(&format!("/holds/{id}/capture"))).await.is_err(), "no answer");
     let replica = &mut fleet.replicas[1];
-    crate::support::servers::wait_until("replica-1 died", Duration::from_secs(5), || replica.exited());
+    crate::support::servers::wait_until("replica-1 died", Duration::from_secs(30), || replica.exited());
 
     // The retry, on replica-0 started again, learns the capture's outcome and charges nothing more.
     fleet.replicas[0].start();

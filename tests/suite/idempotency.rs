@@ -149,7 +149,7 @@ async fn a_replica_killed_between_commit_and_response_has_its_payment_replayed()
     let url = fleet.replicas[0].url("/wallets/crash-late/pay");
     assert!(send_pay(&fleet.client, &url, "k", 10).await.is_err(), "no response: the replica died");
     let replica = &mut fleet.replicas[0];
-    crate::support::servers::wait_until("the replica died", Duration::from_secs(5), || replica.exited());
+    crate::support::servers::wait_until("the replica died", Duration::from_secs(30), || replica.exited());
     assert_eq!(books(&fleet.db, "crash-late").await.pays, 1, "the payment committed before the crash");
 
     fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", None);

@@ -281,7 +281,7 @@ impl Fleet {
             .stdin(Stdio::null())
             .spawn()
             .expect("nginx");
-        wait_until("nginx", Duration::from_secs(10), || listening(nginx_port));
+        wait_until("nginx", Duration::from_secs(60), || listening(nginx_port));
 
         let client = match https {
             Some(ca) => super::api_client_trusting(&ca.ca_pem()),

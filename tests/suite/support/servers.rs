@@ -32,7 +32,8 @@ pub fn free_cluster_port() -> u16 {
     }
 }
 
-/// Polls `ready` every few milliseconds until it holds, or panics with `what` after `limit`.
+/// Polls `ready` every few milliseconds until it holds, or panics with `what` after `limit`: a
+/// bound on a hang, not on the machine's speed, so a shared machine's slow hour fails nothing.
 pub fn wait_until(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;
     while !ready() {
@@ -148,7 +149,7 @@ impl RedisServer {
             .expect("redis-server on PATH (deploy/test installs it)");
         self.child = Some(OwnedChild(child));
         let port = self.port;
-        wait_until("redis-server", Duration::from_secs(10), || listening(port));
+        wait_until("redis-server", Duration::from_secs(60), || listening(port));
     }
 
     /// Kills the server and starts an empty one on the same port: every key is gone, the
@@ -442,7 +443,7 @@ impl SentinelSet {
             }
             let child = command.stdout(Stdio::null()).spawn().expect("redis-server");
             nodes.push((port, OwnedChild(child)));
-            wait_until("redis node", Duration::from_secs(10), || listening(port));
+            wait_until("redis node", Duration::from_secs(60), || listening(port));
         }
         let mut sentinels = Vec::new();
         let mut sentinel_ports = Vec::new();
@@ -470,7 +471,7 @@ impl SentinelSet {
                 .expect("redis-server --sentinel");
             sentinels.push(OwnedChild(child));
             sentinel_ports.push(port);
-            wait_until("sentinel", Duration::from_secs(10), || listening(port));
+            wait_until("sentinel", Duration::from_secs(60), || listening(port));
         }
         let cli_tls = tls.map(TestCa::redis_cli_args).unwrap_or_default();
         let replica_env = tls.map(TestCa::replica_env).unwrap_or_default();
@@ -571,7 +572,7 @@ impl ClusterSet {
                 .spawn()
                 .expect("redis-server");
             nodes.push((port, OwnedChild(child)));
-            wait_until("cluster node", Duration::from_secs(10), || listening(port));
+            wait_until("cluster node", Duration::from_secs(60), || listening(port));
         }
         let addresses: Vec<String> = nodes.iter().map(|(port, _)| format!("127.0.0.1:{port}")).collect();
         let out = Command::new("redis-cli")
