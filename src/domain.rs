@@ -64,6 +64,8 @@ pub enum Field {
     Wait,
     /// A webhook endpoint's id, in the path.
     EndpointId,
+    /// A balance monitor: `below` or `above`, and its amount.
+    Monitor,
 }
 
 impl Field {
@@ -95,6 +97,7 @@ impl Field {
             Field::EventType => "type",
             Field::Wait => "wait",
             Field::EndpointId => "id",
+            Field::Monitor => "monitor",
         }
     }
 
@@ -121,6 +124,7 @@ impl Field {
             Field::EventType => "invalid_event_type",
             Field::Wait => "invalid_wait",
             Field::EndpointId => "invalid_endpoint_id",
+            Field::Monitor => "invalid_monitor",
         }
     }
 }
@@ -355,6 +359,10 @@ pub enum Movement {
     /// Releases the wallet's holds past their expiry (what the sweeper asks; any movement that
     /// needs their amount does it too).
     ReleaseExpired,
+    /// Sets a balance monitor on the wallet, or removes one: under its lease, in its queue, so
+    /// every movement after it is decided with it.
+    AddMonitor(Monitor),
+    RemoveMonitor(Monitor),
 }
 
 /// Where a hold stands. `Held` past its expiry is expired, though no movement has released it yet.
@@ -449,10 +457,17 @@ pub enum EventType {
     /// A hold released past its expiry, uncaptured.
     #[serde(rename = "hold.expired")]
     HoldExpired,
+    /// A movement took the balance below a monitor's amount (from at or above it): with that
+    /// movement's entry.
+    #[serde(rename = "wallet.balance_below")]
+    BalanceBelow,
+    /// A movement took the balance above a monitor's amount (from at or below it).
+    #[serde(rename = "wallet.balance_above")]
+    BalanceAbove,
 }
 
 impl EventType {
-    pub const ALL: [EventType; 10] = [
+    pub const ALL: [EventType; 12] = [
         EventType::WalletOpened,
         EventType::DepositAccepted,
         EventType::PaymentAccepted,
@@ -463,6 +478,8 @@ impl EventType {
         EventType::HoldCaptured,
         EventType::HoldVoided,
         EventType::HoldExpired,
+        EventType::BalanceBelow,
+        EventType::BalanceAbove,
     ];
 
     /// The name the API and the store spell it with.
@@ -478,6 +495,8 @@ impl EventType {
             EventType::HoldCaptured => "hold.captured",
             EventType::HoldVoided => "hold.voided",
             EventType::HoldExpired => "hold.expired",
+            EventType::BalanceBelow => "wallet.balance_below",
+            EventType::BalanceAbove => "wallet.balance_above",
         }
     }
 
@@ -507,6 +526,134 @@ impl EventType {
             HoldStatus::Voided => EventType::HoldVoided,
             HoldStatus::Expired => EventType::HoldExpired,
         }
+    }
+}
+
+/// A balance monitor of a wallet: an event when a movement takes the balance below `below` from
+/// at or above it, or above `above` from at or below it. So it fires once per crossing, and again
+/// only once the balance has gone back and crosses again. The balance, not what is available:
+/// holds placed or settled move no balance.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, serde::Deserialize, utoipa::ToSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Monitor {
+    Below(i64),
+    Above(i64),
+}
+
+impl Monitor {
+    /// Whether a movement that took the balance from `before` to `after` crosses it.
+    pub fn crossed(self, before: i64, after: i64) -> bool {
+        match self {
+            Monitor::Below(amount) => before >= amount && after < amount,
+            Monitor::Above(amount) => before <= amount && after > amount,
+        }
+    }
+
+    /// The event a crossing writes.
+    pub fn event(self) -> EventType {
+        match self {
+            Monitor::Below(_) => EventType::BalanceBelow,
+            Monitor::Above(_) => EventType::BalanceAbove,
+        }
+    }
+
+    pub fn amount(self) -> i64 {
+        match self {
+            Monitor::Below(amount) | Monitor::Above(amount) => amount,
+        }
+    }
+
+    /// `below` or `above`, as the API's path names it.
+    pub fn side(self) -> &'static str {
+        match self {
+            Monitor::Below(_) => "below",
+            Monitor::Above(_) => "above",
+        }
+    }
+
+    /// The monitor a path names: `below` or `above`, and an amount.
+    pub fn of_side(side: &str, amount: i64) -> Option<Monitor> {
+        match side {
+            "below" => Some(Monitor::Below(amount)),
+            "above" => Some(Monitor::Above(amount)),
+            _ => None,
+        }
+    }
+}
+
+/// A wallet's monitors, in order, each once, at most [`Monitors::MOST`]. Stored with the wallet's
+/// row (`monitors`, migration 0024) and changed under its lease, by the decision, like its
+/// balance: so the movement that crosses one is decided with every monitor set before it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct Monitors(Vec<Monitor>);
+
+impl Monitors {
+    pub const MOST: usize = 8;
+    pub const NONE: Monitors = Monitors(Vec::new());
+
+    pub fn new(monitors: impl IntoIterator<Item = Monitor>) -> Self {
+        let mut monitors: Vec<Monitor> = monitors.into_iter().collect();
+        monitors.sort();
+        monitors.dedup();
+        Monitors(monitors)
+    }
+
+    pub fn list(&self) -> &[Monitor] {
+        &self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The monitors a movement from `before` to `after` crosses, in order.
+    pub fn crossed(&self, before: i64, after: i64) -> impl Iterator<Item = Monitor> + '_ {
+        self.0.iter().copied().filter(move |monitor| monitor.crossed(before, after))
+    }
+
+    /// These with `monitor` (unchanged if it is one of them already); refused past [`Self::MOST`].
+    pub fn with(&self, monitor: Monitor) -> Result<Monitors, Refusal> {
+        if self.0.contains(&monitor) {
+            return Ok(self.clone());
+        }
+        if self.0.len() >= Self::MOST {
+            return Err(Refusal::TooManyMonitors { most: Self::MOST as u8 });
+        }
+        Ok(Monitors::new(self.0.iter().copied().chain([monitor])))
+    }
+
+    /// These without `monitor`; refused if it is not one of them.
+    pub fn without(&self, monitor: Monitor) -> Result<Monitors, Refusal> {
+        if !self.0.contains(&monitor) {
+            return Err(Refusal::MonitorNotFound);
+        }
+        Ok(Monitors(self.0.iter().copied().filter(|m| *m != monitor).collect()))
+    }
+
+    /// As a lease's note writes them: `b<amount>` and `a<amount>`, joined by `.` (empty: none).
+    pub fn to_note(&self) -> String {
+        let each = self.0.iter().map(|m| format!("{}{}", &m.side()[..1], m.amount()));
+        each.collect::<Vec<_>>().join(".")
+    }
+
+    /// What [`Self::to_note`] wrote; `None` if it is not that.
+    pub fn from_note(note: &str) -> Option<Monitors> {
+        if note.is_empty() {
+            return Some(Monitors::default());
+        }
+        let each = note.split('.').map(|m| {
+            let amount = m.get(1..)?.parse::<i64>().ok()?;
+            match m.as_bytes().first()? {
+                b'b' => Some(Monitor::Below(amount)),
+                b'a' => Some(Monitor::Above(amount)),
+                _ => None,
+            }
+        });
+        let monitors: Vec<Monitor> = each.collect::<Option<_>>()?;
+        (monitors.len() <= Self::MOST).then(|| Monitors::new(monitors))
     }
 }
 
@@ -563,6 +710,8 @@ impl Movement {
             Movement::Capture { .. } => "capture",
             Movement::Void { .. } => "void",
             Movement::ReleaseExpired => "release_expired",
+            Movement::AddMonitor(_) => "add_monitor",
+            Movement::RemoveMonitor(_) => "remove_monitor",
         }
     }
 }
@@ -599,6 +748,8 @@ impl Refusal {
             Refusal::HoldCaptured => "hold_captured",
             Refusal::HoldVoided => "hold_voided",
             Refusal::CaptureExceedsHold { .. } => "capture_exceeds_hold",
+            Refusal::TooManyMonitors { .. } => "too_many_monitors",
+            Refusal::MonitorNotFound => "monitor_not_found",
         }
     }
 }
@@ -634,6 +785,11 @@ pub enum Refusal {
     /// A capture of more than the hold holds.
     #[error("the capture is more than the {held} held")]
     CaptureExceedsHold { held: i64 },
+    #[error("a wallet has at most {most} monitors")]
+    TooManyMonitors { most: u8 },
+    /// A monitor to remove that the wallet does not have.
+    #[error("the wallet has no such monitor")]
+    MonitorNotFound,
 }
 
 /// The furthest a lease's fence may stand above the fence of the row it writes: 2^32. Every lease
@@ -1067,6 +1223,61 @@ mod tests {
             "7450-12-w/1",
         ] {
             assert_eq!(EventCursor::parse(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_monitor_is_crossed_going_past_it_not_staying_on_one_side() {
+        let below = Monitor::Below(50);
+        assert!(below.crossed(50, 49) && below.crossed(100, 0));
+        assert!(!below.crossed(49, 10) && !below.crossed(100, 50) && !below.crossed(10, 100));
+        let above = Monitor::Above(50);
+        assert!(above.crossed(50, 51) && above.crossed(0, 100));
+        assert!(!above.crossed(51, 100) && !above.crossed(0, 50) && !above.crossed(100, 10));
+    }
+
+    #[test]
+    fn monitors_are_kept_sorted_once_each_and_at_most_eight() {
+        let mut monitors = Monitors::NONE;
+        for amount in [70, 10, 40, 10] {
+            monitors = monitors.with(Monitor::Below(amount)).unwrap();
+        }
+        assert_eq!(monitors.list(), [Monitor::Below(10), Monitor::Below(40), Monitor::Below(70)]);
+        for amount in 0..5 {
+            monitors = monitors.with(Monitor::Above(amount)).unwrap();
+        }
+        assert_eq!(monitors.list().len(), Monitors::MOST);
+        assert_eq!(monitors.with(Monitor::Above(99)), Err(Refusal::TooManyMonitors { most: 8 }));
+        assert_eq!(monitors.with(Monitor::Above(4)).as_ref(), Ok(&monitors), "one already set");
+        assert_eq!(monitors.without(Monitor::Above(99)), Err(Refusal::MonitorNotFound));
+        let fewer = monitors.without(Monitor::Below(40)).unwrap();
+        assert!(!fewer.list().contains(&Monitor::Below(40)) && fewer.list().len() == 7);
+        let crossed: Vec<Monitor> = fewer.crossed(80, 5).collect();
+        assert_eq!(crossed, [Monitor::Below(10), Monitor::Below(70)]);
+    }
+
+    #[test]
+    fn a_note_that_is_not_monitors_is_refused() {
+        assert_eq!(Monitors::from_note(""), Some(Monitors::NONE));
+        assert_eq!(
+            Monitors::from_note("b-5.a7"),
+            Some(Monitors::new([Monitor::Below(-5), Monitor::Above(7)]))
+        );
+        for bad in ["x5", "b", "b5.", ".a7", "b5..a7", "b5a7", "a1.a2.a3.a4.a5.a6.a7.a8.a9"] {
+            assert_eq!(Monitors::from_note(bad), None, "{bad:?}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn every_set_of_monitors_reads_back_from_its_note(
+            monitors in proptest::collection::vec(
+                prop_oneof![any::<i64>().prop_map(Monitor::Below), any::<i64>().prop_map(Monitor::Above)],
+                0..=Monitors::MOST,
+            ),
+        ) {
+            let monitors = Monitors::new(monitors);
+            prop_assert_eq!(Monitors::from_note(&monitors.to_note()), Some(monitors));
         }
     }
 

@@ -7,7 +7,7 @@
 //! `#[schema(as = ...)]`); in the code the suffix `Body` keeps it apart from the row it is made
 //! of.
 
-use crate::domain::{EntryKind, HoldStatus, Metadata, MovementStatus};
+use crate::domain::{EntryKind, HoldStatus, Metadata, Monitor, MovementStatus};
 use crate::wallet::{Entry, HeldLeg, Hold, MovementHold, MovementRecord, Transfer, Wallet};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -28,6 +28,8 @@ pub struct WalletBody {
     pub available: i64,
     #[schema(minimum = 1, example = 2)]
     pub version: i64,
+    /// Its balance monitors (`POST /wallets/{id}/monitors`).
+    pub monitors: Vec<Monitor>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -35,10 +37,37 @@ pub struct WalletBody {
 impl From<Wallet> for WalletBody {
     fn from(wallet: Wallet) -> Self {
         // What holds reserve, the fence and the owner are the service's, not the client's.
-        let Wallet { id, balance, available, version, created_at, updated_at, held: _, fence: _, owner: _ } =
-            wallet;
-        WalletBody { id, balance, available, version, created_at, updated_at }
+        let Wallet {
+            id,
+            balance,
+            available,
+            version,
+            monitors,
+            created_at,
+            updated_at,
+            held: _,
+            fence: _,
+            owner: _,
+        } = wallet;
+        WalletBody {
+            id,
+            balance,
+            available,
+            version,
+            monitors: monitors.list().to_vec(),
+            created_at,
+            updated_at,
+        }
     }
+}
+
+/// A wallet's balance monitors, after one was set or removed.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct MonitorsBody {
+    /// Each fires an event when a movement crosses it: `wallet.balance_below` when the balance
+    /// goes below `below` from at or above it, `wallet.balance_above` when it goes above `above`
+    /// from at or below it.
+    pub monitors: Vec<Monitor>,
 }
 
 /// One ledger entry: what it did to its wallet, and the wallet's balance and version right after.

@@ -399,6 +399,16 @@ fn wallet_problem(err: &WalletError) -> Problem {
             problem.held = Some(*held);
             problem
         }
+        WalletError::Refused(Refusal::TooManyMonitors { most }) => Problem::new(
+            &codes::TOO_MANY_MONITORS,
+            "Too many monitors",
+            format!("a wallet has at most {most} monitors: remove one first; nothing was changed"),
+        ),
+        WalletError::Refused(Refusal::MonitorNotFound) => Problem::new(
+            &codes::MONITOR_NOT_FOUND,
+            "Monitor not found",
+            "the wallet has no such monitor; nothing was changed",
+        ),
         WalletError::Refused(Refusal::BalanceOverflow { balance }) => Problem::new(
             &codes::BALANCE_OVERFLOW,
             "Balance overflow",

@@ -6,7 +6,7 @@ use super::bodies::{EntryBody, HoldBody};
 use super::error::described::{NO_WALLET, READ_UNAVAILABLE as UNAVAILABLE, UNAUTHORIZED};
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::QueryParams;
-use crate::domain::{Access, EventCursor, EventType, Field, InvalidInput, WalletId};
+use crate::domain::{Access, EventCursor, EventType, Field, InvalidInput, Monitor, WalletId};
 use crate::wallet::{EventsAsked, MAX_WAIT, StoredEvent};
 use axum::{
     Json,
@@ -87,6 +87,11 @@ pub struct EventBody {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     hold: Option<HoldBody>,
+    /// The monitor a `wallet.balance_below` or `wallet.balance_above` event crossed (its entry
+    /// is the movement that crossed it); omitted for other events.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    monitor: Option<Monitor>,
 }
 
 /// An event as a webhook delivers it: its body here, as JSON.
@@ -105,6 +110,7 @@ impl From<StoredEvent> for EventBody {
             created_at: event.created_at,
             entry: event.entry.map(EntryBody::from),
             hold: event.hold.map(HoldBody::from),
+            monitor: event.monitor,
         }
     }
 }

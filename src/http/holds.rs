@@ -8,7 +8,7 @@ use super::error::described::{
 };
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
-use super::idempotent::{self, KeyedRequest, render_hold_placed, render_movement};
+use super::idempotent::{self, KeyedRequest, render_created, render_movement};
 use crate::domain::{self, Access, Field, HoldLife, Metadata};
 use crate::idempotency::Scope;
 use crate::wallet::{Amount, Movement, WalletId};
@@ -119,9 +119,9 @@ async fn place_hold(
         metadata: Metadata::parse(metadata.clone())?,
     };
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
-    let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_hold_placed);
+    let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_created);
     let result = ctx.wallets.apply(&access, &id, movement, key).await;
-    Ok(idempotent::movement_response(result, render_hold_placed))
+    Ok(idempotent::movement_response(result, render_created))
 }
 
 /// Reads a hold. One still held past `expires_at` reads `expired`: its amount is available again.

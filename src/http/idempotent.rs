@@ -2,7 +2,7 @@
 //! way whether it is sent now or replayed later (see [`crate::idempotency`]).
 
 use super::ApiContext;
-use super::bodies::{EntryBody, HoldReceipt, MovementBody, TransferBody, WalletBody};
+use super::bodies::{EntryBody, HoldReceipt, MonitorsBody, MovementBody, TransferBody, WalletBody};
 use super::error::ApiError;
 use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed, Prior, Scope, StoredResponse};
 use crate::telemetry::metrics::{IDEMPOTENCY_CONFLICTS, IDEMPOTENT_REPLAYS};
@@ -85,13 +85,13 @@ fn json(status: StatusCode, value: &impl Serialize) -> StoredResponse {
 }
 
 /// A movement's response: a deposit's or payment's ledger entry, a hold captured (with its `pay`
-/// entry) or voided, or the refusal. A hold placed is [`render_hold_placed`].
+/// entry) or voided, or the refusal. A hold placed is [`render_created`].
 pub fn render_movement(outcome: &MovementOutcome) -> StoredResponse {
     render_moved(StatusCode::OK, outcome)
 }
 
-/// A new hold's response: `201` and the hold, or the refusal.
-pub fn render_hold_placed(outcome: &MovementOutcome) -> StoredResponse {
+/// A response of what a movement made (a hold placed, a monitor set): `201` and it, or the refusal.
+pub fn render_created(outcome: &MovementOutcome) -> StoredResponse {
     render_moved(StatusCode::CREATED, outcome)
 }
 
@@ -103,6 +103,7 @@ fn render_moved(status: StatusCode, outcome: &MovementOutcome) -> StoredResponse
             &HoldReceipt { hold: hold.clone().into(), entry: entry.clone().map(EntryBody::from) },
         ),
         Ok(Moved::Released) => json(status, &serde_json::json!({})),
+        Ok(Moved::Monitors(monitors)) => json(status, &MonitorsBody { monitors: monitors.list().to_vec() }),
         Err(refusal) => ApiError::Wallet(WalletError::Refused(*refusal)).render(),
     }
 }

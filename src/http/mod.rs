@@ -11,6 +11,7 @@ pub mod history;
 mod holds;
 mod idempotent;
 pub mod listen;
+mod monitors;
 mod movements;
 mod openapi;
 mod probe;
@@ -83,6 +84,7 @@ pub fn router(ctx: ApiContext) -> Router {
                 .merge(transfers::router())
                 .merge(movements::router())
                 .merge(holds::router())
+                .merge(monitors::router())
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token))
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), shed_when_full)),
         )

@@ -452,7 +452,8 @@ async fn holds(conn: &mut PgConnection, report: &mut Report) -> Result<(), Store
 
 /// Every wallet's events are numbered 1..=its `event_seq` with no gap, their positions never go
 /// down along it, and each names an entry or hold of its own wallet. Since its first event, each
-/// of a wallet's entries has exactly one event naming it, and each hold has its `hold.placed` and,
+/// of a wallet's entries has exactly one event of its own naming it (besides the balance events of
+/// the monitors it crossed, each of which it did cross), and each hold has its `hold.placed` and,
 /// settled without an entry (voided, expired, or captured of nothing), one event of that. (A
 /// wallet's entries and holds from before its first event predate events: migration 0021.)
 async fn events(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
@@ -474,7 +475,7 @@ async fn events(conn: &mut PgConnection, report: &mut Report) -> Result<(), Stor
             .problems
             .push(format!("wallet {id}: event_seq {numbered} but {events} events numbered up to {last}"));
     }
-    let rows = sqlx::query(
+    let rows = sqlx::query(concat!(
         // language=PostgreSQL
         r#"with since as (select wallet_id, min(created_at) as first from event group by wallet_id),
            problem as (
@@ -493,9 +494,20 @@ async fn events(conn: &mut PgConnection, report: &mut Report) -> Result<(), Stor
                union all
                select l.wallet_id, l.seq, 'entry ' || l.seq || ': ' || count(e.seq) || ' events name it'
                from ledger_entry l join since s on s.wallet_id = l.wallet_id and l.created_at >= s.first
-               left join event e on e.wallet_id = l.wallet_id and e.entry_id = l.id
+               left join event e on e.wallet_id = l.wallet_id and e.entry_id = l.id and e.monitor is null
                group by l.wallet_id, l.seq
                having count(e.seq) <> 1
+               union all
+               select e.wallet_id, e.seq, 'event ' || e.seq || ': ' || e.type || ' of ' || e.monitor
+                      || ', which its entry did not cross'
+               from event e join ledger_entry l on l.wallet_id = e.wallet_id and l.id = e.entry_id
+               cross join lateral (select l.balance_after - ("#,
+        signed_amount!(),
+        r#") as before) b
+               where e.monitor is not null and not coalesce(case e.type
+                   when 'wallet.balance_below' then b.before >= e.monitor and l.balance_after < e.monitor
+                   when 'wallet.balance_above' then b.before <= e.monitor and l.balance_after > e.monitor
+               end, false)
                union all
                select h.wallet_id, null::int8, 'hold ' || h.id || ' (' || h.status || ') with '
                       || count(e.seq) filter (where e.type = 'hold.placed') || ' hold.placed and '
@@ -509,7 +521,7 @@ async fn events(conn: &mut PgConnection, report: &mut Report) -> Result<(), Stor
                       <> case when h.status = 'held' or h.capture_entry is not null then 0 else 1 end
            )
            select wallet_id, seq, what from problem order by wallet_id, seq limit 100"#,
-    )
+    ))
     .fetch_all(&mut *conn)
     .await?;
     for row in rows {
@@ -555,8 +567,12 @@ async fn keys(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreE
            where k.claim is null and k.status between 200 and 299
              and (
                -- No entry: only a hold placed or voided answers without one, and it reports a
-               -- hold of the scope's wallet (looked up by its key; the CASE casts only a uuid).
-               (e.id is null and not exists (
+               -- hold of the scope's wallet (looked up by its key; the CASE casts only a uuid);
+               -- or a monitor set or removed, which reports the wallet's monitors.
+               (e.id is null
+                and not (k.scope like $1 || '%' and convert_from(k.body, 'UTF8')::jsonb ? 'monitors'
+                         and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is null)
+                and not exists (
                    select 1 from hold h
                    where h.id = case when convert_from(k.body, 'UTF8')::jsonb ->> 'id'
                                           ~ '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'

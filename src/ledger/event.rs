@@ -21,7 +21,7 @@
 
 use super::hold::Hold;
 use super::{Entry, StoreError};
-use crate::domain::{EventCursor, EventType, HoldStatus};
+use crate::domain::{EventCursor, EventType, HoldStatus, Monitor, Monitors};
 use crate::telemetry::metrics::EVENTS_WRITTEN;
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row};
@@ -35,6 +35,8 @@ pub struct EventWrite {
     pub kind: EventType,
     pub entry_id: Option<Uuid>,
     pub hold_id: Option<Uuid>,
+    /// The amount of the monitor a balance event crossed.
+    pub monitor: Option<i64>,
 }
 
 impl EventWrite {
@@ -46,7 +48,24 @@ impl EventWrite {
             kind: EventType::of_entry(entry.kind, entry.hold_id.is_some(), between),
             entry_id: Some(entry.id),
             hold_id: entry.hold_id,
+            monitor: None,
         }
+    }
+
+    /// The events of the monitors `entry` crossed, taking its wallet's balance from `before`: each
+    /// with the entry, after the entry's own event.
+    pub fn of_crossings<'m>(
+        entry: &'m Entry,
+        monitors: &'m Monitors,
+        before: i64,
+    ) -> impl Iterator<Item = EventWrite> + 'm {
+        monitors.crossed(before, entry.balance).map(|monitor| EventWrite {
+            wallet_id: entry.wallet_id.clone(),
+            kind: monitor.event(),
+            entry_id: Some(entry.id),
+            hold_id: None,
+            monitor: Some(monitor.amount()),
+        })
     }
 
     /// The event of hold `hold` of `wallet_id`, placed or settled without an entry.
@@ -56,6 +75,7 @@ impl EventWrite {
             kind: EventType::of_settled(status),
             entry_id: None,
             hold_id: Some(hold),
+            monitor: None,
         }
     }
 }
@@ -78,6 +98,7 @@ pub(super) struct EventColumns<'a> {
     pub kinds: Vec<&'static str>,
     pub entries: Vec<Option<Uuid>>,
     pub holds: Vec<Option<Uuid>>,
+    pub monitors: Vec<Option<i64>>,
 }
 
 impl<'a> EventColumns<'a> {
@@ -88,6 +109,7 @@ impl<'a> EventColumns<'a> {
             columns.kinds.push(event.kind.as_str());
             columns.entries.push(event.entry_id);
             columns.holds.push(event.hold_id);
+            columns.monitors.push(event.monitor);
         }
         columns
     }
@@ -102,6 +124,8 @@ pub struct StoredEvent {
     pub created_at: DateTime<Utc>,
     pub entry: Option<Entry>,
     pub hold: Option<Hold>,
+    /// The monitor a balance event crossed.
+    pub monitor: Option<Monitor>,
 }
 
 impl StoredEvent {
@@ -156,6 +180,7 @@ pub async fn page(
     const SELECTED: &str = concat!(
         "select e.wallet_id as event_wallet, e.seq as event_seq, e.position::text::int8 as event_position,
                 e.type as event_type, e.created_at as event_created_at, e.hold_id as event_hold,
+                e.monitor as event_monitor,
                 le.id, le.wallet_id, le.seq, le.kind, le.amount, le.balance_after, le.fence, le.reference,
                 le.metadata, le.transfer_id, le.refund_of, le.hold_id, le.created_at",
         " from event e
@@ -216,12 +241,18 @@ pub async fn page(
         if let Some(hold) = row.try_get::<Option<Uuid>, _>("event_hold")? {
             hold_of.push((events.len(), cursor.wallet_id.clone(), hold));
         }
+        let monitor = match (kind, row.try_get::<Option<i64>, _>("event_monitor")?) {
+            (EventType::BalanceBelow, Some(amount)) => Some(Monitor::Below(amount)),
+            (EventType::BalanceAbove, Some(amount)) => Some(Monitor::Above(amount)),
+            _ => None,
+        };
         events.push(StoredEvent {
             cursor,
             kind,
             created_at: row.try_get("event_created_at")?,
             entry,
             hold: None,
+            monitor,
         });
     }
     if !hold_of.is_empty() {

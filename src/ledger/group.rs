@@ -40,7 +40,7 @@ use super::idempotency::{KeyRef, ResponseRow};
 use super::storage::Storage;
 use super::transfer::{MovementRecord, Transfer};
 use super::{Entry, StoreError, WalletRead};
-use crate::domain::{EntryKind, FenceStanding, Metadata};
+use crate::domain::{EntryKind, FenceStanding, Metadata, Monitors};
 use chrono::{DateTime, Utc};
 use sqlx::types::Json;
 use sqlx::{PgConnection, QueryBuilder, Row};
@@ -66,6 +66,7 @@ pub enum ReadOutcome {
         held: i64,
         fence: i64,
         owner: Option<Arc<str>>,
+        monitors: Monitors,
     },
     /// The row has seen this fence or a higher one (see [`StoreError::FenceBehind`]).
     FenceBehind {
@@ -144,7 +145,7 @@ pub async fn read(
                  and k.key = q.key
                  and k.expires_at < now() and k.wallet_id = any($9::text[])
            )
-           select w.id as wallet_id, w.balance, w.held, w.version, w.fence, w.owner,
+           select w.id as wallet_id, w.balance, w.held, w.version, w.fence, w.owner, w.monitors,
                   null::text as caller, null::text as scope, null::text as key,
                   null::bytea as fingerprint, null::int2 as status, null::text as content_type,
                   null::bytea as body, null::uuid as hold_id, null::text as hold_wallet,
@@ -155,7 +156,7 @@ pub async fn read(
            from wallet w
            where w.id = any($1::text[]) and w.id = any($9::text[])
            union all
-           select null, null, null, null, null, null, k.caller, k.scope, k.key, k.fingerprint,
+           select null, null, null, null, null, null, null, k.caller, k.scope, k.key, k.fingerprint,
                   k.status, k.content_type, k.body, null, null, null, null, null, null, null, null,
                   null, null
            from idempotency_key k
@@ -164,13 +165,13 @@ pub async fn read(
                 and k.key = q.key
            where k.expires_at >= now() and k.wallet_id = any($9::text[])
            union all
-           select null, null, null, null, null, null, null, null, null, null, null, null, null,
+           select null, null, null, null, null, null, null, null, null, null, null, null, null, null,
                   h.id, h.wallet_id, h.amount, h.status, h.expires_at, h.reference, h.created_at,
                   h.fence, h.movement_id, h.metadata
            from hold h
            where h.id = any($5::uuid[]) and h.wallet_id = any($9::text[])
            union all
-           select null, null, null, null, null, null, null, null, null, null, null, null, null,
+           select null, null, null, null, null, null, null, null, null, null, null, null, null, null,
                   h.id, h.wallet_id, h.amount, h.status, h.expires_at, h.reference, h.created_at,
                   h.fence, h.movement_id, h.metadata
            from hold h
@@ -197,7 +198,8 @@ pub async fn read(
             let wallet = WalletRead { balance: row.try_get("balance")?, version: row.try_get("version")? };
             let owner = row.try_get::<Option<&str>, _>("owner")?.map(Arc::from);
             let (held, fence) = (row.try_get("held")?, row.try_get("fence")?);
-            rows_read.insert(id, ReadOutcome::Ready { wallet, held, fence, owner });
+            let monitors = row.try_get::<Json<Monitors>, _>("monitors")?.0;
+            rows_read.insert(id, ReadOutcome::Ready { wallet, held, fence, owner, monitors });
         } else if let Some(id) = row.try_get::<Option<Uuid>, _>("hold_id")? {
             let hold = Hold {
                 id,
@@ -312,7 +314,22 @@ pub struct GroupWrite<'a> {
     /// What happened to each wallet, in the order it happened: numbered after the wallet's last
     /// event by the write itself, so the decision needs no count of them.
     pub events: Vec<&'a EventWrite>,
+    /// The wallets whose monitors the write changes, with what they become.
+    pub monitors: Vec<(&'a str, &'a Monitors)>,
+    /// Each of `wallets`' monitors as read, which its row must still have (beside the composite
+    /// `wallet_write`, which a replica of an earlier release binds as it was).
+    pub read_monitors: Vec<&'a Monitors>,
 }
+
+impl<'a> GroupWrite<'a> {
+    /// A write of `wallets`, each read with no monitors, and nothing else yet.
+    pub fn of(wallets: Vec<WalletWrite<'a>>) -> Self {
+        let read_monitors = vec![&NO_MONITORS; wallets.len()];
+        GroupWrite { wallets, read_monitors, ..GroupWrite::default() }
+    }
+}
+
+static NO_MONITORS: Monitors = Monitors::NONE;
 
 /// What a [`commit`] did, by wallet id.
 #[derive(Debug, Default)]
@@ -468,7 +485,8 @@ composite!(MovementWriteRow<'_>, "movement_write");
 /// The compare-and-set of every wallet write, on one Postgres and under Citus alike: the row `l`
 /// as locked is exactly the state `b` was decided from.
 const MATCHES_AS_READ: &str = "l.fence = b.read_fence and l.version = b.read_version \
-     and l.balance = b.read_balance and l.held = b.read_held and l.owner is not distinct from b.owner";
+     and l.balance = b.read_balance and l.held = b.read_held and l.owner is not distinct from b.owner \
+     and l.monitors = b.read_monitors";
 
 /// [`commit`]'s statement on one Postgres: the wallets' compare-and-set, then whatever the wallets
 /// that matched bring. `{holds}` is the holds' two CTEs and `{movements}` the transfers' and
@@ -515,10 +533,12 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
     // language=PostgreSQL
     format!(
         r#"with b as (
-               select * from unnest($1::wallet_write[])
+               -- The monitors as read beside each wallet's write (migration 0024).
+               select w.*, ($21::jsonb[])[w.ordinality] as read_monitors
+               from unnest($1::wallet_write[]) with ordinality as w
            ),
            locked as (
-               select id, fence, version, balance, held, owner from wallet
+               select id, fence, version, balance, held, owner, monitors from wallet
                where id = any(array(select id from b)) order by id for update skip locked
            ),
            matched as (
@@ -527,15 +547,19 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                having bool_and(l.id is not null and {MATCHES_AS_READ})
            ),
            ev as (
-               select v.wallet_id, v.type, v.entry_id, v.hold_id,
+               select v.wallet_id, v.type, v.entry_id, v.hold_id, v.monitor,
                       count(*) over (partition by v.wallet_id) as of_wallet,
                       row_number() over (partition by v.wallet_id order by v.n) as nth
-               from unnest($14::text[], $15::text[], $16::uuid[], $17::uuid[]) with ordinality
-                   as v(wallet_id, type, entry_id, hold_id, n)
+               from unnest($14::text[], $15::text[], $16::uuid[], $17::uuid[], $18::int8[]) with ordinality
+                   as v(wallet_id, type, entry_id, hold_id, monitor, n)
            ),
            moved as (
                update wallet w set balance = b.balance, version = b.version, fence = b.fence,
                                    held = b.held, updated_at = now(),
+                                   monitors = coalesce(
+                                       (select m.monitors from unnest($19::text[], $20::jsonb[])
+                                            as m(wallet_id, monitors) where m.wallet_id = w.id),
+                                       w.monitors),
                                    event_seq = w.event_seq + coalesce(
                                        (select max(ev.of_wallet) from ev where ev.wallet_id = w.id), 0),
                                    event_position = greatest(w.event_position, pg_current_xact_id())
@@ -544,9 +568,9 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                returning w.id, w.event_seq, w.event_position
            ),
            events as (
-               insert into event (wallet_id, seq, position, type, entry_id, hold_id, created_at)
+               insert into event (wallet_id, seq, position, type, entry_id, hold_id, monitor, created_at)
                select ev.wallet_id, m.event_seq - ev.of_wallet + ev.nth, m.event_position, ev.type,
-                      ev.entry_id, ev.hold_id, $6
+                      ev.entry_id, ev.hold_id, ev.monitor, $6
                from ev join moved m on m.id = ev.wallet_id
            ),{holds}{movements}
            entries as (
@@ -596,6 +620,7 @@ pub async fn commit(
     if storage == Storage::Citus {
         return Box::pin(commit_routed(conn, write, created_at, retention)).await;
     }
+    assert_eq!(write.read_monitors.len(), write.wallets.len(), "each wallet's monitors as read, beside it");
     let with_holds = !(write.placed.is_empty() && write.settled.is_empty());
     let with_movements = !(write.transfers.is_empty() && write.movements.is_empty());
     let statement = COMMITS[usize::from(with_holds) + 2 * usize::from(with_movements)].as_str();
@@ -635,6 +660,10 @@ pub async fn commit(
         .bind(&events.kinds)
         .bind(&events.entries)
         .bind(&events.holds)
+        .bind(&events.monitors)
+        .bind(write.monitors.iter().map(|(id, _)| *id).collect::<Vec<_>>())
+        .bind(write.monitors.iter().map(|(_, monitors)| Json(*monitors)).collect::<Vec<_>>())
+        .bind(write.read_monitors.iter().map(|monitors| Json(*monitors)).collect::<Vec<_>>())
         .fetch_all(conn)
         .await?;
     let mut committed = Committed::default();
@@ -709,18 +738,19 @@ async fn commit_routed(
         // language=PostgreSQL
         format!(
             r#"with locked as (
-                   select id, fence, version, balance, held, owner from wallet
+                   select id, fence, version, balance, held, owner, monitors from wallet
                    where id = $1 for update skip locked
                ),
                b as (
                    select * from (values ($2::int8, $3::int8, $4::int8, $5::int8, $6::int8, $7::text,
-                                          $8::int8, $9::int8, $10::int8))
+                                          $8::int8, $9::int8, $10::int8, $14::jsonb))
                        as b(fence, read_fence, read_version, read_balance, read_held, owner,
-                            balance, held, version)
+                            balance, held, version, read_monitors)
                ),
                moved as (
                    update wallet w set balance = b.balance, version = b.version, fence = b.fence,
                                        held = b.held, updated_at = now(),
+                                       monitors = coalesce($13::jsonb, w.monitors),
                                        event_seq = w.event_seq + $11,
                                        event_position = greatest(w.event_position, $12::text::xid8)
                    from locked l, b
@@ -736,7 +766,7 @@ async fn commit_routed(
     let mut committed = Committed::default();
     // Each moved wallet's last event number before this write, and the position of its events.
     let mut numbered: HashMap<&str, (i64, i64)> = HashMap::new();
-    for w in &write.wallets {
+    for (n, w) in write.wallets.iter().enumerate() {
         let events = write.events.iter().filter(|e| e.wallet_id == w.id).count() as i64;
         let row = sqlx::query(sqlx::AssertSqlSafe(WRITE_ONE.as_str()))
             .bind(w.id)
@@ -751,6 +781,8 @@ async fn commit_routed(
             .bind(w.version)
             .bind(events)
             .bind(position.to_string())
+            .bind(write.monitors.iter().find(|(id, _)| *id == w.id).map(|(_, monitors)| Json(*monitors)))
+            .bind(Json(write.read_monitors[n]))
             .fetch_one(&mut *tx)
             .await?;
         if row.try_get("moved")? {
@@ -866,13 +898,13 @@ async fn commit_routed(
         .collect();
     if !events.is_empty() {
         let mut insert = QueryBuilder::new(
-            "insert into event (wallet_id, seq, position, type, entry_id, hold_id, created_at) ",
+            "insert into event (wallet_id, seq, position, type, entry_id, hold_id, monitor, created_at) ",
         );
         insert.push_values(&events, |mut row, (event, seq, position)| {
             row.push_bind(&event.wallet_id).push_bind(*seq);
             row.push_bind(position.to_string()).push_unseparated("::text::xid8");
             row.push_bind(event.kind.as_str()).push_bind(event.entry_id).push_bind(event.hold_id);
-            row.push_bind(created_at);
+            row.push_bind(event.monitor).push_bind(created_at);
         });
         insert.build().execute(&mut *tx).await?;
     }

@@ -43,8 +43,8 @@ mod tutorial;
 pub mod webhooks;
 
 pub use crate::domain::{
-    Access, Amount, Field, HoldLife, InvalidInput, LegRefusal, Legs, Metadata, Movement, Parties, Refusal,
-    SameWallet, WalletId,
+    Access, Amount, Field, HoldLife, InvalidInput, LegRefusal, Legs, Metadata, Monitors, Movement, Parties,
+    Refusal, SameWallet, WalletId,
 };
 // The rows the service answers with, as the store reads them; its callers map them to what they
 // show (the HTTP layer, to bodies of its own).
@@ -78,8 +78,13 @@ use tokio_util::task::TaskTracker;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Moved {
     Entry(Entry),
-    Hold { hold: Hold, entry: Option<Entry> },
+    Hold {
+        hold: Hold,
+        entry: Option<Entry>,
+    },
     Released,
+    /// A monitor set or removed: the wallet's monitors after it.
+    Monitors(Monitors),
 }
 
 impl Moved {

@@ -42,9 +42,7 @@ use crate::ledger::Entry;
 use crate::ledger::group as store_round;
 use crate::ledger::idempotency::KeyRef;
 use crate::ledger::storage::Storage;
-use crate::ledger::transfer::{
-    self as store, FoundMovement, FoundTransfer, LockedWallet, MovementRecord, Transfer,
-};
+use crate::ledger::transfer::{self as store, FoundMovement, FoundTransfer, MovementRecord, Transfer};
 use crate::telemetry::metrics::{FENCE_REFUSALS, PAYEE_BATCH_ALONE, TRANSFERS};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -549,7 +547,7 @@ impl Wallets {
         let mut rows: Vec<(i64, Option<Held>)> = Vec::with_capacity(wallets.len());
         for wallet in &wallets {
             rows.push(match locked.get(wallet.as_str()) {
-                Some(row) => (fences.for_row(wallet, row.fence)?, Some(held_of(row))),
+                Some(row) => (fences.for_row(wallet, row.fence)?, Some(Held::of_locked(row))),
                 // A missing wallet is the answer of the movements that name it.
                 None => (0, None),
             });
@@ -621,18 +619,6 @@ impl Wallets {
         super::commit(tx).await?;
         crate::failpoint::hit("after_commit");
         Ok(plan.results(Ok(true)))
-    }
-}
-
-/// A wallet row as locked, as the decision holds it.
-fn held_of(row: &LockedWallet) -> Held {
-    Held {
-        balance: row.balance,
-        held: row.held,
-        version: row.version,
-        fence: row.fence,
-        owner: row.owner.as_deref().map(std::sync::Arc::from),
-        from_note: false,
     }
 }
 

@@ -7,7 +7,7 @@ use crate::outage::fleet_by_path;
 use crate::support::app::spawn_app;
 use crate::support::fleet::{Fleet, audit};
 use crate::support::load::open_wallets;
-use crate::support::{OTHER_TOKEN, TestEnv, api_client_with};
+use crate::support::{OTHER_TOKEN, TestEnv, api_client_with, eventually};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -363,7 +363,13 @@ async fn the_audit_finds_an_entry_without_its_event_and_a_gap_in_a_wallets_event
     let app = spawn_app(&env).await;
     app.open_wallet("gap", 100).await;
     app.open_wallet("quiet", 100).await;
-    assert_eq!(app.post_json("/wallets/gap/pay", json!({ "amount": 10 })).await.status(), 200);
+    app.open_wallet("crossed", 100).await;
+    for wallet in ["gap", "crossed"] {
+        assert_eq!(
+            app.post_json(&format!("/wallets/{wallet}/pay"), json!({ "amount": 10 })).await.status(),
+            200
+        );
+    }
     let (ok, report) = audit(&app._schema.url);
     assert!(ok, "{report}");
 
@@ -383,12 +389,264 @@ async fn the_audit_finds_an_entry_without_its_event_and_a_gap_in_a_wallets_event
     .execute(&app.db)
     .await
     .unwrap();
+    // And a balance event its entry did not cross: the payment took `crossed` from 100 to 90.
+    let (position,): (String,) = sqlx::query_as(
+        "select position::text from event where wallet_id = 'crossed' order by seq desc limit 1",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    sqlx::query("update wallet set event_seq = 3 where id = 'crossed'").execute(&app.db).await.unwrap();
+    sqlx::query(
+        "insert into event (wallet_id, seq, position, type, entry_id, monitor, created_at)
+         select 'crossed', 3, $1::xid8, 'wallet.balance_below', id, 50, clock_timestamp()
+         from ledger_entry where wallet_id = 'crossed' and seq = 2",
+    )
+    .bind(position)
+    .execute(&app.db)
+    .await
+    .unwrap();
     let (ok, report) = audit(&app._schema.url);
     assert!(!ok, "{report}");
-    for problem in
-        ["wallet gap: event_seq 3 but 2 events numbered up to 2", "wallet quiet entry 2: 0 events name it"]
-    {
+    for problem in [
+        "wallet gap: event_seq 3 but 2 events numbered up to 2",
+        "wallet quiet entry 2: 0 events name it",
+        "wallet crossed event 3: wallet.balance_below of 50, which its entry did not cross",
+    ] {
         assert!(report.contains(problem), "the audit reports `{problem}`:\n{report}");
     }
-    assert!(report.contains("audit FAILED: 2 problems"), "and nothing else:\n{report}");
+    assert!(report.contains("audit FAILED: 3 problems"), "and nothing else:\n{report}");
+}
+
+/// The events of `wallet` in the feed once `done` says they are all there (a transaction of
+/// another test on a shared database may hold the feed back for a moment).
+async fn events_of(fleet: &Fleet, wallet: &str, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let events = read_all(fleet, &format!("&wallet_id={wallet}")).await;
+        if done(&events) {
+            return events;
+        }
+        assert!(std::time::Instant::now() < deadline, "the feed of {wallet} stays at {events:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `events` after the first `skip`, as (type, monitor) — the monitor as `below 50` or
+/// `above 150` — with each balance event's entry the same as the event's before it.
+fn balance_story(events: &[Value], skip: usize) -> Vec<(String, String)> {
+    let mut story = Vec::new();
+    for (n, event) in events.iter().enumerate().skip(skip) {
+        let monitor = match event["monitor"].as_object().and_then(|m| m.iter().next()) {
+            Some((side, amount)) => {
+                assert_eq!(event["entry"]["id"], events[n - 1]["entry"]["id"], "its movement's: {event}");
+                format!("{side} {amount}")
+            }
+            None => String::new(),
+        };
+        story.push((event["type"].as_str().unwrap().to_owned(), monitor));
+    }
+    story
+}
+
+fn story(events: &[(&str, &str)]) -> Vec<(String, String)> {
+    events.iter().map(|(kind, monitor)| (kind.to_string(), monitor.to_string())).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_balance_monitor_fires_once_per_crossing_in_the_commit_of_the_movement_that_crossed_it() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 2, &[]).await;
+    open_wallets(&fleet, &["watched", "payee"], 100).await;
+    for (monitor, set) in [
+        (json!({ "below": 50 }), json!([{ "below": 50 }])),
+        (json!({ "above": 150 }), json!([{ "below": 50 }, { "above": 150 }])),
+    ] {
+        let (status, body) = post(&fleet, "/wallets/watched/monitors", monitor).await;
+        assert_eq!((status, &body["monitors"]), (201, &set), "{body}");
+    }
+    let watched: Value =
+        fleet.client.get(fleet.url("/wallets/watched")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(watched["monitors"], json!([{ "below": 50 }, { "above": 150 }]));
+
+    // Across every kind of movement: a payment, a deposit, a transfer and a split.
+    for (path, body) in [
+        ("/wallets/watched/pay", json!({ "amount": 60 })), // 100 → 40: below 50
+        ("/wallets/watched/pay", json!({ "amount": 10 })), // 40 → 30: still below
+        ("/wallets/watched/deposit", json!({ "amount": 200 })), // 30 → 230: above 150
+        ("/transfers", json!({ "from": "watched", "to": "payee", "amount": 190 })), // 40: below 50
+        (
+            "/movements",
+            json!({ "legs": [{ "wallet_id": "payee", "amount": -10 },
+                                        { "wallet_id": "watched", "amount": 10 }] }),
+        ), // 50: neither
+    ] {
+        let (status, moved) = post(&fleet, path, body).await;
+        assert!(status == 200 || status == 201, "{path}: {moved}");
+    }
+    let events = events_of(&fleet, "watched", |events| events.len() >= 9).await;
+    assert_eq!(
+        balance_story(&events, 1),
+        story(&[
+            ("payment.accepted", ""),
+            ("wallet.balance_below", "below 50"),
+            ("payment.accepted", ""),
+            ("deposit.accepted", ""),
+            ("wallet.balance_above", "above 150"),
+            ("transfer.accepted", ""),
+            ("wallet.balance_below", "below 50"),
+            ("movement.accepted", ""),
+        ])
+    );
+
+    // Removed, it fires no more; the other still does.
+    let delete = fleet.client.delete(fleet.url("/wallets/watched/monitors/below/50")).send().await.unwrap();
+    assert_eq!(delete.status(), 200);
+    assert_eq!(delete.json::<Value>().await.unwrap()["monitors"], json!([{ "above": 150 }]));
+    assert_eq!(post(&fleet, "/wallets/watched/pay", json!({ "amount": 20 })).await.0, 200); // 30
+    assert_eq!(post(&fleet, "/wallets/watched/deposit", json!({ "amount": 121 })).await.0, 200); // 151
+    let events = events_of(&fleet, "watched", |events| events.len() >= 12).await;
+    assert_eq!(
+        balance_story(&events, 9),
+        story(&[("payment.accepted", ""), ("deposit.accepted", ""), ("wallet.balance_above", "above 150")])
+    );
+
+    // Set with a key, it is set once, and the retry is answered as the first was.
+    let set = || {
+        fleet
+            .client
+            .post(fleet.url("/wallets/watched/monitors"))
+            .header("idempotency-key", "monitor-1")
+            .json(&json!({ "below": 10 }))
+            .send()
+    };
+    let (first, again) = (set().await.unwrap(), set().await.unwrap());
+    assert_eq!((first.status().as_u16(), again.status().as_u16()), (201, 201));
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(first.json::<Value>().await.unwrap(), again.json::<Value>().await.unwrap());
+
+    // Every bad ask is a 4xx that changes nothing.
+    let before = read_all(&fleet, "&wallet_id=watched").await.len();
+    for n in 0..6 {
+        assert_eq!(post(&fleet, "/wallets/watched/monitors", json!({ "above": 1000 + n })).await.0, 201);
+    }
+    let full: Value =
+        fleet.client.get(fleet.url("/wallets/watched")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(full["monitors"].as_array().unwrap().len(), 8);
+    let other = api_client_with(OTHER_TOKEN);
+    for (client, method, path, body, status, code) in [
+        (&fleet.client, "POST", "/wallets/watched/monitors", json!({ "below": 5 }), 422, "too_many_monitors"),
+        (
+            &fleet.client,
+            "POST",
+            "/wallets/watched/monitors",
+            json!({ "below": 1, "above": 2 }),
+            400,
+            "invalid_monitor",
+        ),
+        (&fleet.client, "POST", "/wallets/watched/monitors", json!({}), 400, "invalid_monitor"),
+        (
+            &fleet.client,
+            "POST",
+            "/wallets/watched/monitors",
+            json!({ "below": 1_000_000_000_001_i64 }),
+            400,
+            "invalid_monitor",
+        ),
+        (&fleet.client, "POST", "/wallets/watched/monitors", json!({ "below": "5" }), 400, "invalid_body"),
+        (&fleet.client, "POST", "/wallets/watched/monitors", json!({ "under": 5 }), 400, "invalid_body"),
+        (&fleet.client, "POST", "/wallets/nobody/monitors", json!({ "below": 5 }), 404, "wallet_not_found"),
+        (&other, "POST", "/wallets/watched/monitors", json!({ "below": 5 }), 404, "wallet_not_found"),
+        (
+            &fleet.client,
+            "DELETE",
+            "/wallets/watched/monitors/below/999",
+            Value::Null,
+            404,
+            "monitor_not_found",
+        ),
+        (
+            &fleet.client,
+            "DELETE",
+            "/wallets/watched/monitors/sideways/5",
+            Value::Null,
+            400,
+            "invalid_monitor",
+        ),
+        (
+            &fleet.client,
+            "DELETE",
+            "/wallets/watched/monitors/below/five",
+            Value::Null,
+            400,
+            "invalid_monitor",
+        ),
+        (&other, "DELETE", "/wallets/watched/monitors/above/150", Value::Null, 404, "wallet_not_found"),
+    ] {
+        let request = match method {
+            "POST" => client.post(fleet.url(path)).json(&body),
+            _ => client.delete(fleet.url(path)),
+        };
+        let response = request.send().await.unwrap();
+        let answered = response.status().as_u16();
+        let problem: Value = response.json().await.unwrap();
+        assert_eq!(
+            (answered, problem["code"].as_str()),
+            (status, Some(code)),
+            "{method} {path} {body}: {problem}"
+        );
+    }
+    let after: Value =
+        fleet.client.get(fleet.url("/wallets/watched")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(after["monitors"], full["monitors"], "nothing changed");
+    assert_eq!(read_all(&fleet, "&wallet_id=watched").await.len(), before);
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_monitor_set_on_leases_fires_under_postgres_alone_through_a_redis_outage_and_after_it() {
+    let mut env = TestEnv::with_own_redis();
+    let fleet = Fleet::start(&env, 2, &[]).await;
+    open_wallets(&fleet, &["kept"], 100).await;
+    assert_eq!(post(&fleet, "/wallets/kept/monitors", json!({ "below": 50 })).await.0, 201);
+    // On leases, decided from the lease's note: the monitor is in it.
+    assert_eq!(post(&fleet, "/wallets/kept/pay", json!({ "amount": 1 })).await.0, 200); // 99
+    assert_eq!(post(&fleet, "/wallets/kept/pay", json!({ "amount": 60 })).await.0, 200); // 39
+    assert_eq!(post(&fleet, "/wallets/kept/deposit", json!({ "amount": 61 })).await.0, 200); // 100
+    // Under Postgres alone, decided from the row.
+    env.own_redis().kill();
+    let (on_leases, _) = fleet_by_path(&fleet).await;
+    assert_eq!(post(&fleet, "/wallets/kept/pay", json!({ "amount": 60 })).await.0, 200); // 40
+    assert_eq!(post(&fleet, "/wallets/kept/monitors", json!({ "above": 90 })).await.0, 201);
+    assert_eq!(post(&fleet, "/wallets/kept/deposit", json!({ "amount": 60 })).await.0, 200); // 100
+    let (_, alone) = fleet_by_path(&fleet).await;
+    assert!(
+        alone > 0.0 && on_leases > 0.0,
+        "moved on leases ({on_leases}) and under Postgres alone ({alone})"
+    );
+    // Back on leases (an empty Redis: no note), decided from the row again.
+    env.own_redis().start_again();
+    eventually("payments are back on leases", Duration::from_secs(30), || async {
+        let before = fleet_by_path(&fleet).await.0;
+        assert_eq!(post(&fleet, "/wallets/kept/deposit", json!({ "amount": 1 })).await.0, 200);
+        fleet_by_path(&fleet).await.0 > before
+    })
+    .await;
+    let kept: Value =
+        fleet.client.get(fleet.url("/wallets/kept")).send().await.unwrap().json().await.unwrap();
+    let to_forty = kept["balance"].as_i64().unwrap() - 40;
+    let paid = post(&fleet, "/wallets/kept/pay", json!({ "amount": to_forty })).await;
+    assert_eq!(paid.0, 200, "{}", paid.1);
+    let last = paid.1["id"].clone();
+    let events = events_of(&fleet, "kept", |events| events.iter().any(|e| e["entry"]["id"] == last)).await;
+    let story = balance_story(&events, 1);
+    let balance_events: Vec<&str> = story
+        .iter()
+        .filter(|(kind, _)| kind.starts_with("wallet.balance"))
+        .map(|(_, m)| m.as_str())
+        .collect();
+    assert_eq!(balance_events, ["below 50", "below 50", "above 90", "below 50"], "{story:?}");
+    let (ok, report) = audit(&fleet.database_url);
+    assert!(ok, "{report}");
 }

@@ -89,10 +89,9 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
     ));
     let newer_entry = payment(&ids[1], 6, 2, 10, 90);
     let write = GroupWrite {
-        wallets: first_writes(&ids[1..2], 6),
         entries: vec![&newer_entry],
         keys: Vec::new(),
-        ..Default::default()
+        ..GroupWrite::of(first_writes(&ids[1..2], 6))
     };
     let committed =
         group::commit(&mut conn, Storage::OnePostgres, &write, chrono::Utc::now(), Duration::from_secs(60))
@@ -102,10 +101,9 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
 
     let entries: Vec<Entry> = ids.iter().map(|id| payment(id, 5, 2, 10, 90)).collect();
     let write = GroupWrite {
-        wallets: first_writes(&ids, 5),
         entries: entries.iter().collect(),
         keys: Vec::new(),
-        ..Default::default()
+        ..GroupWrite::of(first_writes(&ids, 5))
     };
     let committed =
         group::commit(&mut conn, Storage::OnePostgres, &write, chrono::Utc::now(), Duration::from_secs(60))
@@ -134,11 +132,7 @@ async fn the_wallets_of_one_group_are_written_all_or_none() {
     let mut conn = db.acquire().await.unwrap();
     // A newer holder writes the second wallet first.
     let newer_entry = payment(&ids[1], 6, 2, 10, 90);
-    let newer = GroupWrite {
-        wallets: first_writes(&ids[1..2], 6),
-        entries: vec![&newer_entry],
-        ..Default::default()
-    };
+    let newer = GroupWrite { entries: vec![&newer_entry], ..GroupWrite::of(first_writes(&ids[1..2], 6)) };
     let now = chrono::Utc::now();
     group::commit(&mut conn, Storage::OnePostgres, &newer, now, Duration::from_secs(60)).await.unwrap();
 
@@ -147,7 +141,7 @@ async fn the_wallets_of_one_group_are_written_all_or_none() {
     let entries: Vec<Entry> = ids.iter().map(|id| payment(id, 5, 2, 10, 90)).collect();
     let mut wallets = first_writes(&ids, 5);
     wallets[1].group = wallets[0].group;
-    let write = GroupWrite { wallets, entries: entries.iter().collect(), ..Default::default() };
+    let write = GroupWrite { entries: entries.iter().collect(), ..GroupWrite::of(wallets) };
     let committed =
         group::commit(&mut conn, Storage::OnePostgres, &write, now, Duration::from_secs(60)).await.unwrap();
     assert_eq!(committed.moved, [ids[2].as_str().to_owned()].into(), "{committed:?}");
@@ -187,8 +181,7 @@ async fn a_round_leaves_out_a_wallet_whose_row_another_statement_holds_and_write
             version: 2,
         })
         .collect();
-    let write =
-        GroupWrite { wallets, entries: entries.iter().collect(), keys: Vec::new(), ..Default::default() };
+    let write = GroupWrite { entries: entries.iter().collect(), keys: Vec::new(), ..GroupWrite::of(wallets) };
     let started = Instant::now();
     let committed =
         group::commit(&mut conn, Storage::OnePostgres, &write, chrono::Utc::now(), Duration::from_secs(60))
@@ -329,10 +322,9 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                         }
                     }
                     let write = GroupWrite {
-                        wallets,
                         entries: entries.iter().collect(),
                         keys: Vec::new(),
-                        ..Default::default()
+                        ..GroupWrite::of(wallets)
                     };
                     group::commit(
                         &mut conn,

@@ -34,7 +34,7 @@ async fn each_holder_leaves_the_wallet_as_it_wrote_it_for_the_next() {
     let (wallets, id, db, _schema) = opened(&env, 100).await;
     assert_eq!(
         note(&env, &id).await.as_deref(),
-        Some("w2:100:0:1:0:tester"),
+        Some("w3:100:0:1:0::tester"),
         "balance:held:version:fence:owner"
     );
 
@@ -43,7 +43,7 @@ async fn each_holder_leaves_the_wallet_as_it_wrote_it_for_the_next() {
 
     assert_eq!((first.balance, second.balance), (70, 50));
     assert!(second.fence > first.fence, "two leases, one after the other");
-    let expected = format!("w2:50:0:3:{}:tester", second.fence);
+    let expected = format!("w3:50:0:3:{}::tester", second.fence);
     assert_eq!(note(&env, &id).await, Some(expected), "the last holder's write");
     let books = books(&db, id.as_str()).await;
     assert_eq!((books.balance, books.ledger_sum, books.pays), (50, 50, 2));
@@ -54,7 +54,7 @@ async fn a_stale_note_costs_a_read_and_moves_nothing_by_itself() {
     let env = TestEnv::new();
     let (wallets, id, db, _schema) = opened(&env, 100).await;
     // A note left behind by a write it does not know of: the row has version 1, balance 100.
-    forge_note(&env, &id, "w2:40:0:1:0:tester").await;
+    forge_note(&env, &id, "w3:40:0:1:0::tester").await;
 
     let entry =
         wallets.apply(&tester(), &id, pay(70), None).await.entry().expect("decided on the row, not the note");
@@ -70,7 +70,7 @@ async fn a_note_forged_to_show_more_money_spends_none_of_it() {
     let (wallets, id, db, _schema) = opened(&env, 100).await;
     // Anyone who may write to Redis can write a note: the row's own version and fence, a richer
     // balance.
-    forge_note(&env, &id, "w2:1000000:0:1:0:tester").await;
+    forge_note(&env, &id, "w3:1000000:0:1:0::tester").await;
 
     let refused = wallets.apply(&tester(), &id, pay(500), None).await.entry();
 
@@ -88,11 +88,11 @@ async fn a_note_naming_another_owner_neither_hides_the_wallet_nor_hands_it_over(
     let (wallets, id, db, _schema) = opened(&env, 100).await;
     let other = Access::own_wallets("other");
 
-    forge_note(&env, &id, "w2:100:0:1:0:other").await;
+    forge_note(&env, &id, "w3:100:0:1:0::other").await;
     let taken = wallets.apply(&other, &id, pay(10), None).await.entry();
     assert!(matches!(taken, Err(WalletError::NotFound)), "{taken:?}");
 
-    forge_note(&env, &id, "w2:100:0:1:0:other").await;
+    forge_note(&env, &id, "w3:100:0:1:0::other").await;
     let owners =
         wallets.apply(&tester(), &id, pay(10), None).await.entry().expect("the owner's payment runs");
     assert_eq!(owners.balance, 90);
@@ -106,12 +106,14 @@ async fn a_note_that_is_not_one_is_ignored() {
     let (wallets, id, _db, _schema) = opened(&env, 100).await;
     for garbage in [
         "",
-        "w2:",
-        "w1:100:1:0:tester",
-        "w2:100:0:x:0:tester",
-        "w2:-5:0:1:0:tester",
-        "w2:100:0:1:99:tester",
-        "w2:100:101:1:0:tester",
+        "w3:",
+        "w2:100:0:1:0:tester",
+        "w3:100:0:1:0:x5:tester",
+        "w3:100:0:1:0:b1.b2.b3.b4.b5.b6.b7.b8.b9:tester",
+        "w3:100:0:x:0::tester",
+        "w3:-5:0:1:0::tester",
+        "w3:100:0:1:99::tester",
+        "w3:100:101:1:0::tester",
     ] {
         forge_note(&env, &id, garbage).await;
         let entry = wallets.apply(&tester(), &id, pay(1), None).await.entry();

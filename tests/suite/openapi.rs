@@ -36,6 +36,8 @@ const ROUTES: &[(&str, &str, &[&str])] = &[
     ("post", "/movements/{id}/refund", &["201", "400", "401", "404", "409", "413", "415", "422", "503"]),
     ("post", "/wallets/{id}/holds", &["201", "400", "401", "404", "409", "413", "415", "422", "503"]),
     ("get", "/holds/{id}", GET_STATUSES),
+    ("post", "/wallets/{id}/monitors", &["201", "400", "401", "404", "409", "413", "415", "422", "503"]),
+    ("delete", "/wallets/{id}/monitors/{side}/{amount}", &["200", "400", "401", "404", "409", "422", "503"]),
     ("post", "/holds/{id}/capture", POST_STATUSES),
     ("post", "/holds/{id}/void", &["200", "400", "401", "404", "409", "422", "503"]),
     ("get", "/events", GET_STATUSES),

@@ -1202,7 +1202,7 @@ async fn write_pair(tx: &mut sqlx::PgConnection, pair: [&str; 2]) -> Result<usiz
         })
         .collect();
     let storage = Storage::of(&mut *tx).await?;
-    let write = GroupWrite { wallets, ..Default::default() };
+    let write = GroupWrite { ..GroupWrite::of(wallets) };
     let committed =
         group::commit(&mut *tx, storage, &write, chrono::Utc::now(), Duration::from_secs(60)).await?;
     Ok(committed.moved.len())

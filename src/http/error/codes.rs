@@ -77,6 +77,7 @@ pub const INVALID_KIND: ErrorCode = replica(S::BAD_REQUEST, "invalid_kind", FIEL
 pub const INVALID_ORDER: ErrorCode = replica(S::BAD_REQUEST, "invalid_order", FIELD_BROKE_ITS_RULE);
 pub const INVALID_EVENT_TYPE: ErrorCode = replica(S::BAD_REQUEST, "invalid_event_type", FIELD_BROKE_ITS_RULE);
 pub const INVALID_WAIT: ErrorCode = replica(S::BAD_REQUEST, "invalid_wait", FIELD_BROKE_ITS_RULE);
+pub const INVALID_MONITOR: ErrorCode = replica(S::BAD_REQUEST, "invalid_monitor", FIELD_BROKE_ITS_RULE);
 pub const INVALID_ENDPOINT_ID: ErrorCode =
     replica(S::BAD_REQUEST, "invalid_endpoint_id", FIELD_BROKE_ITS_RULE);
 pub const SAME_WALLET: ErrorCode = replica(
@@ -121,6 +122,8 @@ pub const INVALID_WEBHOOK_URL: ErrorCode = replica(
     "invalid_webhook_url",
     "an endpoint's URL that is not a public http or https URL (a private, loopback or link-local address, unless the operator allows its host); nothing was changed",
 );
+pub const MONITOR_NOT_FOUND: ErrorCode =
+    replica(S::NOT_FOUND, "monitor_not_found", "the wallet has no such monitor; nothing was changed");
 pub const PAYMENT_NOT_FOUND: ErrorCode =
     replica(S::NOT_FOUND, "payment_not_found", "no `pay` entry of this wallet with this id");
 pub const HOLD_NOT_FOUND: ErrorCode =
@@ -179,6 +182,11 @@ pub const CAPTURE_EXCEEDS_HOLD: ErrorCode = replica(
     S::UNPROCESSABLE_ENTITY,
     "capture_exceeds_hold",
     "the capture asks more than the hold holds (`held`); nothing was charged",
+);
+pub const TOO_MANY_MONITORS: ErrorCode = replica(
+    S::UNPROCESSABLE_ENTITY,
+    "too_many_monitors",
+    "the wallet has as many monitors as it may (`detail` says how many); remove one first; nothing was changed",
 );
 pub const BALANCE_OVERFLOW: ErrorCode = replica(
     S::UNPROCESSABLE_ENTITY,
@@ -294,6 +302,7 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &INVALID_ORDER,
     &INVALID_EVENT_TYPE,
     &INVALID_WAIT,
+    &INVALID_MONITOR,
     &INVALID_ENDPOINT_ID,
     &SAME_WALLET,
     &MALFORMED_JSON,
@@ -308,6 +317,7 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &TRANSFER_NOT_FOUND,
     &WEBHOOK_ENDPOINT_NOT_FOUND,
     &INVALID_WEBHOOK_URL,
+    &MONITOR_NOT_FOUND,
     &PAYMENT_NOT_FOUND,
     &HOLD_NOT_FOUND,
     &MOVEMENT_NOT_FOUND,
@@ -326,6 +336,7 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &UNSUPPORTED_MEDIA_TYPE,
     &INSUFFICIENT_FUNDS,
     &CAPTURE_EXCEEDS_HOLD,
+    &TOO_MANY_MONITORS,
     &BALANCE_OVERFLOW,
     &REFUND_EXCEEDS_PAYMENT,
     &IDEMPOTENCY_KEY_REUSED,
@@ -423,7 +434,8 @@ mod tests {
             | Field::Cursor
             | Field::EventType
             | Field::Wait
-            | Field::EndpointId => (),
+            | Field::EndpointId
+            | Field::Monitor => (),
         };
         for field in [
             Field::WalletId,
@@ -451,6 +463,7 @@ mod tests {
             Field::EventType,
             Field::Wait,
             Field::EndpointId,
+            Field::Monitor,
         ] {
             let listed =
                 named(field.code()).unwrap_or_else(|| panic!("{} is not in ERROR_CODES", field.code()));

@@ -388,12 +388,16 @@ impl Deciding<'_, '_> {
 
     /// Applies `entries` (one a leg, in `touched`'s order) of a movement whose legs are events of
     /// type `between` to the job's wallets.
+    /// Each entry's event comes first, then those of the monitors it crossed.
     fn apply(&mut self, entries: &[Entry], touched: &[usize], between: EventType) {
+        let mut crossings = Vec::new();
         for (entry, &w) in entries.iter().zip(touched) {
             let held = self.state[w].as_mut().expect("touched wallets exist");
+            crossings.extend(EventWrite::of_crossings(entry, &held.monitors, held.balance));
             (held.balance, held.version) = (entry.balance, entry.version);
         }
         self.plan.events.extend(entries.iter().map(|entry| EventWrite::of_entry(entry, between)));
+        self.plan.events.extend(crossings);
         self.plan.entries.extend(entries.iter().cloned());
     }
 
@@ -943,7 +947,7 @@ mod tests {
     }
 
     fn held(balance: i64, held: i64) -> Held {
-        Held { balance, held, version: 5, fence: 3, owner: Some(Arc::from(OWNER)), from_note: false }
+        Held::of_tests(balance, held, OWNER)
     }
 
     fn render(outcome: &TransferOutcome) -> StoredResponse {

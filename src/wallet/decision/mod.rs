@@ -24,7 +24,7 @@ pub use legs::{HeldMovement, LegsOp, LegsPlan, LegsWallet, RefundOf, SettleAs, d
 
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
 use crate::domain::{
-    Amount, EntryKind, EventType, FenceStanding, Funds, HoldStatus, Metadata, capture_amount,
+    Amount, EntryKind, EventType, FenceStanding, Funds, HoldStatus, Metadata, Monitors, capture_amount,
 };
 use crate::idempotency::{Keyed, Prior, StoredResponse};
 use crate::ledger::event::EventWrite;
@@ -67,21 +67,37 @@ pub struct Held {
     pub fence: i64,
     /// The caller that owns the wallet (it never changes).
     pub owner: Option<Arc<str>>,
+    /// The balance monitors set on it: every movement is decided with them, and one that crosses
+    /// one writes its event ([`Monitors::crossed`]).
+    pub monitors: Monitors,
     /// Only the lease's note says so (see [`Held::from_note`]): no write of this holder has matched
     /// it yet, so a write that does not match means the note was stale, not that the lease was lost.
     pub from_note: bool,
 }
 
 /// The version of the notes' layout: a note of another layout is not read.
-const NOTE_LAYOUT: &str = "w2";
+const NOTE_LAYOUT: &str = "w3";
+
+#[cfg(test)]
+impl Held {
+    /// A wallet of `owner` at version 5 and fence 3, with no monitors: the unit tests' start.
+    pub(crate) fn of_tests(balance: i64, held: i64, owner: &str) -> Held {
+        let owner = Some(Arc::from(owner));
+        Held { balance, held, version: 5, fence: 3, owner, monitors: Monitors::NONE, from_note: false }
+    }
+}
 
 impl Held {
     /// The note a holder leaves for the wallet's next one when it releases the lease
     /// ([`crate::lease::Lease::release_with_note`]): this state,
-    /// `w2:balance:held:version:fence:owner`.
+    /// `w3:balance:held:version:fence:monitors:owner` (monitors: [`Monitors::to_note`]).
     pub fn to_note(&self) -> String {
         let owner = self.owner.as_deref().unwrap_or_default();
-        format!("{NOTE_LAYOUT}:{}:{}:{}:{}:{owner}", self.balance, self.held, self.version, self.fence)
+        let monitors = self.monitors.to_note();
+        format!(
+            "{NOTE_LAYOUT}:{}:{}:{}:{}:{monitors}:{owner}",
+            self.balance, self.held, self.version, self.fence
+        )
     }
 
     /// The wallet as `note` says it was left, for the lease holding `fence`; `None` if it is not a
@@ -90,12 +106,13 @@ impl Held {
     /// conditional on every field of it (see [`crate::ledger::group::commit`]), so a stale or forged
     /// note moves nothing and costs a read.
     pub fn from_note(note: &str, fence: i64) -> Option<Held> {
-        let mut fields = note.splitn(6, ':');
+        let mut fields = note.splitn(7, ':');
         if fields.next() != Some(NOTE_LAYOUT) {
             return None;
         }
         let mut number = || fields.next().and_then(|field| field.parse::<i64>().ok());
         let (balance, held, version, written_by) = (number()?, number()?, number()?, number()?);
+        let monitors = Monitors::from_note(fields.next()?)?;
         let owner = fields.next()?;
         let owner = (!owner.is_empty()).then(|| Arc::from(owner));
         let plausible = FenceStanding::of(fence, written_by) == FenceStanding::Above;
@@ -105,8 +122,22 @@ impl Held {
             version,
             fence: written_by,
             owner,
+            monitors,
             from_note: true,
         })
+    }
+
+    /// The wallet as its row, locked, has it.
+    pub fn of_locked(row: &crate::ledger::transfer::LockedWallet) -> Held {
+        Held {
+            balance: row.balance,
+            held: row.held,
+            version: row.version,
+            fence: row.fence,
+            owner: row.owner.as_deref().map(Arc::from),
+            monitors: row.monitors.clone(),
+            from_note: false,
+        }
     }
 
     fn funds(&self) -> Funds {
@@ -290,9 +321,11 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             }
         }
     }
+    let mut monitors = held.monitors.clone();
     // The ops of this batch that carry each key: (op index, fingerprint).
     let mut first_with_key: HashMap<(&str, &str, &str), (usize, &[u8; 32])> = HashMap::new();
     for (n, op) in ops.iter().enumerate() {
+        let balance_before = funds.balance;
         if !op.access.may_use(held.owner.as_deref()) {
             plan.decisions.push(Decision::Hidden);
             continue;
@@ -403,10 +436,19 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
                 return plan;
             }
             Movement::ReleaseExpired => Ok(Moved::Released),
+            Movement::AddMonitor(monitor) => monitors.with(*monitor).map(|after| {
+                monitors = after;
+                Moved::Monitors(monitors.clone())
+            }),
+            Movement::RemoveMonitor(monitor) => monitors.without(*monitor).map(|after| {
+                monitors = after;
+                Moved::Monitors(monitors.clone())
+            }),
         };
         if let Some(entry) = outcome.as_ref().ok().and_then(Moved::entry) {
             // Only deposits, payments and captures are decided here: no leg between wallets.
             plan.events.push(EventWrite::of_entry(entry, EventType::MovementAccepted));
+            plan.events.extend(EventWrite::of_crossings(entry, &monitors, balance_before));
             plan.entries.push(entry.clone());
         }
         // Short of funds while something is held: the holds that expired may cover it, and only a
@@ -433,6 +475,7 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             version,
             fence,
             owner: held.owner.clone(),
+            monitors,
             from_note: false,
         };
     }
@@ -551,7 +594,7 @@ fn standing(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::HoldLife;
+    use crate::domain::{HoldLife, Monitor};
     use crate::idempotency::{IdempotencyKey, Scope};
     use crate::ledger::idempotency::ResponseRow;
     use proptest::prelude::*;
@@ -567,7 +610,7 @@ mod tests {
     }
 
     fn held(balance: i64, held: i64) -> Held {
-        Held { balance, held, version: 5, fence: 3, owner: Some(Arc::from(OWNER)), from_note: false }
+        Held::of_tests(balance, held, OWNER)
     }
 
     fn render(outcome: &MovementOutcome) -> StoredResponse {
@@ -731,6 +774,66 @@ mod tests {
         assert_eq!(plan.entries[0].hold_id, Some(hold.id));
     }
 
+    fn with_monitors(balance: i64, monitors: &[Monitor]) -> Held {
+        Held { monitors: Monitors::new(monitors.iter().copied()), ..held(balance, 0) }
+    }
+
+    fn deposit(n: i64) -> Movement {
+        Movement::Deposit { amount: amount(n), metadata: Metadata::default() }
+    }
+
+    /// The balance events of a plan: (type, monitor, the entry that crossed it).
+    fn crossings(plan: &Plan) -> Vec<(EventType, i64, Uuid)> {
+        let balance_events = plan.events.iter().filter(|e| e.monitor.is_some());
+        balance_events.map(|e| (e.kind, e.monitor.unwrap(), e.entry_id.unwrap())).collect()
+    }
+
+    #[test]
+    fn a_movement_that_crosses_a_monitor_writes_its_event_right_after_its_own() {
+        let start = with_monitors(100, &[Monitor::Below(50), Monitor::Above(120)]);
+        let ops = [
+            op(pay(60)),                                  // 100 → 40: below 50
+            op(pay(10)),                                  // 40 → 30: still below, nothing
+            op(deposit(100)),                             // 30 → 130: above 120
+            op(pay(90)),                                  // 130 → 40: below 50 again
+            op(Movement::AddMonitor(Monitor::Below(35))), // no event: it is not crossed
+            op(pay(10)),                                  // 40 → 30: below 35
+        ];
+        let plan = World::new().decide(&start, &ops);
+        let entry = |n: usize| plan.entry_of(n).unwrap().id;
+        assert_eq!(
+            crossings(&plan),
+            [
+                (EventType::BalanceBelow, 50, entry(0)),
+                (EventType::BalanceAbove, 120, entry(2)),
+                (EventType::BalanceBelow, 50, entry(3)),
+                (EventType::BalanceBelow, 35, entry(5)),
+            ]
+        );
+        for (n, event) in plan.events.iter().enumerate().filter(|(_, e)| e.monitor.is_some()) {
+            assert_eq!(plan.events[n - 1].entry_id, event.entry_id, "right after its entry's event");
+        }
+        assert_eq!(plan.after.monitors.list(), [Monitor::Below(35), Monitor::Below(50), Monitor::Above(120)]);
+        assert_eq!((plan.after.balance, plan.after.version), (30, 10), "a monitor set writes no entry");
+    }
+
+    #[test]
+    fn a_ninth_monitor_or_removing_one_not_set_is_refused_and_changes_nothing() {
+        let eight: Vec<Monitor> = (0..8).map(Monitor::Above).collect();
+        let ops =
+            [op(Movement::AddMonitor(Monitor::Below(1))), op(Movement::RemoveMonitor(Monitor::Below(2)))];
+        let plan = World::new().decide(&with_monitors(100, &eight), &ops);
+        assert!(matches!(plan.decisions[0], Decision::Refused(Refusal::TooManyMonitors { most: 8 })));
+        assert!(matches!(plan.decisions[1], Decision::Refused(Refusal::MonitorNotFound)));
+        assert_eq!(plan.after.monitors.list(), eight, "the monitors are as they were");
+        assert!(plan.events.is_empty() && plan.entries.is_empty());
+
+        let ops = [op(Movement::RemoveMonitor(Monitor::Above(3))), op(pay(100))];
+        let plan = World::new().decide(&with_monitors(100, &[Monitor::Above(3), Monitor::Below(1)]), &ops);
+        assert_eq!(plan.after.monitors.list(), [Monitor::Below(1)]);
+        assert_eq!(crossings(&plan), [(EventType::BalanceBelow, 1, plan.entries[0].id)]);
+    }
+
     /// A movement for the property tests: holds are named by their index among the known ones.
     #[derive(Debug, Clone)]
     enum Step {
@@ -868,6 +971,36 @@ mod tests {
                     prop_assert!(legs[..n].iter().all(|l| !l.debit || l.funds.available() >= l.amount.get()));
                 }
             }
+        }
+
+        #[test]
+        fn a_monitor_fires_once_for_each_time_the_balance_goes_past_it(
+            start in 0..1_000_i64,
+            thresholds in proptest::collection::vec((any::<bool>(), 0..1_000_i64), 0..=Monitors::MOST),
+            moves in proptest::collection::vec((any::<bool>(), 1..400_i64), 0..24),
+        ) {
+            let monitors: Vec<Monitor> = thresholds
+                .iter()
+                .map(|&(below, at)| if below { Monitor::Below(at) } else { Monitor::Above(at) })
+                .collect();
+            let ops: Vec<Op> = moves.iter().map(|&(out, n)| op(if out { pay(n) } else { deposit(n) })).collect();
+            let plan = World::new().decide(&with_monitors(start, &monitors), &ops);
+            // Every step of the balance, entry by entry, and the monitors each step went past.
+            let mut expected = Vec::new();
+            let mut balance = start;
+            for entry in &plan.entries {
+                for monitor in Monitors::new(monitors.iter().copied()).list() {
+                    let (passed, kind) = match *monitor {
+                        Monitor::Below(at) => (balance >= at && entry.balance < at, EventType::BalanceBelow),
+                        Monitor::Above(at) => (balance <= at && entry.balance > at, EventType::BalanceAbove),
+                    };
+                    if passed {
+                        expected.push((kind, monitor.amount(), entry.id));
+                    }
+                }
+                balance = entry.balance;
+            }
+            prop_assert_eq!(crossings(&plan), expected);
         }
 
         #[test]

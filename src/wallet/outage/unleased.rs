@@ -20,7 +20,7 @@
 use crate::ledger::group::{self as store, GroupWrite, HoldsToRead};
 use crate::ledger::idempotency::KeyRef;
 use crate::ledger::storage::{KnownStorage, Storage};
-use crate::ledger::transfer::{LockedWallet, lock_free_wallets, lock_wallets};
+use crate::ledger::transfer::{lock_free_wallets, lock_wallets};
 use crate::telemetry::metrics::BATCH_SIZE;
 use crate::wallet::decision::{self, Batch, Held, Known, Op, Plan};
 use crate::wallet::outage::{Path, count_path};
@@ -30,7 +30,6 @@ use crate::wallet::transfer::ROW_LOCK_TIMEOUT;
 use crate::wallet::{Moved, WalletError, WalletId, Wallets};
 use sqlx::{PgConnection, PgPool};
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
@@ -174,7 +173,7 @@ async fn run_round(db: &PgPool, settings: RoundSettings, storage: Storage, round
     let mut locked: Vec<Locked> = Vec::with_capacity(round.len());
     for (id, ops, reply) in round {
         match rows.get(id.as_str()) {
-            Some(row) => locked.push(Locked { held: held(row), id, ops, reply }),
+            Some(row) => locked.push(Locked { held: Held::of_locked(row), id, ops, reply }),
             None => {
                 let _ = reply.send(RoundOutcome::NotRun(ops));
             }
@@ -238,18 +237,6 @@ async fn decide_write_commit(
             Err(err) => plan.results(Err(err)),
         })
         .collect())
-}
-
-/// The wallet as its locked row has it.
-fn held(row: &LockedWallet) -> Held {
-    Held {
-        balance: row.balance,
-        held: row.held,
-        version: row.version,
-        fence: row.fence,
-        owner: row.owner.as_deref().map(Arc::from),
-        from_note: false,
-    }
 }
 
 /// Reads the keys and holds of `batches` (their rows locked, so they are as the rows' last writers
@@ -348,7 +335,7 @@ impl Wallets {
         let Some(row) = rows.get(id.as_str()) else {
             return Ok(ops.iter().map(|_| Err(WalletError::NotFound)).collect());
         };
-        let held = held(row);
+        let held = Held::of_locked(row);
         let storage = self.storage.on(&mut tx).await?;
         let batch = Batch { id, fence: held.fence, held: &held, ops };
         let mut results = Box::pin(decide_write_commit(tx, storage, &[batch], self.round_settings)).await?;
