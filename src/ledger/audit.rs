@@ -601,8 +601,10 @@ async fn keys(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreE
                -- reports the movement of its entry, which has a leg of the scope's wallet.
                or (e.transfer_id is not null and k.scope like $1 || '%'
                    and (convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.transfer_id::text
+                        -- (By the wallet first: the index is (wallet_id, transfer_id).)
                         or not exists (select 1 from ledger_entry l
-                                       where l.transfer_id = e.transfer_id and k.scope = $1 || l.wallet_id)))
+                                       where l.wallet_id = substr(k.scope, length($1) + 1)
+                                         and l.transfer_id = e.transfer_id)))
                or (k.scope = 'wallets'
                    and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is distinct from e.wallet_id)
                or (k.scope = 'transfers' and e.id is not null
