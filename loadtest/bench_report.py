@@ -7,6 +7,7 @@ DIR/bench.json (for loadtest/chart.py) and DIR/bench.md (the table, the targets,
 the machine), and prints the table and the targets.
 """
 
+import datetime
 import glob
 import json
 import os
@@ -125,7 +126,28 @@ def walletlock_row(label, scenario, run_dir, status):
         "books_line": books_line,
         "status": status,
         "dir": run_dir,
+        "webhooks": webhooks(run_dir),
     }
+
+
+def webhooks(run_dir):
+    """What `walletlock events listen` took in a webhook run (loadtest/bench's webhook_done), with
+    the drain's seconds: from the listener's start to its first event (`wait`) and from its first
+    to its last (`drain`); None for other runs."""
+    try:
+        w = load_json(os.path.join(run_dir, "webhooks.json"))
+    except (OSError, ValueError):
+        return None
+
+    def at(key):
+        # RFC 3339 with nanoseconds (date) or microseconds (chrono): seconds since the epoch.
+        text = re.sub(r"(\.\d{6})\d*", r"\1", w[key]).replace("Z", "+00:00")
+        return datetime.datetime.fromisoformat(text).timestamp()
+
+    if w.get("first_at") and w.get("last_at") and w.get("listened_at"):
+        w["wait_seconds"] = at("first_at") - at("listened_at")
+        w["drain_seconds"] = at("last_at") - at("first_at")
+    return w
 
 
 def markdown(header, rows):
@@ -294,12 +316,43 @@ def targets(rows, listed=()):
     no_events = "walletlock: spread, events off"
     ratio("spread ÷ spread with events off payments/s ≥ 0.9", spread, no_events, 0.9)
     gone = missing(spread, no_events)
-    flushes = [(by[label].get("costs") or {}).get("per_unit", {}).get("wal_flushes") for label in (spread, no_events)]
+    flushes = [] if gone else [(by[label].get("costs") or {}).get("per_unit", {}).get("wal_flushes")
+                               for label in (spread, no_events)]
     if gone or None in flushes:
         out.append(("spread: WAL flushes per payment with events ≤ with them off + 0.01", gone or "not measured", None))
     else:
         out.append(("spread: WAL flushes per payment with events ≤ with them off + 0.01",
                     f"{flushes[0]:.3f} vs {flushes[1]:.3f}", flushes[0] <= flushes[1] + 0.01))
+    # Issue 36 (webhooks): spread's payments with an endpoint whose receiver (`walletlock events
+    # listen`) runs through the load, and with one that is down through it and started after.
+    hooks, after = "walletlock: spread, webhooks", "walletlock: spread, webhooks after"
+    ratio("spread with a webhook endpoint ÷ spread payments/s (stated)", hooks, spread, None)
+
+    def delivered(r):
+        w = r.get("webhooks") or {}
+        return w.get("events", 0) == w.get("expected", -1) and w.get("bad_signatures", 1) == 0
+
+    def lag(r):
+        w = r.get("webhooks") or {}
+        p99 = w.get("lag_p99_seconds")
+        shown = "?" if p99 is None else f"{p99:.3f}"
+        return f"{shown} s ({w.get('events'):,} of {w.get('expected'):,} events delivered)"
+
+    bounded("webhooks: event lag p99 ≤ 1 s with the receiver healthy, every event delivered", hooks, lag,
+            lambda r: delivered(r) and (r["webhooks"].get("lag_p99_seconds") or 99) <= 1)
+
+    def drain(r):
+        w = r.get("webhooks") or {}
+        if not w.get("drain_seconds"):
+            return None
+        return w["events"] / w["drain_seconds"] / r["rps"] if r["rps"] else None
+
+    bounded("webhooks: a backlog drains at ≥ 2x the payment rate, every event delivered", after,
+            lambda r: "not measured" if drain(r) is None else
+            f"{drain(r):.2f}x ({r['webhooks']['events']:,} events in {r['webhooks']['drain_seconds']:.1f} s, "
+            f"{r['rps']:,.0f} payments/s; the first {r['webhooks']['wait_seconds']:.1f} s after the receiver "
+            f"came back)",
+            lambda r: drain(r) is not None and delivered(r) and drain(r) >= 2)
     return out
 
 
