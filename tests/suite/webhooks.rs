@@ -94,8 +94,9 @@ async fn every_event_reaches_the_endpoint_in_order_through_a_failing_receiver_an
             tokio::spawn(async move { move_money(&fleet, n, stop, refused).await })
         })
         .collect();
-    // The receiver takes, then fails half, goes away, hangs past the timeout, and takes again;
-    // meanwhile the replica delivering the most is stopped for a while, then killed.
+    // The receiver takes, then fails half, goes away for 10 s, hangs past the timeout, answers
+    // slowly, and takes again; meanwhile the replica delivering the most is stopped for a while,
+    // then killed.
     tokio::time::sleep(Duration::from_secs(1)).await;
     receiver.set_mode(Mode::FailHalf);
     let paused = busiest_dispatcher(&fleet_ref).await;
@@ -103,9 +104,11 @@ async fn every_event_reaches_the_endpoint_in_order_through_a_failing_receiver_an
     tokio::time::sleep(Duration::from_secs(2)).await;
     fleet_ref.replicas[paused].signal(Signal::SIGCONT);
     receiver.down().await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
     receiver.up().await;
     receiver.set_mode(Mode::Hang);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    receiver.set_mode(Mode::Slow);
     tokio::time::sleep(Duration::from_secs(2)).await;
     receiver.set_mode(Mode::Take);
     stop.store(true, Ordering::Relaxed);

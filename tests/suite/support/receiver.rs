@@ -27,9 +27,12 @@ pub enum Mode {
     FailHalf = 1,
     /// Answers only after `HANG`, past the sender's timeout (and takes it then).
     Hang = 2,
+    /// Takes it after `SLOW`, well within the sender's timeout.
+    Slow = 3,
 }
 
 pub const HANG: Duration = Duration::from_secs(3);
+pub const SLOW: Duration = Duration::from_millis(250);
 
 /// A delivery the receiver took (or saw), with a valid signature.
 #[derive(Debug, Clone)]
@@ -79,6 +82,7 @@ async fn take(State(inbox): State<Arc<Inbox>>, headers: HeaderMap, body: Bytes) 
     match inbox.mode.load(Ordering::Relaxed) {
         1 if n % 2 == 0 => return StatusCode::INTERNAL_SERVER_ERROR,
         2 => tokio::time::sleep(HANG).await,
+        3 => tokio::time::sleep(SLOW).await,
         _ => {}
     }
     let body: Value = serde_json::from_slice(&body).expect("a delivery's body is JSON");
