@@ -66,6 +66,8 @@ pub enum Field {
     EndpointId,
     /// A balance monitor: `below` or `above`, and its amount.
     Monitor,
+    /// A wallet's limits.
+    Limits,
 }
 
 impl Field {
@@ -98,6 +100,7 @@ impl Field {
             Field::Wait => "wait",
             Field::EndpointId => "id",
             Field::Monitor => "monitor",
+            Field::Limits => "limits",
         }
     }
 
@@ -125,6 +128,7 @@ impl Field {
             Field::Wait => "invalid_wait",
             Field::EndpointId => "invalid_endpoint_id",
             Field::Monitor => "invalid_monitor",
+            Field::Limits => "invalid_limits",
         }
     }
 }
@@ -363,6 +367,8 @@ pub enum Movement {
     /// every movement after it is decided with it.
     AddMonitor(Monitor),
     RemoveMonitor(Monitor),
+    /// The wallet's limits replaced by these.
+    SetLimits(Limits),
 }
 
 /// Where a hold stands. `Held` past its expiry is expired, though no movement has released it yet.
@@ -583,9 +589,7 @@ impl Monitor {
     }
 }
 
-/// A wallet's monitors, in order, each once, at most [`Monitors::MOST`]. Stored with the wallet's
-/// row (`monitors`, migration 0024) and changed under its lease, by the decision, like its
-/// balance: so the movement that crosses one is decided with every monitor set before it.
+/// A wallet's monitors, in order, each once, at most [`Monitors::MOST`] (one of its [`Rules`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(transparent)]
 pub struct Monitors(Vec<Monitor>);
@@ -632,28 +636,89 @@ impl Monitors {
         }
         Ok(Monitors(self.0.iter().copied().filter(|m| *m != monitor).collect()))
     }
+}
 
-    /// As a lease's note writes them: `b<amount>` and `a<amount>`, joined by `.` (empty: none).
+/// A wallet's limits on what it may spend (docs/api/limits.md): a credit line down to a negative
+/// balance, and a cap on each debit. `Copy`, so every [`Funds`] carries its wallet's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Limits {
+    /// How far below zero the balance may go: what is available is the balance plus this, less
+    /// what is held. 0: none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub overdraft: i64,
+    /// The most one debit may take: a payment, a hold, a transfer's or movement's debit leg.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_payment: Option<i64>,
+}
+
+fn is_zero(n: &i64) -> bool {
+    *n == 0
+}
+
+impl Limits {
+    pub const NONE: Limits = Limits { overdraft: 0, per_payment: None };
+
+    /// These limits in place of `was`, for a wallet at `funds`: refused if the wallet already owes
+    /// more than the new overdraft allows (it would be under its floor at once).
+    pub fn replacing(self, funds: Funds) -> Result<Limits, Refusal> {
+        let available = Funds { limits: self, ..funds }.available();
+        if available < 0 {
+            return Err(Refusal::LimitBelowUsed { used: funds.held - funds.balance });
+        }
+        Ok(self)
+    }
+}
+
+/// What a wallet's owner set on it beside its balance: its monitors and its limits. Stored with
+/// its row (`rules`, migration 0024) and changed under its lease by the decision, like its
+/// balance, so each movement is decided with every rule set before it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Rules {
+    #[serde(default, skip_serializing_if = "Monitors::is_empty")]
+    pub monitors: Monitors,
+    #[serde(default, flatten)]
+    pub limits: Limits,
+}
+
+impl Rules {
+    pub const NONE: Rules = Rules { monitors: Monitors::NONE, limits: Limits::NONE };
+
+    /// As a lease's note writes them: the monitors' `b<amount>` and `a<amount>`, then `o<amount>`
+    /// for an overdraft and `p<amount>` for a cap per payment, joined by `.` (empty: none).
     pub fn to_note(&self) -> String {
-        let each = self.0.iter().map(|m| format!("{}{}", &m.side()[..1], m.amount()));
-        each.collect::<Vec<_>>().join(".")
+        let mut each: Vec<String> =
+            self.monitors.0.iter().map(|m| format!("{}{}", &m.side()[..1], m.amount())).collect();
+        if self.limits.overdraft != 0 {
+            each.push(format!("o{}", self.limits.overdraft));
+        }
+        if let Some(cap) = self.limits.per_payment {
+            each.push(format!("p{cap}"));
+        }
+        each.join(".")
     }
 
     /// What [`Self::to_note`] wrote; `None` if it is not that.
-    pub fn from_note(note: &str) -> Option<Monitors> {
+    pub fn from_note(note: &str) -> Option<Rules> {
+        let mut rules = Rules::default();
         if note.is_empty() {
-            return Some(Monitors::default());
+            return Some(rules);
         }
-        let each = note.split('.').map(|m| {
-            let amount = m.get(1..)?.parse::<i64>().ok()?;
-            match m.as_bytes().first()? {
-                b'b' => Some(Monitor::Below(amount)),
-                b'a' => Some(Monitor::Above(amount)),
-                _ => None,
+        let mut monitors = Vec::new();
+        for token in note.split('.') {
+            let amount = token.get(1..)?.parse::<i64>().ok()?;
+            match token.as_bytes().first()? {
+                b'b' => monitors.push(Monitor::Below(amount)),
+                b'a' => monitors.push(Monitor::Above(amount)),
+                b'o' => rules.limits.overdraft = amount,
+                b'p' => rules.limits.per_payment = Some(amount),
+                _ => return None,
             }
-        });
-        let monitors: Vec<Monitor> = each.collect::<Option<_>>()?;
-        (monitors.len() <= Self::MOST).then(|| Monitors::new(monitors))
+        }
+        if monitors.len() > Monitors::MOST {
+            return None;
+        }
+        rules.monitors = Monitors::new(monitors);
+        Some(rules)
     }
 }
 
@@ -712,6 +777,7 @@ impl Movement {
             Movement::ReleaseExpired => "release_expired",
             Movement::AddMonitor(_) => "add_monitor",
             Movement::RemoveMonitor(_) => "remove_monitor",
+            Movement::SetLimits(_) => "set_limits",
         }
     }
 }
@@ -750,6 +816,8 @@ impl Refusal {
             Refusal::CaptureExceedsHold { .. } => "capture_exceeds_hold",
             Refusal::TooManyMonitors { .. } => "too_many_monitors",
             Refusal::MonitorNotFound => "monitor_not_found",
+            Refusal::LimitExceeded { .. } => "limit_exceeded",
+            Refusal::LimitBelowUsed { .. } => "limit_below_used",
         }
     }
 }
@@ -790,6 +858,26 @@ pub enum Refusal {
     /// A monitor to remove that the wallet does not have.
     #[error("the wallet has no such monitor")]
     MonitorNotFound,
+    /// A debit past one of the wallet's limits: `left` is the most it allows now.
+    #[error("over the wallet's {} limit: at most {left}", limit.as_str())]
+    LimitExceeded { limit: LimitKind, left: i64 },
+    /// New limits the wallet is already past: it owes `used` beyond its balance and holds.
+    #[error("the wallet already uses {used} of its overdraft")]
+    LimitBelowUsed { used: i64 },
+}
+
+/// Which of a wallet's limits a debit would pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitKind {
+    PerPayment,
+}
+
+impl LimitKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimitKind::PerPayment => "per_payment",
+        }
+    }
 }
 
 /// The furthest a lease's fence may stand above the fence of the row it writes: 2^32. Every lease
@@ -942,15 +1030,28 @@ pub fn pro_rata(total: i64, sizes: &[i64]) -> Vec<i64> {
 pub struct Funds {
     pub balance: i64,
     pub held: i64,
+    /// The wallet's limits: its overdraft moves the floor, its cap bounds each debit.
+    pub limits: Limits,
 }
 
 impl Funds {
-    pub fn available(self) -> i64 {
-        self.balance - self.held
+    /// A balance with `held` of it reserved, and no limits.
+    pub fn new(balance: i64, held: i64) -> Funds {
+        Funds { balance, held, limits: Limits::NONE }
     }
 
-    /// The balance after paying `amount` out of the available balance, or why it cannot be paid.
+    /// What may be spent: the balance and the overdraft, less what is held. Never below zero
+    /// once decided ([`Limits::replacing`] keeps it so when an overdraft shrinks).
+    pub fn available(self) -> i64 {
+        self.balance + self.limits.overdraft - self.held
+    }
+
+    /// The balance after paying `amount` out of the available balance, or why it cannot be paid:
+    /// over the wallet's cap per payment, or more than is available.
     pub fn pay(self, amount: Amount) -> Result<i64, Refusal> {
+        if let Some(cap) = self.limits.per_payment.filter(|cap| amount.get() > *cap) {
+            return Err(Refusal::LimitExceeded { limit: LimitKind::PerPayment, left: cap });
+        }
         if amount.get() <= self.available() {
             Ok(self.balance - amount.get())
         } else {
@@ -1062,18 +1163,18 @@ mod tests {
     #[test]
     fn a_payment_spends_only_what_no_hold_reserves() {
         let amount = |amount| Amount::new(amount).unwrap();
-        assert_eq!(Funds { balance: 10, held: 0 }.pay(amount(10)), Ok(0));
+        assert_eq!(Funds::new(10, 0).pay(amount(10)), Ok(0));
         assert_eq!(
-            Funds { balance: 10, held: 0 }.pay(amount(11)),
+            Funds::new(10, 0).pay(amount(11)),
             Err(Refusal::InsufficientFunds { balance: 10, available: 10 })
         );
-        assert_eq!(Funds { balance: 10, held: 4 }.pay(amount(6)), Ok(4), "what is held stays");
+        assert_eq!(Funds::new(10, 4).pay(amount(6)), Ok(4), "what is held stays");
         assert_eq!(
-            Funds { balance: 10, held: 4 }.pay(amount(7)),
+            Funds::new(10, 4).pay(amount(7)),
             Err(Refusal::InsufficientFunds { balance: 10, available: 6 })
         );
-        assert_eq!(Funds { balance: 10, held: 4 }.hold(amount(6)), Ok(10), "a hold reserves the rest");
-        assert!(Funds { balance: 10, held: 4 }.hold(amount(7)).is_err());
+        assert_eq!(Funds::new(10, 4).hold(amount(6)), Ok(10), "a hold reserves the rest");
+        assert!(Funds::new(10, 4).hold(amount(7)).is_err());
     }
 
     #[test]
@@ -1169,9 +1270,9 @@ mod tests {
     #[test]
     fn a_deposit_never_overflows_the_balance() {
         let max = Amount::new(Amount::MAX).unwrap();
-        assert_eq!(Funds { balance: 5, held: 0 }.deposit(max), Ok(5 + Amount::MAX));
+        assert_eq!(Funds::new(5, 0).deposit(max), Ok(5 + Amount::MAX));
         assert_eq!(
-            Funds { balance: i64::MAX - 1, held: 0 }.deposit(max),
+            Funds::new(i64::MAX - 1, 0).deposit(max),
             Err(Refusal::BalanceOverflow { balance: i64::MAX - 1 })
         );
     }
@@ -1257,27 +1358,50 @@ mod tests {
     }
 
     #[test]
-    fn a_note_that_is_not_monitors_is_refused() {
-        assert_eq!(Monitors::from_note(""), Some(Monitors::NONE));
-        assert_eq!(
-            Monitors::from_note("b-5.a7"),
-            Some(Monitors::new([Monitor::Below(-5), Monitor::Above(7)]))
-        );
-        for bad in ["x5", "b", "b5.", ".a7", "b5..a7", "b5a7", "a1.a2.a3.a4.a5.a6.a7.a8.a9"] {
-            assert_eq!(Monitors::from_note(bad), None, "{bad:?}");
+    fn a_note_that_is_not_rules_is_refused() {
+        assert_eq!(Rules::from_note(""), Some(Rules::NONE));
+        let rules = Rules {
+            monitors: Monitors::new([Monitor::Below(-5), Monitor::Above(7)]),
+            limits: Limits { overdraft: 300, per_payment: Some(50) },
+        };
+        assert_eq!(Rules::from_note("b-5.a7.o300.p50"), Some(rules));
+        for bad in ["x5", "b", "b5.", ".a7", "b5..a7", "b5a7", "o", "p1.5", "a1.a2.a3.a4.a5.a6.a7.a8.a9"] {
+            assert_eq!(Rules::from_note(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn an_overdraft_moves_the_floor_and_a_cap_bounds_each_debit() {
+        let amount = |amount| Amount::new(amount).unwrap();
+        let limits = Limits { overdraft: 100, per_payment: Some(60) };
+        let funds = Funds { limits, ..Funds::new(30, 10) };
+        assert_eq!(funds.available(), 120);
+        assert_eq!(funds.pay(amount(60)), Ok(-30), "into the overdraft");
+        let over_cap = Err(Refusal::LimitExceeded { limit: LimitKind::PerPayment, left: 60 });
+        assert_eq!(funds.pay(amount(61)), over_cap);
+        assert_eq!(funds.hold(amount(61)), over_cap, "a hold is a debit too");
+        let deep = Funds { balance: -60, ..funds };
+        assert_eq!(deep.pay(amount(31)), Err(Refusal::InsufficientFunds { balance: -60, available: 30 }));
+        // Shrinking the overdraft below what the wallet owes (60, and 10 held) is refused.
+        assert_eq!(
+            Limits { overdraft: 69, per_payment: None }.replacing(deep),
+            Err(Refusal::LimitBelowUsed { used: 70 })
+        );
+        assert!(Limits { overdraft: 70, per_payment: None }.replacing(deep).is_ok());
     }
 
     proptest! {
         #[test]
-        fn every_set_of_monitors_reads_back_from_its_note(
+        fn every_set_of_rules_reads_back_from_its_note(
             monitors in proptest::collection::vec(
                 prop_oneof![any::<i64>().prop_map(Monitor::Below), any::<i64>().prop_map(Monitor::Above)],
                 0..=Monitors::MOST,
             ),
+            overdraft in prop_oneof![Just(0_i64), 1..i64::MAX],
+            per_payment in proptest::option::of(1..i64::MAX),
         ) {
-            let monitors = Monitors::new(monitors);
-            prop_assert_eq!(Monitors::from_note(&monitors.to_note()), Some(monitors));
+            let rules = Rules { monitors: Monitors::new(monitors), limits: Limits { overdraft, per_payment } };
+            prop_assert_eq!(Rules::from_note(&rules.to_note()), Some(rules));
         }
     }
 

@@ -7,7 +7,7 @@
 //! `#[schema(as = ...)]`); in the code the suffix `Body` keeps it apart from the row it is made
 //! of.
 
-use crate::domain::{EntryKind, HoldStatus, Metadata, Monitor, MovementStatus};
+use crate::domain::{EntryKind, HoldStatus, Limits, Metadata, Monitor, MovementStatus};
 use crate::wallet::{Entry, HeldLeg, Hold, MovementHold, MovementRecord, Transfer, Wallet};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -20,16 +20,19 @@ use uuid::Uuid;
 pub struct WalletBody {
     #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
     pub id: String,
-    #[schema(minimum = 0, example = 7500)]
+    /// Below zero only within its overdraft.
+    #[schema(example = 7500)]
     pub balance: i64,
-    /// The balance less what the wallet's active holds reserve: what a payment, a transfer or a
-    /// new hold may spend.
+    /// The balance and the overdraft, less what the wallet's active holds reserve: what a
+    /// payment, a transfer or a new hold may spend.
     #[schema(minimum = 0, example = 3500)]
     pub available: i64,
     #[schema(minimum = 1, example = 2)]
     pub version: i64,
     /// Its balance monitors (`POST /wallets/{id}/monitors`).
     pub monitors: Vec<Monitor>,
+    /// Its limits (`PUT /wallets/{id}/limits`).
+    pub limits: LimitsBody,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -42,7 +45,7 @@ impl From<Wallet> for WalletBody {
             balance,
             available,
             version,
-            monitors,
+            rules,
             created_at,
             updated_at,
             held: _,
@@ -54,7 +57,8 @@ impl From<Wallet> for WalletBody {
             balance,
             available,
             version,
-            monitors: monitors.list().to_vec(),
+            monitors: rules.monitors.list().to_vec(),
+            limits: rules.limits.into(),
             created_at,
             updated_at,
         }
@@ -70,6 +74,24 @@ pub struct MonitorsBody {
     pub monitors: Vec<Monitor>,
 }
 
+/// A wallet's limits: each is always there, `null` (or an overdraft of 0) for none.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = Limits)]
+pub struct LimitsBody {
+    /// How far below zero the balance may go.
+    #[schema(minimum = 0, example = 50000)]
+    pub overdraft: i64,
+    /// The most one debit may take.
+    #[schema(minimum = 1, example = 20000)]
+    pub per_payment: Option<i64>,
+}
+
+impl From<Limits> for LimitsBody {
+    fn from(Limits { overdraft, per_payment }: Limits) -> Self {
+        LimitsBody { overdraft, per_payment }
+    }
+}
+
 /// One ledger entry: what it did to its wallet, and the wallet's balance and version right after.
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(as = Entry)]
@@ -81,8 +103,8 @@ pub struct EntryBody {
     /// Minor units; an `open` entry's amount is the opening balance, which may be 0.
     #[schema(minimum = 0, maximum = 1_000_000_000_000_i64, example = 2500)]
     pub amount: i64,
-    /// The wallet's balance right after this entry.
-    #[schema(minimum = 0, example = 7500)]
+    /// The wallet's balance right after this entry (below zero only within an overdraft).
+    #[schema(example = 7500)]
     pub balance: i64,
     /// The wallet's version right after this entry (its position in the wallet's ledger).
     #[schema(minimum = 1, example = 2)]

@@ -58,7 +58,7 @@ pub struct ProblemDocument {
     field: Option<&'static str>,
     /// With `insufficient_funds` and `balance_overflow`: the wallet's balance.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(nullable = false, minimum = 0, example = 8000)]
+    #[schema(nullable = false, example = 8000)]
     balance: Option<i64>,
     /// With `insufficient_funds`: what of the balance active holds leave available.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -72,6 +72,14 @@ pub struct ProblemDocument {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false, minimum = 0, example = 700)]
     refundable: Option<i64>,
+    /// With `limit_exceeded`: the limit the debit would pass (`per_payment`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, example = "per_payment")]
+    limit: Option<&'static str>,
+    /// With `limit_exceeded`: the most that limit allows now.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, minimum = 0, example = 5000)]
+    left: Option<i64>,
     /// With a movement refused at one of its legs: the leg, from 0 in the request's order (its
     /// `balance` and `available` are that leg's wallet's).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -165,6 +173,8 @@ struct Problem {
     available: Option<i64>,
     held: Option<i64>,
     refundable: Option<i64>,
+    limit: Option<&'static str>,
+    left: Option<i64>,
     leg: Option<usize>,
     retry_after: bool,
 }
@@ -196,6 +206,8 @@ impl Problem {
             available: None,
             held: None,
             refundable: None,
+            limit: None,
+            left: None,
             leg: None,
             retry_after: false,
         }
@@ -409,6 +421,22 @@ fn wallet_problem(err: &WalletError) -> Problem {
             "Monitor not found",
             "the wallet has no such monitor; nothing was changed",
         ),
+        WalletError::Refused(Refusal::LimitExceeded { limit, left }) => {
+            let mut problem = Problem::new(
+                &codes::LIMIT_EXCEEDED,
+                "Limit exceeded",
+                format!("the wallet's {} limit allows at most {left}; nothing was applied", limit.as_str()),
+            )
+            .with_field(Field::Amount);
+            (problem.limit, problem.left) = (Some(limit.as_str()), Some(*left));
+            problem
+        }
+        WalletError::Refused(Refusal::LimitBelowUsed { used }) => Problem::new(
+            &codes::LIMIT_BELOW_USED,
+            "Limit below what is used",
+            format!("the wallet already owes {used} beyond its balance and holds: the overdraft cannot be less; nothing was changed"),
+        )
+        .with_field(Field::Limits),
         WalletError::Refused(Refusal::BalanceOverflow { balance }) => Problem::new(
             &codes::BALANCE_OVERFLOW,
             "Balance overflow",
@@ -486,6 +514,8 @@ impl ApiError {
             available: problem.available,
             held: problem.held,
             refundable: problem.refundable,
+            limit: problem.limit,
+            left: problem.left,
             leg: problem.leg,
         };
         StoredResponse {

@@ -10,7 +10,6 @@ use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
 use super::idempotent::{self, KeyedRequest, render_created, render_movement};
 use crate::domain::{self, Access, Field, HoldLife, Metadata};
-use crate::idempotency::Scope;
 use crate::wallet::{Amount, Movement, WalletId};
 use axum::{
     Json,
@@ -119,9 +118,7 @@ async fn place_hold(
         metadata: Metadata::parse(metadata.clone())?,
     };
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
-    let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_created);
-    let result = ctx.wallets.apply(&access, &id, movement, key).await;
-    Ok(idempotent::movement_response(result, render_created))
+    Ok(idempotent::apply_movement(&ctx, &access, &id, movement, keyed, render_created).await)
 }
 
 /// Reads a hold. One still held past `expires_at` reads `expired`: its amount is available again.
@@ -246,7 +243,5 @@ async fn settle(
 ) -> Result<Response, ApiError> {
     let wallet: WalletId = ctx.wallets.wallet_of_hold(access, hold).await?;
     tracing::Span::current().record("wallet_id", wallet.as_str());
-    let key = idempotent::keyed(Scope::wallet(&access.caller, &wallet), keyed, render_movement);
-    let result = ctx.wallets.apply(access, &wallet, movement, key).await;
-    Ok(idempotent::movement_response(result, render_movement))
+    Ok(idempotent::apply_movement(ctx, access, &wallet, movement, keyed, render_movement).await)
 }

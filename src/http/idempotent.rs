@@ -2,8 +2,11 @@
 //! way whether it is sent now or replayed later (see [`crate::idempotency`]).
 
 use super::ApiContext;
-use super::bodies::{EntryBody, HoldReceipt, MonitorsBody, MovementBody, TransferBody, WalletBody};
+use super::bodies::{
+    EntryBody, HoldReceipt, LimitsBody, MonitorsBody, MovementBody, TransferBody, WalletBody,
+};
 use super::error::ApiError;
+use crate::domain::{Access, Movement, WalletId};
 use crate::idempotency::{self, Begin, Claim, IdempotencyKey, Keyed, Prior, Scope, StoredResponse};
 use crate::telemetry::metrics::{IDEMPOTENCY_CONFLICTS, IDEMPOTENT_REPLAYS};
 use crate::wallet::{
@@ -104,6 +107,7 @@ fn render_moved(status: StatusCode, outcome: &MovementOutcome) -> StoredResponse
         ),
         Ok(Moved::Released) => json(status, &serde_json::json!({})),
         Ok(Moved::Monitors(monitors)) => json(status, &MonitorsBody { monitors: monitors.list().to_vec() }),
+        Ok(Moved::Limits(limits)) => json(status, &LimitsBody::from(*limits)),
         Err(refusal) => ApiError::Wallet(WalletError::Refused(*refusal)).render(),
     }
 }
@@ -166,6 +170,24 @@ pub fn render_open(outcome: &OpenOutcome) -> StoredResponse {
         Ok(wallet) => json(StatusCode::CREATED, &WalletBody::from(wallet.clone())),
         Err(AlreadyExists) => ApiError::Wallet(WalletError::Exists).render(),
     }
+}
+
+/// Runs a validated movement of wallet `id` in its queue, honouring its idempotency key, and
+/// answers it as `render` does (and a replay of it would).
+pub async fn apply_movement(
+    ctx: &ApiContext,
+    access: &Access,
+    id: &WalletId,
+    movement: Movement,
+    keyed: KeyedRequest<'_>,
+    render: fn(&MovementOutcome) -> StoredResponse,
+) -> Response {
+    let key = self::keyed(Scope::wallet(&access.caller, id), keyed, render);
+    let result = ctx.wallets.apply(access, id, movement, key).await;
+    if let Some(entry) = result.as_ref().ok().and_then(Moved::entry) {
+        tracing::Span::current().record("fence", entry.fence);
+    }
+    movement_response(result, render)
 }
 
 /// The live response for a movement, rendered by `render` exactly as a replay of it would be.

@@ -10,6 +10,7 @@ mod health;
 pub mod history;
 mod holds;
 mod idempotent;
+mod limits;
 pub mod listen;
 mod monitors;
 mod movements;
@@ -85,6 +86,7 @@ pub fn router(ctx: ApiContext) -> Router {
                 .merge(movements::router())
                 .merge(holds::router())
                 .merge(monitors::router())
+                .merge(limits::router())
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token))
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), shed_when_full)),
         )

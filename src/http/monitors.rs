@@ -10,7 +10,6 @@ use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
 use super::idempotent::{self, KeyedRequest, render_created, render_movement};
 use crate::domain::{Access, Field, InvalidInput, Monitor, Movement, WalletId};
-use crate::idempotency::Scope;
 use axum::extract::{Extension, Path, State};
 use axum::http::Uri;
 use axum::response::Response;
@@ -95,9 +94,7 @@ async fn set_monitor(
     };
     let movement = Movement::AddMonitor(within_bounds(monitor)?);
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
-    let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_created);
-    let result = ctx.wallets.apply(&access, &id, movement, key).await;
-    Ok(idempotent::movement_response(result, render_created))
+    Ok(idempotent::apply_movement(&ctx, &access, &id, movement, keyed, render_created).await)
 }
 
 /// The monitor a path names: `below` or `above`, and its amount.
@@ -154,7 +151,13 @@ async fn remove_monitor(
     let amount = amount.parse::<i64>().map_err(|_| INVALID)?;
     let monitor = within_bounds(Monitor::of_side(&side, amount))?;
     let keyed = KeyedRequest { key, path: uri.path(), body: &[] };
-    let key = idempotent::keyed(Scope::wallet(&access.caller, &id), keyed, render_movement);
-    let result = ctx.wallets.apply(&access, &id, Movement::RemoveMonitor(monitor), key).await;
-    Ok(idempotent::movement_response(result, render_movement))
+    Ok(idempotent::apply_movement(
+        &ctx,
+        &access,
+        &id,
+        Movement::RemoveMonitor(monitor),
+        keyed,
+        render_movement,
+    )
+    .await)
 }

@@ -14,7 +14,7 @@ use crate::domain;
 use crate::domain::{Access, Field, Metadata};
 use crate::idempotency::{Receipt, Scope};
 use crate::wallet::{
-    AlreadyExists, Amount, EntryFilter, InvalidInput, Moved, Movement, Order, WalletError, WalletId,
+    AlreadyExists, Amount, EntryFilter, InvalidInput, Movement, Order, WalletError, WalletId,
 };
 use axum::{
     Json,
@@ -199,7 +199,7 @@ async fn deposit(
     let movement =
         Movement::Deposit { amount: Amount::new(*amount)?, metadata: Metadata::parse(metadata.clone())? };
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
-    Ok(move_money(&ctx, &access, &id, movement, keyed).await)
+    Ok(idempotent::apply_movement(&ctx, &access, &id, movement, keyed, render_movement).await)
 }
 
 /// Money out. Unknown fields are refused.
@@ -265,23 +265,7 @@ async fn pay(
         metadata: Metadata::parse(metadata)?,
     };
     let keyed = KeyedRequest { key, path: uri.path(), body: &body.raw };
-    Ok(move_money(&ctx, &access, &id, movement, keyed).await)
-}
-
-/// Runs a validated movement, honouring its idempotency key.
-async fn move_money(
-    ctx: &ApiContext,
-    access: &Access,
-    id: &WalletId,
-    movement: Movement,
-    keyed: KeyedRequest<'_>,
-) -> Response {
-    let key = idempotent::keyed(Scope::wallet(&access.caller, id), keyed, render_movement);
-    let result = ctx.wallets.apply(access, id, movement, key).await;
-    if let Some(entry) = result.as_ref().ok().and_then(Moved::entry) {
-        tracing::Span::current().record("fence", entry.fence);
-    }
-    idempotent::movement_response(result, render_movement)
+    Ok(idempotent::apply_movement(&ctx, &access, &id, movement, keyed, render_movement).await)
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]

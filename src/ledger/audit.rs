@@ -110,6 +110,7 @@ async fn wallets(conn: &mut PgConnection, report: &mut Report) -> Result<(), Sto
     let rows = sqlx::query(concat!(
         // language=PostgreSQL
         "select w.id, w.balance, w.version, w.fence,
+                coalesce((w.rules ->> 'overdraft')::int8, 0) as overdraft,
                 coalesce(sum(",
         signed_amount!(),
         "), 0)::int8 as ledger_sum,
@@ -121,7 +122,7 @@ async fn wallets(conn: &mut PgConnection, report: &mut Report) -> Result<(), Sto
          having w.balance <> coalesce(sum(",
         signed_amount!(),
         "), 0)
-             or w.balance < 0
+             or w.balance < -coalesce((w.rules ->> 'overdraft')::int8, 0)
              or w.version <> count(e.id)
              or count(e.id) <> coalesce(max(e.seq), 0)
              or w.fence < coalesce(max(e.fence), 0)
@@ -144,8 +145,11 @@ async fn wallets(conn: &mut PgConnection, report: &mut Report) -> Result<(), Sto
                 .problems
                 .push(format!("wallet {id}: balance {balance} but its ledger sums to {ledger_sum}"));
         }
-        if balance < 0 {
-            report.problems.push(format!("wallet {id}: negative balance {balance}"));
+        let overdraft: i64 = w.try_get("overdraft")?;
+        if balance < -overdraft {
+            report
+                .problems
+                .push(format!("wallet {id}: balance {balance} below its overdraft of {overdraft}"));
         }
         if version != entries || entries != last_seq {
             report.problems.push(format!(
@@ -397,11 +401,13 @@ async fn refunds(conn: &mut PgConnection, report: &mut Report) -> Result<(), Sto
 async fn holds(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
     let rows = sqlx::query(
         // language=PostgreSQL
-        r#"select w.id, w.balance, w.held, coalesce(a.active, 0)::int8 as active
+        r#"select w.id, w.balance + coalesce((w.rules ->> 'overdraft')::int8, 0) as balance, w.held,
+                  coalesce(a.active, 0)::int8 as active
            from wallet w
            left join (select wallet_id, sum(amount) as active from hold where status = 'held'
                       group by wallet_id) a on a.wallet_id = w.id
-           where w.held > w.balance or w.held <> coalesce(a.active, 0)
+           where w.held > w.balance + coalesce((w.rules ->> 'overdraft')::int8, 0)
+              or w.held <> coalesce(a.active, 0)
            order by w.id"#,
     )
     .fetch_all(&mut *conn)
@@ -416,9 +422,9 @@ async fn holds(conn: &mut PgConnection, report: &mut Report) -> Result<(), Store
                 .push(format!("wallet {id}: holds {held} but its active holds add up to {active}"));
         }
         if held > balance {
-            report
-                .problems
-                .push(format!("wallet {id}: holds {held} of a balance of {balance}: available is negative"));
+            report.problems.push(format!(
+                "wallet {id}: holds {held} of {balance} (balance and overdraft): available is negative"
+            ));
         }
     }
     let rows = sqlx::query(
@@ -568,9 +574,11 @@ async fn keys(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreE
              and (
                -- No entry: only a hold placed or voided answers without one, and it reports a
                -- hold of the scope's wallet (looked up by its key; the CASE casts only a uuid);
-               -- or a monitor set or removed, which reports the wallet's monitors.
+               -- or a monitor set or removed, or limits set, which report the wallet's monitors
+               -- or limits.
                (e.id is null
-                and not (k.scope like $1 || '%' and convert_from(k.body, 'UTF8')::jsonb ? 'monitors'
+                and not (k.scope like $1 || '%'
+                         and convert_from(k.body, 'UTF8')::jsonb ?| array['monitors', 'overdraft']
                          and convert_from(k.body, 'UTF8')::jsonb ->> 'id' is null)
                 and not exists (
                    select 1 from hold h

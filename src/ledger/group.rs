@@ -40,7 +40,7 @@ use super::idempotency::{KeyRef, ResponseRow};
 use super::storage::Storage;
 use super::transfer::{MovementRecord, Transfer};
 use super::{Entry, StoreError, WalletRead};
-use crate::domain::{EntryKind, FenceStanding, Metadata, Monitors};
+use crate::domain::{EntryKind, FenceStanding, Metadata, Rules};
 use chrono::{DateTime, Utc};
 use sqlx::types::Json;
 use sqlx::{PgConnection, QueryBuilder, Row};
@@ -66,7 +66,7 @@ pub enum ReadOutcome {
         held: i64,
         fence: i64,
         owner: Option<Arc<str>>,
-        monitors: Monitors,
+        rules: Rules,
     },
     /// The row has seen this fence or a higher one (see [`StoreError::FenceBehind`]).
     FenceBehind {
@@ -145,7 +145,7 @@ pub async fn read(
                  and k.key = q.key
                  and k.expires_at < now() and k.wallet_id = any($9::text[])
            )
-           select w.id as wallet_id, w.balance, w.held, w.version, w.fence, w.owner, w.monitors,
+           select w.id as wallet_id, w.balance, w.held, w.version, w.fence, w.owner, w.rules,
                   null::text as caller, null::text as scope, null::text as key,
                   null::bytea as fingerprint, null::int2 as status, null::text as content_type,
                   null::bytea as body, null::uuid as hold_id, null::text as hold_wallet,
@@ -198,8 +198,8 @@ pub async fn read(
             let wallet = WalletRead { balance: row.try_get("balance")?, version: row.try_get("version")? };
             let owner = row.try_get::<Option<&str>, _>("owner")?.map(Arc::from);
             let (held, fence) = (row.try_get("held")?, row.try_get("fence")?);
-            let monitors = row.try_get::<Json<Monitors>, _>("monitors")?.0;
-            rows_read.insert(id, ReadOutcome::Ready { wallet, held, fence, owner, monitors });
+            let rules = row.try_get::<Json<Rules>, _>("rules")?.0;
+            rows_read.insert(id, ReadOutcome::Ready { wallet, held, fence, owner, rules });
         } else if let Some(id) = row.try_get::<Option<Uuid>, _>("hold_id")? {
             let hold = Hold {
                 id,
@@ -314,22 +314,22 @@ pub struct GroupWrite<'a> {
     /// What happened to each wallet, in the order it happened: numbered after the wallet's last
     /// event by the write itself, so the decision needs no count of them.
     pub events: Vec<&'a EventWrite>,
-    /// The wallets whose monitors the write changes, with what they become.
-    pub monitors: Vec<(&'a str, &'a Monitors)>,
-    /// Each of `wallets`' monitors as read, which its row must still have (beside the composite
+    /// The wallets whose rules the write changes, with what they become.
+    pub rules: Vec<(&'a str, &'a Rules)>,
+    /// Each of `wallets`' rules as read, which its row must still have (beside the composite
     /// `wallet_write`, which a replica of an earlier release binds as it was).
-    pub read_monitors: Vec<&'a Monitors>,
+    pub read_rules: Vec<&'a Rules>,
 }
 
 impl<'a> GroupWrite<'a> {
-    /// A write of `wallets`, each read with no monitors, and nothing else yet.
+    /// A write of `wallets`, each read with no rules, and nothing else yet.
     pub fn of(wallets: Vec<WalletWrite<'a>>) -> Self {
-        let read_monitors = vec![&NO_MONITORS; wallets.len()];
-        GroupWrite { wallets, read_monitors, ..GroupWrite::default() }
+        let read_rules = vec![&NO_RULES; wallets.len()];
+        GroupWrite { wallets, read_rules, ..GroupWrite::default() }
     }
 }
 
-static NO_MONITORS: Monitors = Monitors::NONE;
+static NO_RULES: Rules = Rules::NONE;
 
 /// What a [`commit`] did, by wallet id.
 #[derive(Debug, Default)]
@@ -486,7 +486,7 @@ composite!(MovementWriteRow<'_>, "movement_write");
 /// as locked is exactly the state `b` was decided from.
 const MATCHES_AS_READ: &str = "l.fence = b.read_fence and l.version = b.read_version \
      and l.balance = b.read_balance and l.held = b.read_held and l.owner is not distinct from b.owner \
-     and l.monitors = b.read_monitors";
+     and l.rules = b.read_rules";
 
 /// [`commit`]'s statement on one Postgres: the wallets' compare-and-set, then whatever the wallets
 /// that matched bring. `{holds}` is the holds' two CTEs and `{movements}` the transfers' and
@@ -533,12 +533,12 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
     // language=PostgreSQL
     format!(
         r#"with b as (
-               -- The monitors as read beside each wallet's write (migration 0024).
-               select w.*, ($21::jsonb[])[w.ordinality] as read_monitors
+               -- The rules as read beside each wallet's write (migration 0024).
+               select w.*, ($21::jsonb[])[w.ordinality] as read_rules
                from unnest($1::wallet_write[]) with ordinality as w
            ),
            locked as (
-               select id, fence, version, balance, held, owner, monitors from wallet
+               select id, fence, version, balance, held, owner, rules from wallet
                where id = any(array(select id from b)) order by id for update skip locked
            ),
            matched as (
@@ -556,10 +556,10 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
            moved as (
                update wallet w set balance = b.balance, version = b.version, fence = b.fence,
                                    held = b.held, updated_at = now(),
-                                   monitors = coalesce(
-                                       (select m.monitors from unnest($19::text[], $20::jsonb[])
-                                            as m(wallet_id, monitors) where m.wallet_id = w.id),
-                                       w.monitors),
+                                   rules = coalesce(
+                                       (select m.rules from unnest($19::text[], $20::jsonb[])
+                                            as m(wallet_id, rules) where m.wallet_id = w.id),
+                                       w.rules),
                                    event_seq = w.event_seq + coalesce(
                                        (select max(ev.of_wallet) from ev where ev.wallet_id = w.id), 0),
                                    event_position = greatest(w.event_position, pg_current_xact_id())
@@ -620,7 +620,7 @@ pub async fn commit(
     if storage == Storage::Citus {
         return Box::pin(commit_routed(conn, write, created_at, retention)).await;
     }
-    assert_eq!(write.read_monitors.len(), write.wallets.len(), "each wallet's monitors as read, beside it");
+    assert_eq!(write.read_rules.len(), write.wallets.len(), "each wallet's rules as read, beside it");
     let with_holds = !(write.placed.is_empty() && write.settled.is_empty());
     let with_movements = !(write.transfers.is_empty() && write.movements.is_empty());
     let statement = COMMITS[usize::from(with_holds) + 2 * usize::from(with_movements)].as_str();
@@ -661,9 +661,9 @@ pub async fn commit(
         .bind(&events.entries)
         .bind(&events.holds)
         .bind(&events.monitors)
-        .bind(write.monitors.iter().map(|(id, _)| *id).collect::<Vec<_>>())
-        .bind(write.monitors.iter().map(|(_, monitors)| Json(*monitors)).collect::<Vec<_>>())
-        .bind(write.read_monitors.iter().map(|monitors| Json(*monitors)).collect::<Vec<_>>())
+        .bind(write.rules.iter().map(|(id, _)| *id).collect::<Vec<_>>())
+        .bind(write.rules.iter().map(|(_, rules)| Json(*rules)).collect::<Vec<_>>())
+        .bind(write.read_rules.iter().map(|rules| Json(*rules)).collect::<Vec<_>>())
         .fetch_all(conn)
         .await?;
     let mut committed = Committed::default();
@@ -738,19 +738,19 @@ async fn commit_routed(
         // language=PostgreSQL
         format!(
             r#"with locked as (
-                   select id, fence, version, balance, held, owner, monitors from wallet
+                   select id, fence, version, balance, held, owner, rules from wallet
                    where id = $1 for update skip locked
                ),
                b as (
                    select * from (values ($2::int8, $3::int8, $4::int8, $5::int8, $6::int8, $7::text,
                                           $8::int8, $9::int8, $10::int8, $14::jsonb))
                        as b(fence, read_fence, read_version, read_balance, read_held, owner,
-                            balance, held, version, read_monitors)
+                            balance, held, version, read_rules)
                ),
                moved as (
                    update wallet w set balance = b.balance, version = b.version, fence = b.fence,
                                        held = b.held, updated_at = now(),
-                                       monitors = coalesce($13::jsonb, w.monitors),
+                                       rules = coalesce($13::jsonb, w.rules),
                                        event_seq = w.event_seq + $11,
                                        event_position = greatest(w.event_position, $12::text::xid8)
                    from locked l, b
@@ -781,8 +781,8 @@ async fn commit_routed(
             .bind(w.version)
             .bind(events)
             .bind(position.to_string())
-            .bind(write.monitors.iter().find(|(id, _)| *id == w.id).map(|(_, monitors)| Json(*monitors)))
-            .bind(Json(write.read_monitors[n]))
+            .bind(write.rules.iter().find(|(id, _)| *id == w.id).map(|(_, rules)| Json(*rules)))
+            .bind(Json(write.read_rules[n]))
             .fetch_one(&mut *tx)
             .await?;
         if row.try_get("moved")? {

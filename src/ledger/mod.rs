@@ -36,7 +36,7 @@ pub mod storage;
 pub mod transfer;
 pub mod webhook;
 
-use crate::domain::{EntryKind, EventType, Metadata, Monitors};
+use crate::domain::{EntryKind, EventType, Metadata, Rules};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
@@ -185,9 +185,9 @@ pub struct Wallet {
     pub fence: i64,
     /// The caller that opened it; `None` for a wallet opened before owners were recorded.
     pub owner: Option<String>,
-    /// Its balance monitors.
+    /// Its balance rules.
     #[sqlx(json)]
-    pub monitors: Monitors,
+    pub rules: Rules,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -341,7 +341,7 @@ pub async fn create_wallet(
         // language=PostgreSQL
         "insert into wallet (id, balance, version, owner, event_seq, event_position) \
          values ($1, $2, 1, $3, $5, $4::text::xid8) \
-         returning id, balance, held, version, fence, owner, monitors, created_at, updated_at, balance as available",
+         returning id, balance, held, version, fence, owner, rules, created_at, updated_at, balance as available",
     )
     .bind(id)
     .bind(balance)
@@ -385,15 +385,15 @@ pub async fn create_wallet(
     Ok((wallet, open.try_into()?))
 }
 
-/// The wallet, with its available balance: the balance less the holds still held and not
-/// expired (a wallet that holds nothing, most, needs no look at its holds).
+/// The wallet, with its available balance: the balance and its overdraft less the holds still
+/// held and not expired (a wallet that holds nothing, most, needs no look at its holds).
 pub async fn find_wallet(conn: &mut PgConnection, id: &str) -> Result<Option<Wallet>, StoreError> {
     // The holds are those of `$1`, not of `wallet.id`: Citus routes a statement to one shard by
     // its parameters, and sent the correlated form to all 32.
     Ok(sqlx::query_as(
         // language=PostgreSQL
-        "select id, balance, held, version, fence, owner, monitors, created_at, updated_at,
-                balance - case when held = 0 then 0 else (
+        "select id, balance, held, version, fence, owner, rules, created_at, updated_at,
+                balance + coalesce((rules ->> 'overdraft')::int8, 0) - case when held = 0 then 0 else (
                     select coalesce(sum(h.amount), 0)::int8 from hold h
                     where h.wallet_id = $1 and h.status = 'held' and h.expires_at > now()
                 ) end as available

@@ -87,7 +87,7 @@ pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
         // The columns a movement writes, and no other: a wallet's id and owner never change.
         format!(r#"revoke update on "{schema}".wallet from {role}"#),
         format!(
-            r#"grant select, insert, update (balance, version, fence, held, updated_at, event_seq, event_position, monitors) on "{schema}".wallet to {role}"#
+            r#"grant select, insert, update (balance, version, fence, held, updated_at, event_seq, event_position, rules) on "{schema}".wallet to {role}"#
         ),
         format!(r#"grant select, insert on "{schema}".ledger_entry to {role}"#),
         format!(r#"grant select, insert on "{schema}".transfer to {role}"#),

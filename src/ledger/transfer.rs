@@ -12,7 +12,7 @@
 use super::group::FoundKey;
 use super::idempotency::{KeyRef, ResponseRow};
 use super::{Entry, StoreError, entry_columns};
-use crate::domain::{EntryKind, Metadata, Monitors, MovementStatus};
+use crate::domain::{EntryKind, Metadata, MovementStatus, Rules};
 use chrono::{DateTime, Utc};
 use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
@@ -30,7 +30,7 @@ pub struct LockedWallet {
     /// The highest fence any holder has written the row with.
     pub fence: i64,
     pub owner: Option<String>,
-    pub monitors: Monitors,
+    pub rules: Rules,
 }
 
 /// Locks the rows of `ids` in id order until the transaction ends, waiting at most `lock_timeout`
@@ -65,7 +65,7 @@ pub async fn lock_wallets(
     for id in ordered {
         let row = sqlx::query(
             // language=PostgreSQL
-            "select id, balance, held, version, fence, owner, monitors from wallet where id = $1 for update",
+            "select id, balance, held, version, fence, owner, rules from wallet where id = $1 for update",
         )
         .bind(id)
         .fetch_optional(&mut *tx)
@@ -84,7 +84,7 @@ pub async fn lock_free_wallets(
 ) -> Result<HashMap<String, LockedWallet>, StoreError> {
     let rows = sqlx::query(
         // language=PostgreSQL
-        "select id, balance, held, version, fence, owner, monitors from wallet where id = any($1) order by id
+        "select id, balance, held, version, fence, owner, rules from wallet where id = any($1) order by id
          for update skip locked",
     )
     .bind(ids)
@@ -102,7 +102,7 @@ fn locked_rows(rows: &[sqlx::postgres::PgRow]) -> Result<HashMap<String, LockedW
                 version: row.try_get("version")?,
                 fence: row.try_get("fence")?,
                 owner: row.try_get("owner")?,
-                monitors: row.try_get::<Json<Monitors>, _>("monitors")?.0,
+                rules: row.try_get::<Json<Rules>, _>("rules")?.0,
             };
             Ok((row.try_get("id")?, locked))
         })

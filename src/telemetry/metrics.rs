@@ -114,6 +114,12 @@ pub const MOVEMENTS: Metric = metric(
     &["kind", "outcome"],
     "Deposits, payments, and holds placed, captured and voided, by kind and outcome.",
 );
+pub const LIMIT_REFUSALS: Metric = metric(
+    "walletlock_limit_refusals_total",
+    Counter,
+    &["limit"],
+    "Debits refused limit_exceeded, by the wallet's limit they would have passed.",
+);
 pub const TRANSFERS: Metric = metric(
     "walletlock_transfers_total",
     Counter,
@@ -268,6 +274,7 @@ pub const ALL: &[Metric] = &[
     FENCE_RESYNCS,
     REDIS_POOL_ACQUIRE_WAIT,
     MOVEMENTS,
+    LIMIT_REFUSALS,
     TRANSFERS,
     MOVEMENTS_BY_PATH,
     REDIS_OUTAGE,

@@ -1,6 +1,7 @@
 //! Why a wallet operation did not happen, and how the failures of the layers below map to it.
 
 use super::{Field, Refusal, WalletId, lease_name, transfer};
+use crate::domain::LimitKind;
 use crate::idempotency::Prior;
 use crate::lease::LeaseError;
 use crate::ledger::StoreError;
@@ -119,6 +120,15 @@ impl WalletError {
     }
 
     /// The `outcome` label of `walletlock_movements_total`.
+    /// The limit a debit refused `limit_exceeded` would have passed.
+    pub(super) fn limit_passed(&self) -> Option<LimitKind> {
+        match self {
+            WalletError::Refused(Refusal::LimitExceeded { limit, .. })
+            | WalletError::LegRefused { refusal: Refusal::LimitExceeded { limit, .. }, .. } => Some(*limit),
+            _ => None,
+        }
+    }
+
     pub(super) fn outcome(&self) -> &'static str {
         match self {
             WalletError::NotFound | WalletError::PartyNotFound { .. } | WalletError::NotOpenYet => {

@@ -1,9 +1,11 @@
 //! The metrics the wallet service records (see `crate::telemetry::metrics`).
 
 use super::{Moved, WalletError, Wallets, outage, transfer};
+use crate::domain::LimitKind;
 use crate::telemetry::metrics::{
-    FENCE_REFUSALS, LEASE_NOTE_STALE, MOVEMENTS, PG_POOL_CONNECTIONS, PG_POOL_MAX_CONNECTIONS,
-    REDIS_POOL_CONNECTIONS, REDIS_POOL_MAX_CONNECTIONS, REDIS_POOL_WAITING, REQUESTS_SHED, WALLET_BUSY,
+    FENCE_REFUSALS, LEASE_NOTE_STALE, LIMIT_REFUSALS, MOVEMENTS, PG_POOL_CONNECTIONS,
+    PG_POOL_MAX_CONNECTIONS, REDIS_POOL_CONNECTIONS, REDIS_POOL_MAX_CONNECTIONS, REDIS_POOL_WAITING,
+    REQUESTS_SHED, WALLET_BUSY,
 };
 
 /// Registers the wallet service's series at zero (the metrics are declared in
@@ -18,6 +20,7 @@ pub fn register_metrics() {
             metrics::counter!(MOVEMENTS.name, "kind" => kind, "outcome" => outcome).absolute(0);
         }
     }
+    metrics::counter!(LIMIT_REFUSALS.name, "limit" => LimitKind::PerPayment.as_str()).absolute(0);
     for kind in ["capture", "void"] {
         for outcome in ["hold_captured", "hold_voided", "hold_expired"] {
             metrics::counter!(MOVEMENTS.name, "kind" => kind, "outcome" => outcome).absolute(0);
@@ -50,10 +53,19 @@ impl Wallets {
 pub(super) fn count_movement(kind: &'static str, result: &Result<Moved, WalletError>) {
     let outcome = result.as_ref().map_or_else(WalletError::outcome, |_| "accepted");
     metrics::counter!(MOVEMENTS.name, "kind" => kind, "outcome" => outcome).increment(1);
-    if matches!(result, Err(WalletError::LeaseLost)) {
-        metrics::counter!(FENCE_REFUSALS.name).increment(1);
-    }
+    count_refusal(result);
     if matches!(result, Err(WalletError::Overloaded)) {
         metrics::counter!(REQUESTS_SHED.name, "reason" => "wallet_queue").increment(1);
+    }
+}
+
+/// Counts what every movement's refusal counts apart from its kind: a fence refused, a limit passed.
+pub(super) fn count_refusal<T>(result: &Result<T, WalletError>) {
+    let Err(err) = result else { return };
+    if matches!(err, WalletError::LeaseLost) {
+        metrics::counter!(FENCE_REFUSALS.name).increment(1);
+    }
+    if let Some(limit) = err.limit_passed() {
+        metrics::counter!(LIMIT_REFUSALS.name, "limit" => limit.as_str()).increment(1);
     }
 }

@@ -43,8 +43,8 @@ mod tutorial;
 pub mod webhooks;
 
 pub use crate::domain::{
-    Access, Amount, Field, HoldLife, InvalidInput, LegRefusal, Legs, Metadata, Monitors, Movement, Parties,
-    Refusal, SameWallet, WalletId,
+    Access, Amount, Field, HoldLife, InvalidInput, LegRefusal, Legs, Limits, Metadata, Monitors, Movement,
+    Parties, Refusal, SameWallet, WalletId,
 };
 // The rows the service answers with, as the store reads them; its callers map them to what they
 // show (the HTTP layer, to bodies of its own).
@@ -85,6 +85,8 @@ pub enum Moved {
     Released,
     /// A monitor set or removed: the wallet's monitors after it.
     Monitors(Monitors),
+    /// Limits set: the wallet's limits now.
+    Limits(Limits),
 }
 
 impl Moved {

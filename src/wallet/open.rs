@@ -80,7 +80,7 @@ impl Wallets {
             version: wallet.version,
             fence: wallet.fence,
             owner: wallet.owner.as_deref().map(Arc::from),
-            monitors: Default::default(),
+            rules: Default::default(),
             from_note: false,
         };
         let (leases, name, note) = (self.leases.clone(), lease_name(id), opened.to_note());

@@ -43,7 +43,7 @@ use crate::ledger::group as store_round;
 use crate::ledger::idempotency::KeyRef;
 use crate::ledger::storage::Storage;
 use crate::ledger::transfer::{self as store, FoundMovement, FoundTransfer, MovementRecord, Transfer};
-use crate::telemetry::metrics::{FENCE_REFUSALS, PAYEE_BATCH_ALONE, TRANSFERS};
+use crate::telemetry::metrics::{PAYEE_BATCH_ALONE, TRANSFERS};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use uuid::Uuid;
@@ -647,7 +647,5 @@ async fn lift_fence(
 pub(super) fn count_outcome<T>(kind: &'static str, result: &Result<T, WalletError>) {
     let outcome = result.as_ref().map_or_else(WalletError::outcome, |_| "accepted");
     metrics::counter!(TRANSFERS.name, "kind" => kind, "outcome" => outcome).increment(1);
-    if matches!(result, Err(WalletError::LeaseLost)) {
-        metrics::counter!(FENCE_REFUSALS.name).increment(1);
-    }
+    super::instruments::count_refusal(result);
 }

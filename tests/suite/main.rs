@@ -22,6 +22,7 @@ mod holds;
 mod idempotency;
 mod layers;
 mod lease;
+mod limits;
 mod metadata;
 mod metrics;
 mod movements;

@@ -38,6 +38,8 @@ const ROUTES: &[(&str, &str, &[&str])] = &[
     ("get", "/holds/{id}", GET_STATUSES),
     ("post", "/wallets/{id}/monitors", &["201", "400", "401", "404", "409", "413", "415", "422", "503"]),
     ("delete", "/wallets/{id}/monitors/{side}/{amount}", &["200", "400", "401", "404", "409", "422", "503"]),
+    ("put", "/wallets/{id}/limits", POST_STATUSES),
+    ("get", "/wallets/{id}/limits", GET_STATUSES),
     ("post", "/holds/{id}/capture", POST_STATUSES),
     ("post", "/holds/{id}/void", &["200", "400", "401", "404", "409", "422", "503"]),
     ("get", "/events", GET_STATUSES),

@@ -78,6 +78,7 @@ pub const INVALID_ORDER: ErrorCode = replica(S::BAD_REQUEST, "invalid_order", FI
 pub const INVALID_EVENT_TYPE: ErrorCode = replica(S::BAD_REQUEST, "invalid_event_type", FIELD_BROKE_ITS_RULE);
 pub const INVALID_WAIT: ErrorCode = replica(S::BAD_REQUEST, "invalid_wait", FIELD_BROKE_ITS_RULE);
 pub const INVALID_MONITOR: ErrorCode = replica(S::BAD_REQUEST, "invalid_monitor", FIELD_BROKE_ITS_RULE);
+pub const INVALID_LIMITS: ErrorCode = replica(S::BAD_REQUEST, "invalid_limits", FIELD_BROKE_ITS_RULE);
 pub const INVALID_ENDPOINT_ID: ErrorCode =
     replica(S::BAD_REQUEST, "invalid_endpoint_id", FIELD_BROKE_ITS_RULE);
 pub const SAME_WALLET: ErrorCode = replica(
@@ -187,6 +188,16 @@ pub const TOO_MANY_MONITORS: ErrorCode = replica(
     S::UNPROCESSABLE_ENTITY,
     "too_many_monitors",
     "the wallet has as many monitors as it may (`detail` says how many); remove one first; nothing was changed",
+);
+pub const LIMIT_EXCEEDED: ErrorCode = replica(
+    S::UNPROCESSABLE_ENTITY,
+    "limit_exceeded",
+    "the debit would pass one of the wallet's limits (`limit` names it, `left` is the most it allows now); nothing was applied",
+);
+pub const LIMIT_BELOW_USED: ErrorCode = replica(
+    S::UNPROCESSABLE_ENTITY,
+    "limit_below_used",
+    "the wallet already owes more than the new overdraft would allow; nothing was changed",
 );
 pub const BALANCE_OVERFLOW: ErrorCode = replica(
     S::UNPROCESSABLE_ENTITY,
@@ -303,6 +314,7 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &INVALID_EVENT_TYPE,
     &INVALID_WAIT,
     &INVALID_MONITOR,
+    &INVALID_LIMITS,
     &INVALID_ENDPOINT_ID,
     &SAME_WALLET,
     &MALFORMED_JSON,
@@ -337,6 +349,8 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &INSUFFICIENT_FUNDS,
     &CAPTURE_EXCEEDS_HOLD,
     &TOO_MANY_MONITORS,
+    &LIMIT_EXCEEDED,
+    &LIMIT_BELOW_USED,
     &BALANCE_OVERFLOW,
     &REFUND_EXCEEDS_PAYMENT,
     &IDEMPOTENCY_KEY_REUSED,
@@ -435,7 +449,8 @@ mod tests {
             | Field::EventType
             | Field::Wait
             | Field::EndpointId
-            | Field::Monitor => (),
+            | Field::Monitor
+            | Field::Limits => (),
         };
         for field in [
             Field::WalletId,
@@ -464,6 +479,7 @@ mod tests {
             Field::Wait,
             Field::EndpointId,
             Field::Monitor,
+            Field::Limits,
         ] {
             let listed =
                 named(field.code()).unwrap_or_else(|| panic!("{} is not in ERROR_CODES", field.code()));

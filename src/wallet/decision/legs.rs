@@ -376,7 +376,7 @@ impl Deciding<'_, '_> {
                 let held = self.state[w].as_ref().expect("touched wallets exist");
                 Leg {
                     wallet,
-                    funds: Funds { balance: held.balance, held: held.held - off },
+                    funds: Funds { balance: held.balance, held: held.held - off, limits: held.rules.limits },
                     version: held.version,
                     fence: self.wallets[w].fence,
                     amount,
@@ -393,7 +393,7 @@ impl Deciding<'_, '_> {
         let mut crossings = Vec::new();
         for (entry, &w) in entries.iter().zip(touched) {
             let held = self.state[w].as_mut().expect("touched wallets exist");
-            crossings.extend(EventWrite::of_crossings(entry, &held.monitors, held.balance));
+            crossings.extend(EventWrite::of_crossings(entry, &held.rules.monitors, held.balance));
             (held.balance, held.version) = (entry.balance, entry.version);
         }
         self.plan.events.extend(entries.iter().map(|entry| EventWrite::of_entry(entry, between)));
@@ -1393,7 +1393,7 @@ mod tests {
             prop_assert_eq!(before, balances(&plan).iter().sum::<i64>(), "money is conserved");
             // Replaying the accepted movements in order, each against what the ones before left,
             // gives every entry's balance: the order decided is the order they arrived in.
-            let mut funds: Vec<Funds> = fixture.held.iter().flatten().map(|h| Funds { balance: h.balance, held: h.held }).collect();
+            let mut funds: Vec<Funds> = fixture.held.iter().flatten().map(|h| Funds::new(h.balance, h.held)).collect();
             let mut entries = plan.entries.iter();
             for (result, &(from, to, amount)) in plan.results(Ok(true)).iter().zip(&movements) {
                 let fits = funds[from].available() >= amount;

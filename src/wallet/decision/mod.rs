@@ -24,7 +24,7 @@ pub use legs::{HeldMovement, LegsOp, LegsPlan, LegsWallet, RefundOf, SettleAs, d
 
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
 use crate::domain::{
-    Amount, EntryKind, EventType, FenceStanding, Funds, HoldStatus, Metadata, Monitors, capture_amount,
+    Amount, EntryKind, EventType, FenceStanding, Funds, HoldStatus, Metadata, Rules, capture_amount,
 };
 use crate::idempotency::{Keyed, Prior, StoredResponse};
 use crate::ledger::event::EventWrite;
@@ -67,9 +67,9 @@ pub struct Held {
     pub fence: i64,
     /// The caller that owns the wallet (it never changes).
     pub owner: Option<Arc<str>>,
-    /// The balance monitors set on it: every movement is decided with them, and one that crosses
-    /// one writes its event ([`Monitors::crossed`]).
-    pub monitors: Monitors,
+    /// Its monitors and limits: every movement is decided with them; one that crosses a monitor
+    /// writes its event ([`crate::domain::Monitors::crossed`]), none passes a limit.
+    pub rules: Rules,
     /// Only the lease's note says so (see [`Held::from_note`]): no write of this holder has matched
     /// it yet, so a write that does not match means the note was stale, not that the lease was lost.
     pub from_note: bool,
@@ -80,22 +80,22 @@ const NOTE_LAYOUT: &str = "w3";
 
 #[cfg(test)]
 impl Held {
-    /// A wallet of `owner` at version 5 and fence 3, with no monitors: the unit tests' start.
+    /// A wallet of `owner` at version 5 and fence 3, with no rules: the unit tests' start.
     pub(crate) fn of_tests(balance: i64, held: i64, owner: &str) -> Held {
         let owner = Some(Arc::from(owner));
-        Held { balance, held, version: 5, fence: 3, owner, monitors: Monitors::NONE, from_note: false }
+        Held { balance, held, version: 5, fence: 3, owner, rules: Rules::NONE, from_note: false }
     }
 }
 
 impl Held {
     /// The note a holder leaves for the wallet's next one when it releases the lease
     /// ([`crate::lease::Lease::release_with_note`]): this state,
-    /// `w3:balance:held:version:fence:monitors:owner` (monitors: [`Monitors::to_note`]).
+    /// `w3:balance:held:version:fence:rules:owner` (rules: [`Rules::to_note`]).
     pub fn to_note(&self) -> String {
         let owner = self.owner.as_deref().unwrap_or_default();
-        let monitors = self.monitors.to_note();
+        let rules = self.rules.to_note();
         format!(
-            "{NOTE_LAYOUT}:{}:{}:{}:{}:{monitors}:{owner}",
+            "{NOTE_LAYOUT}:{}:{}:{}:{}:{rules}:{owner}",
             self.balance, self.held, self.version, self.fence
         )
     }
@@ -112,19 +112,12 @@ impl Held {
         }
         let mut number = || fields.next().and_then(|field| field.parse::<i64>().ok());
         let (balance, held, version, written_by) = (number()?, number()?, number()?, number()?);
-        let monitors = Monitors::from_note(fields.next()?)?;
+        let rules = Rules::from_note(fields.next()?)?;
         let owner = fields.next()?;
         let owner = (!owner.is_empty()).then(|| Arc::from(owner));
         let plausible = FenceStanding::of(fence, written_by) == FenceStanding::Above;
-        (plausible && (0..=balance).contains(&held) && version >= 1).then_some(Held {
-            balance,
-            held,
-            version,
-            fence: written_by,
-            owner,
-            monitors,
-            from_note: true,
-        })
+        let held = Held { balance, held, version, fence: written_by, owner, rules, from_note: true };
+        (plausible && held.held >= 0 && held.funds().available() >= 0 && version >= 1).then_some(held)
     }
 
     /// The wallet as its row, locked, has it.
@@ -135,13 +128,13 @@ impl Held {
             version: row.version,
             fence: row.fence,
             owner: row.owner.as_deref().map(Arc::from),
-            monitors: row.monitors.clone(),
+            rules: row.rules.clone(),
             from_note: false,
         }
     }
 
     fn funds(&self) -> Funds {
-        Funds { balance: self.balance, held: self.held }
+        Funds { balance: self.balance, held: self.held, limits: self.rules.limits }
     }
 }
 
@@ -321,7 +314,7 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             }
         }
     }
-    let mut monitors = held.monitors.clone();
+    let mut rules = held.rules.clone();
     // The ops of this batch that carry each key: (op index, fingerprint).
     let mut first_with_key: HashMap<(&str, &str, &str), (usize, &[u8; 32])> = HashMap::new();
     for (n, op) in ops.iter().enumerate() {
@@ -436,19 +429,23 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
                 return plan;
             }
             Movement::ReleaseExpired => Ok(Moved::Released),
-            Movement::AddMonitor(monitor) => monitors.with(*monitor).map(|after| {
-                monitors = after;
-                Moved::Monitors(monitors.clone())
+            Movement::AddMonitor(monitor) => rules.monitors.with(*monitor).map(|after| {
+                rules.monitors = after;
+                Moved::Monitors(rules.monitors.clone())
             }),
-            Movement::RemoveMonitor(monitor) => monitors.without(*monitor).map(|after| {
-                monitors = after;
-                Moved::Monitors(monitors.clone())
+            Movement::RemoveMonitor(monitor) => rules.monitors.without(*monitor).map(|after| {
+                rules.monitors = after;
+                Moved::Monitors(rules.monitors.clone())
+            }),
+            Movement::SetLimits(limits) => limits.replacing(funds).map(|limits| {
+                (rules.limits, funds.limits) = (limits, limits);
+                Moved::Limits(limits)
             }),
         };
         if let Some(entry) = outcome.as_ref().ok().and_then(Moved::entry) {
             // Only deposits, payments and captures are decided here: no leg between wallets.
             plan.events.push(EventWrite::of_entry(entry, EventType::MovementAccepted));
-            plan.events.extend(EventWrite::of_crossings(entry, &monitors, balance_before));
+            plan.events.extend(EventWrite::of_crossings(entry, &rules.monitors, balance_before));
             plan.entries.push(entry.clone());
         }
         // Short of funds while something is held: the holds that expired may cover it, and only a
@@ -475,7 +472,7 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             version,
             fence,
             owner: held.owner.clone(),
-            monitors,
+            rules,
             from_note: false,
         };
     }
@@ -594,7 +591,7 @@ fn standing(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::{HoldLife, Monitor};
+    use crate::domain::{HoldLife, LimitKind, Limits, Monitor, Monitors};
     use crate::idempotency::{IdempotencyKey, Scope};
     use crate::ledger::idempotency::ResponseRow;
     use proptest::prelude::*;
@@ -775,7 +772,8 @@ mod tests {
     }
 
     fn with_monitors(balance: i64, monitors: &[Monitor]) -> Held {
-        Held { monitors: Monitors::new(monitors.iter().copied()), ..held(balance, 0) }
+        let rules = Rules { monitors: Monitors::new(monitors.iter().copied()), ..Rules::NONE };
+        Held { rules, ..held(balance, 0) }
     }
 
     fn deposit(n: i64) -> Movement {
@@ -813,7 +811,10 @@ mod tests {
         for (n, event) in plan.events.iter().enumerate().filter(|(_, e)| e.monitor.is_some()) {
             assert_eq!(plan.events[n - 1].entry_id, event.entry_id, "right after its entry's event");
         }
-        assert_eq!(plan.after.monitors.list(), [Monitor::Below(35), Monitor::Below(50), Monitor::Above(120)]);
+        assert_eq!(
+            plan.after.rules.monitors.list(),
+            [Monitor::Below(35), Monitor::Below(50), Monitor::Above(120)]
+        );
         assert_eq!((plan.after.balance, plan.after.version), (30, 10), "a monitor set writes no entry");
     }
 
@@ -825,13 +826,41 @@ mod tests {
         let plan = World::new().decide(&with_monitors(100, &eight), &ops);
         assert!(matches!(plan.decisions[0], Decision::Refused(Refusal::TooManyMonitors { most: 8 })));
         assert!(matches!(plan.decisions[1], Decision::Refused(Refusal::MonitorNotFound)));
-        assert_eq!(plan.after.monitors.list(), eight, "the monitors are as they were");
+        assert_eq!(plan.after.rules.monitors.list(), eight, "the monitors are as they were");
         assert!(plan.events.is_empty() && plan.entries.is_empty());
 
         let ops = [op(Movement::RemoveMonitor(Monitor::Above(3))), op(pay(100))];
         let plan = World::new().decide(&with_monitors(100, &[Monitor::Above(3), Monitor::Below(1)]), &ops);
-        assert_eq!(plan.after.monitors.list(), [Monitor::Below(1)]);
+        assert_eq!(plan.after.rules.monitors.list(), [Monitor::Below(1)]);
         assert_eq!(crossings(&plan), [(EventType::BalanceBelow, 1, plan.entries[0].id)]);
+    }
+
+    #[test]
+    fn limits_set_in_a_batch_hold_for_every_movement_after_it_and_none_before() {
+        let limits = Limits { overdraft: 100, per_payment: Some(80) };
+        let ops = [
+            op(pay(90)), // 100 → 10: no cap yet
+            op(Movement::SetLimits(limits)),
+            op(pay(81)),                                                          // over the cap
+            op(pay(80)), // 10 → -70: into the overdraft
+            op(pay(31)), // 30 available
+            op(Movement::SetLimits(Limits { overdraft: 69, per_payment: None })), // owes 70
+        ];
+        let plan = World::new().decide(&held(100, 0), &ops);
+        let over_cap = Refusal::LimitExceeded { limit: LimitKind::PerPayment, left: 80 };
+        assert!(matches!(plan.decisions[2], Decision::Refused(refusal) if refusal == over_cap));
+        assert!(matches!(
+            plan.decisions[4],
+            Decision::Refused(Refusal::InsufficientFunds { balance: -70, available: 30 })
+        ));
+        assert!(matches!(plan.decisions[5], Decision::Refused(Refusal::LimitBelowUsed { used: 70 })));
+        let balances: Vec<i64> = plan.entries.iter().map(|e| e.balance).collect();
+        assert_eq!(balances, [10, -70]);
+        assert_eq!(
+            (plan.after.balance, plan.after.rules.limits),
+            (-70, limits),
+            "the refused change changed nothing"
+        );
     }
 
     /// A movement for the property tests: holds are named by their index among the known ones.
@@ -934,7 +963,7 @@ mod tests {
                 .zip(&ids)
                 .map(|(&(balance, held, amount), wallet)| Leg {
                     wallet,
-                    funds: Funds { balance, held },
+                    funds: Funds::new(balance, held),
                     version: 3,
                     fence: 7,
                     amount: Amount::new(amount.abs()).unwrap(),

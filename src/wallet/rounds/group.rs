@@ -689,7 +689,7 @@ async fn read(
 
 /// The wallet as the round's read found it ready (any other outcome is not read).
 fn held_as_read(ready: &ReadOutcome) -> Held {
-    let ReadOutcome::Ready { wallet, held, fence, owner, monitors } = ready else {
+    let ReadOutcome::Ready { wallet, held, fence, owner, rules } = ready else {
         unreachable!("only a wallet found ready is held")
     };
     Held {
@@ -698,7 +698,7 @@ fn held_as_read(ready: &ReadOutcome) -> Held {
         version: wallet.version,
         fence: *fence,
         owner: owner.clone(),
-        monitors: monitors.clone(),
+        rules: rules.clone(),
         from_note: false,
     }
 }
@@ -739,7 +739,7 @@ pub(in crate::wallet) fn add_legs<'a>(
             held: after.held,
             version: after.version,
         });
-        write.read_monitors.push(&held.monitors);
+        write.read_rules.push(&held.rules);
     }
     let Some(first) = first else { return };
     write.entries.extend(plan.entries.iter());
@@ -797,9 +797,9 @@ pub(in crate::wallet) fn add_wallet<'a>(write: &mut GroupWrite<'a>, batch: &Batc
         held: plan.after.held,
         version: plan.after.version,
     });
-    write.read_monitors.push(&held.monitors);
-    if plan.after.monitors != held.monitors {
-        write.monitors.push((id, &plan.after.monitors));
+    write.read_rules.push(&held.rules);
+    if plan.after.rules != held.rules {
+        write.rules.push((id, &plan.after.rules));
     }
     write.entries.extend(plan.entries.iter());
     write.placed.extend(plan.placed.iter());
