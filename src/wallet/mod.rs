@@ -73,6 +73,13 @@ use sqlx::PgPool;
 use std::sync::Arc;
 use tokio_util::task::TaskTracker;
 
+/// How many times a movement lifts one wallet's lease's fence above its row's, or reads its row
+/// again, before it takes the lease for lost. More than once: after Redis lost its keys (a
+/// FLUSHALL, a failover to an empty replica), a holder of before whose lease is gone writes on
+/// under its old fence until it notices, and may raise the row's fence past a lift. Each lift is
+/// token-checked, so a lease that is not ours fails the first.
+const MOST_LIFTS: u32 = 4;
+
 /// What a movement did: the ledger entry of a deposit or payment; the hold placed, captured (with
 /// its `pay` entry) or voided; the expired holds released.
 #[derive(Debug, Clone, PartialEq, Eq)]

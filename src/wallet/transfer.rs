@@ -28,6 +28,7 @@
 //! transfer waits for it, as another replica would (bounded by the lease wait); the worker hands
 //! the lease over after its current batch, because the transfer marks it contended.
 
+use super::MOST_LIFTS;
 use super::decision::{
     FoundKeys, Held, HeldMovement, Known, LegsOp, LegsWallet, RefundOf, Refunds, SettleAs, decide_between,
     wallets_of,
@@ -418,16 +419,17 @@ impl Wallets {
 
     /// Runs `ops`, movements between `wallets` whose every lease is in `leases`, in the replica's
     /// rounds until they are written (see [`group::LegsJob`]); tries again after a fence lifted
-    /// (once per wallet), after a row found busy (for up to [`ROW_LOCK_TIMEOUT`]), and once after
-    /// a row found not as read.
+    /// (up to [`MOST_LIFTS`] times a wallet), after a row found busy (for up to
+    /// [`ROW_LOCK_TIMEOUT`]), and after a row found not as read while every lease is still ours
+    /// (as often).
     pub(super) async fn run_between(
         &self,
         leases: &mut [&mut Lease],
         wallets: Vec<WalletId>,
         mut ops: Vec<LegsOp>,
     ) -> Result<Vec<Result<Done, WalletError>>, WalletError> {
-        let mut resynced: HashSet<WalletId> = HashSet::new();
-        let mut read_again = false;
+        let mut lifted: HashMap<WalletId, u32> = HashMap::new();
+        let mut read_again = 0;
         let busy_until = std::time::Instant::now() + ROW_LOCK_TIMEOUT;
         loop {
             if leases.iter().any(|lease| lease.is_lost()) {
@@ -448,7 +450,7 @@ impl Wallets {
             match self.rounds.run_legs(job).await {
                 group::LegsOutcome::Done(results) => return Ok(results),
                 group::LegsOutcome::FenceBehind { wallet, seen, ops: back } => {
-                    lift_fence(leases, &mut resynced, wallet, seen).await?;
+                    lift_fence(leases, &mut lifted, wallet, seen).await?;
                     ops = back;
                 }
                 group::LegsOutcome::Again { busy: true, ops: back } => {
@@ -459,12 +461,17 @@ impl Wallets {
                     ops = back;
                 }
                 // A row not as the round read it, under our lease: only a holder we did not know
-                // of writes so. Read once more; a second time, the lease is not ours.
-                group::LegsOutcome::Again { busy: false, .. } if read_again => {
-                    return Err(WalletError::LeaseLost);
-                }
+                // of writes so, one whose lease is gone (Redis lost it, or its TTL ran out) and who
+                // has not noticed yet. Read again while every lease is still ours (token-checked),
+                // a few times: that holder's writes stop once it notices.
                 group::LegsOutcome::Again { busy: false, ops: back } => {
-                    read_again = true;
+                    read_again += 1;
+                    if read_again > MOST_LIFTS {
+                        return Err(WalletError::LeaseLost);
+                    }
+                    for lease in leases.iter() {
+                        lease.refresh().await?;
+                    }
                     ops = back;
                 }
             }
@@ -472,14 +479,14 @@ impl Wallets {
     }
 
     /// Commits `ops` in one transaction under `leases` ([`Wallets::attempt_between`]), given
-    /// each lease's fence by name, until it commits; tries again after a fence lifted (once per
-    /// wallet) or a key found stored (once).
+    /// each lease's fence by name, until it commits; tries again after a fence lifted (up to
+    /// [`MOST_LIFTS`] times a wallet) or a key found stored (once).
     pub(super) async fn commit_retrying(
         &self,
         leases: &mut [&mut Lease],
         ops: &[LegsOp],
     ) -> Result<Vec<Result<Done, WalletError>>, WalletError> {
-        let mut resynced: HashSet<WalletId> = HashSet::new();
+        let mut lifted: HashMap<WalletId, u32> = HashMap::new();
         let mut looked_again = false;
         loop {
             if leases.iter().any(|lease| lease.is_lost()) {
@@ -491,7 +498,7 @@ impl Wallets {
                 Ok(done) => return Ok(done),
                 Err(Failure::Wallet(err)) => return Err(err),
                 Err(Failure::FenceBehind { wallet, seen }) => {
-                    lift_fence(leases, &mut resynced, wallet, seen).await?;
+                    lift_fence(leases, &mut lifted, wallet, seen).await?;
                 }
                 Err(Failure::KeyConflict) if !looked_again => looked_again = true,
                 Err(Failure::KeyConflict) => {
@@ -624,11 +631,13 @@ impl Wallets {
 
 /// Lifts the fence of `wallet`'s lease (among `leases`) above `seen`, the fence its row has seen.
 /// After one lift a lease's fence is above every fence the row has seen, unless another holder
-/// raised it meanwhile, which only a lost lease lets happen: a second lift for one wallet
-/// (`resynced` holds those lifted) is [`WalletError::LeaseLost`].
+/// raised it meanwhile: one whose lease is gone and who has not noticed yet (after a Redis
+/// FLUSHALL, each holder of before writes under the fence it had). The lift is token-checked, so
+/// while the lease is ours it lifts again; past [`MOST_LIFTS`] lifts of one wallet (`lifted`
+/// counts them) the movement gives up, [`WalletError::LeaseLost`], nothing written.
 async fn lift_fence(
     leases: &mut [&mut Lease],
-    resynced: &mut HashSet<WalletId>,
+    lifted: &mut HashMap<WalletId, u32>,
     wallet: WalletId,
     seen: i64,
 ) -> Result<(), WalletError> {
@@ -636,7 +645,9 @@ async fn lift_fence(
     let Some(lease) = leases.iter_mut().find(|lease| lease.name() == name) else {
         return Err(WalletError::internal("a fence behind for a wallet without a lease"));
     };
-    if !resynced.insert(wallet) {
+    let lifts = lifted.entry(wallet).or_default();
+    *lifts += 1;
+    if *lifts > MOST_LIFTS {
         return Err(WalletError::LeaseLost);
     }
     lease.advance_fence(seen).await?;

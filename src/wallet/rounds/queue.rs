@@ -280,9 +280,10 @@ impl Wallets {
     async fn hold(&self, id: &WalletId, lease: &mut Lease, note: Option<Held>) -> Option<Held> {
         let held_since = Instant::now();
         let mut held = note;
-        // A batch whose read found the fence behind runs again, once, after the fence is lifted.
+        // A batch whose read found the fence behind runs again after the fence is lifted (up to
+        // `MOST_LIFTS` times).
         let mut again: Option<Vec<Pending>> = None;
-        let mut resynced = false;
+        let mut lifts = 0;
         loop {
             let batch = again.take().unwrap_or_else(|| self.queues.take(id, MAX_BATCH));
             if batch.is_empty() {
@@ -314,13 +315,13 @@ impl Wallets {
             match outcome {
                 JobOutcome::FenceBehind { seen, ops } => {
                     let batch = rejoin(waiters, ops);
-                    if resynced {
+                    lifts += 1;
+                    if lifts > crate::wallet::MOST_LIFTS {
                         return fail(batch, &WalletError::LeaseLost);
                     }
                     if let Err(err) = lease.advance_fence(seen).await {
                         return fail(batch, &err.into());
                     }
-                    resynced = true;
                     again = Some(batch);
                     continue;
                 }
