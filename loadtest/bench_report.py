@@ -311,6 +311,9 @@ def targets(rows, listed=()):
                     by[transfer]["p99_ms"] <= bound))
     # Request metadata: spread's payments, each with a metadata object of 4 keys, against spread's.
     ratio("spread with metadata ÷ spread payments/s ≥ 0.9", "walletlock: spread with metadata", spread, 0.9)
+    # Issue 37 (limits): spread's payments from wallets with a daily and a monthly velocity limit.
+    ratio("spread with daily and monthly limits ÷ spread payments/s ≥ 0.9", "walletlock: spread with limits",
+          spread, 0.9)
     # Issue 36 (events): spread's payments with their events (the default) against the same with
     # EVENTS=off, in this run; the events ride the round's one statement, so no flush of their own.
     no_events = "walletlock: spread, events off"

@@ -4,7 +4,8 @@
 --   "monitors": balance monitors (docs/api/events.md), `{"below": n}` and `{"above": n}`; a
 --     movement that crosses one writes a `wallet.balance_below` or `wallet.balance_above` event
 --     with its entry, and the monitor's amount in `event.monitor`;
---   "overdraft", "per_payment": its limits (docs/api/limits.md).
+--   "overdraft", "per_payment", "velocity", "timezone": its limits (docs/api/limits.md), each
+--     velocity limit with what its current window has taken ("used"), which the same write keeps.
 alter table wallet add column rules jsonb not null default '{}';
 alter table event add column monitor int8;
 

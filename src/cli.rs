@@ -205,7 +205,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!(
                     "audit OK: {summary}; every balance equals its ledger, every transfer has its two legs, \
                      no refund exceeds what it refunds, every wallet holds what its active holds add up to, \
-                     money is conserved"
+                     every velocity window counts what the ledger debited in it, money is conserved"
                 );
             } else {
                 println!("audit FAILED: {} problems in {summary}", report.problems.len());

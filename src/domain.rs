@@ -1,10 +1,14 @@
 //! The wallet's vocabulary: validated ids and amounts, the movements of money, and the one rule
 //! that decides a movement against a balance.
 
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
+
+mod velocity;
+pub use velocity::{MOST_VELOCITY, Per, Room, Used, Velocities, Velocity, VelocityLimit};
 
 /// Input that breaks one of the rules below; names the field and the rule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -368,7 +372,7 @@ pub enum Movement {
     AddMonitor(Monitor),
     RemoveMonitor(Monitor),
     /// The wallet's limits replaced by these.
-    SetLimits(Limits),
+    SetLimits(LimitsSet),
 }
 
 /// Where a hold stands. `Held` past its expiry is expired, though no movement has released it yet.
@@ -663,10 +667,22 @@ impl Limits {
     pub fn replacing(self, funds: Funds) -> Result<Limits, Refusal> {
         let available = Funds { limits: self, ..funds }.available();
         if available < 0 {
-            return Err(Refusal::LimitBelowUsed { used: funds.held - funds.balance });
+            return Err(Refusal::LimitBelowUsed {
+                limit: LimitKind::Overdraft,
+                used: funds.held - funds.balance,
+            });
         }
         Ok(self)
     }
+}
+
+/// All of a wallet's limits as its owner sets them at once (`PUT /wallets/{id}/limits`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LimitsSet {
+    pub limits: Limits,
+    pub velocity: Vec<VelocityLimit>,
+    /// The time zone of calendar windows; UTC when left out.
+    pub timezone: Option<chrono_tz::Tz>,
 }
 
 /// What a wallet's owner set on it beside its balance: its monitors and its limits. Stored with
@@ -678,13 +694,50 @@ pub struct Rules {
     pub monitors: Monitors,
     #[serde(default, flatten)]
     pub limits: Limits,
+    /// Its velocity limits, each with what its current window has taken.
+    #[serde(default, flatten)]
+    pub velocity: Velocities,
 }
 
 impl Rules {
-    pub const NONE: Rules = Rules { monitors: Monitors::NONE, limits: Limits::NONE };
+    pub const NONE: Rules =
+        Rules { monitors: Monitors::NONE, limits: Limits::NONE, velocity: Velocities::NONE };
+
+    /// These rules with their limits replaced by `set` at `now`, for a wallet at `funds` (refused
+    /// if the wallet already owes more than the new overdraft allows); `already`: what debits
+    /// stamped `now` took before it, which a new velocity limit counts ([`Velocities::replaced`]).
+    pub fn with_limits(
+        &self,
+        set: &LimitsSet,
+        funds: Funds,
+        now: DateTime<Utc>,
+        already: (i64, i64),
+    ) -> Result<Rules, Refusal> {
+        let limits = set.limits.replacing(funds)?;
+        let velocity = self.velocity.replaced(&set.velocity, set.timezone, now, already);
+        for Velocity { limit, used } in &velocity.velocity {
+            if limit.amount.is_some_and(|most| used.amount > most) {
+                return Err(Refusal::LimitBelowUsed {
+                    limit: LimitKind::Amount(limit.per),
+                    used: used.amount,
+                });
+            }
+            if limit.count.is_some_and(|most| used.count > most) {
+                return Err(Refusal::LimitBelowUsed { limit: LimitKind::Count(limit.per), used: used.count });
+            }
+        }
+        Ok(Rules { monitors: self.monitors.clone(), limits, velocity })
+    }
+
+    /// What a debit may take from a wallet at `funds`, with these rules, decided at `now`.
+    pub fn funds(&self, balance: i64, held: i64, now: DateTime<Utc>) -> Funds {
+        Funds { balance, held, limits: self.limits, room: self.velocity.room(now) }
+    }
 
     /// As a lease's note writes them: the monitors' `b<amount>` and `a<amount>`, then `o<amount>`
-    /// for an overdraft and `p<amount>` for a cap per payment, joined by `.` (empty: none).
+    /// for an overdraft and `p<amount>` for a cap per payment, `z<zone>` for a time zone and, per
+    /// velocity limit, `v<per>,<amount>,<count>,<from>,<until>,<used amount>,<used count>` (limits
+    /// left out empty, times in microseconds since the epoch), joined by `.` (empty: none).
     pub fn to_note(&self) -> String {
         let mut each: Vec<String> =
             self.monitors.0.iter().map(|m| format!("{}{}", &m.side()[..1], m.amount())).collect();
@@ -693,6 +746,22 @@ impl Rules {
         }
         if let Some(cap) = self.limits.per_payment {
             each.push(format!("p{cap}"));
+        }
+        if let Some(zone) = self.velocity.timezone {
+            each.push(format!("z{}", zone.name()));
+        }
+        let or_none = |limit: Option<i64>| limit.map(|n| n.to_string()).unwrap_or_default();
+        for Velocity { limit, used } in &self.velocity.velocity {
+            each.push(format!(
+                "v{},{},{},{},{},{},{}",
+                limit.per.name(),
+                or_none(limit.amount),
+                or_none(limit.count),
+                used.from.timestamp_micros(),
+                used.until.timestamp_micros(),
+                used.amount,
+                used.count
+            ));
         }
         each.join(".")
     }
@@ -705,6 +774,17 @@ impl Rules {
         }
         let mut monitors = Vec::new();
         for token in note.split('.') {
+            match token.as_bytes().first()? {
+                b'z' => {
+                    rules.velocity.timezone = Some(token[1..].parse().ok()?);
+                    continue;
+                }
+                b'v' => {
+                    rules.velocity.velocity.push(velocity_of_note(&token[1..])?);
+                    continue;
+                }
+                _ => {}
+            }
             let amount = token.get(1..)?.parse::<i64>().ok()?;
             match token.as_bytes().first()? {
                 b'b' => monitors.push(Monitor::Below(amount)),
@@ -717,9 +797,28 @@ impl Rules {
         if monitors.len() > Monitors::MOST {
             return None;
         }
+        if rules.velocity.velocity.len() > MOST_VELOCITY {
+            return None;
+        }
         rules.monitors = Monitors::new(monitors);
         Some(rules)
     }
+}
+
+/// A velocity limit as [`Rules::to_note`] wrote it, after its `v`.
+fn velocity_of_note(token: &str) -> Option<Velocity> {
+    let mut fields = token.split(',');
+    let per = Per::parse(fields.next()?)?;
+    let mut limit = || -> Option<Option<i64>> {
+        let field = fields.next()?;
+        if field.is_empty() { Some(None) } else { field.parse().ok().map(Some) }
+    };
+    let (amount, count) = (limit()?, limit()?);
+    let mut number = || fields.next()?.parse::<i64>().ok();
+    let (from, until) =
+        (DateTime::from_timestamp_micros(number()?)?, DateTime::from_timestamp_micros(number()?)?);
+    let used = Used { from, until, amount: number()?, count: number()? };
+    fields.next().is_none().then_some(Velocity { limit: VelocityLimit { per, amount, count }, used })
 }
 
 /// Where a reader of the events is: after the event `seq` of wallet `wallet_id`, at `position`
@@ -859,23 +958,49 @@ pub enum Refusal {
     #[error("the wallet has no such monitor")]
     MonitorNotFound,
     /// A debit past one of the wallet's limits: `left` is the most it allows now.
+    /// `resets_at`: when the velocity limit passed frees room again.
     #[error("over the wallet's {} limit: at most {left}", limit.as_str())]
-    LimitExceeded { limit: LimitKind, left: i64 },
-    /// New limits the wallet is already past: it owes `used` beyond its balance and holds.
-    #[error("the wallet already uses {used} of its overdraft")]
-    LimitBelowUsed { used: i64 },
+    LimitExceeded { limit: LimitKind, left: i64, resets_at: Option<DateTime<Utc>> },
+    /// New limits the wallet is already past: it owes `used` beyond its balance and holds (an
+    /// overdraft), or its window has taken `used` already (a velocity limit).
+    #[error("the wallet already uses {used} of its {} limit", limit.as_str())]
+    LimitBelowUsed { limit: LimitKind, used: i64 },
+}
+
+impl Refusal {
+    /// Whether releasing the wallet's expired holds might lift it: short of funds, or a velocity
+    /// limit (an expired hold gives back what its placement counted).
+    pub fn spends_past_holds(&self) -> bool {
+        matches!(self, Refusal::InsufficientFunds { .. } | Refusal::LimitExceeded { resets_at: Some(_), .. })
+    }
 }
 
 /// Which of a wallet's limits a debit would pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LimitKind {
+    Overdraft,
     PerPayment,
+    /// A velocity limit on the amount debited per window.
+    Amount(Per),
+    /// A velocity limit on the number of debits per window.
+    Count(Per),
 }
 
 impl LimitKind {
     pub fn as_str(self) -> &'static str {
         match self {
+            LimitKind::Overdraft => "overdraft",
             LimitKind::PerPayment => "per_payment",
+            LimitKind::Amount(_) => "velocity_amount",
+            LimitKind::Count(_) => "velocity_count",
+        }
+    }
+
+    /// The window of a velocity limit.
+    pub fn per(self) -> Option<Per> {
+        match self {
+            LimitKind::Overdraft | LimitKind::PerPayment => None,
+            LimitKind::Amount(per) | LimitKind::Count(per) => Some(per),
         }
     }
 }
@@ -1032,12 +1157,14 @@ pub struct Funds {
     pub held: i64,
     /// The wallet's limits: its overdraft moves the floor, its cap bounds each debit.
     pub limits: Limits,
+    /// What its velocity limits leave at the moment of the decision.
+    pub room: Room,
 }
 
 impl Funds {
     /// A balance with `held` of it reserved, and no limits.
     pub fn new(balance: i64, held: i64) -> Funds {
-        Funds { balance, held, limits: Limits::NONE }
+        Funds { balance, held, limits: Limits::NONE, room: Room::NONE }
     }
 
     /// What may be spent: the balance and the overdraft, less what is held. Never below zero
@@ -1047,10 +1174,13 @@ impl Funds {
     }
 
     /// The balance after paying `amount` out of the available balance, or why it cannot be paid:
-    /// over the wallet's cap per payment, or more than is available.
+    /// over the wallet's cap per payment or a velocity limit, or more than is available.
     pub fn pay(self, amount: Amount) -> Result<i64, Refusal> {
         if let Some(cap) = self.limits.per_payment.filter(|cap| amount.get() > *cap) {
-            return Err(Refusal::LimitExceeded { limit: LimitKind::PerPayment, left: cap });
+            return Err(Refusal::LimitExceeded { limit: LimitKind::PerPayment, left: cap, resets_at: None });
+        }
+        if let Some(refusal) = self.room.refuses(amount.get()) {
+            return Err(refusal);
         }
         if amount.get() <= self.available() {
             Ok(self.balance - amount.get())
@@ -1363,9 +1493,15 @@ mod tests {
         let rules = Rules {
             monitors: Monitors::new([Monitor::Below(-5), Monitor::Above(7)]),
             limits: Limits { overdraft: 300, per_payment: Some(50) },
+            velocity: Velocities::NONE,
         };
         assert_eq!(Rules::from_note("b-5.a7.o300.p50"), Some(rules));
-        for bad in ["x5", "b", "b5.", ".a7", "b5..a7", "b5a7", "o", "p1.5", "a1.a2.a3.a4.a5.a6.a7.a8.a9"] {
+        let bad_velocity =
+            ["vday", "vday,1,,0,86400000000,0", "vweek,,,0,1,0,0,9", "vyear,1,,0,1,0,0", "zMars/Base"];
+        for bad in ["x5", "b", "b5.", ".a7", "b5..a7", "b5a7", "o", "p1.5", "a1.a2.a3.a4.a5.a6.a7.a8.a9"]
+            .into_iter()
+            .chain(bad_velocity)
+        {
             assert_eq!(Rules::from_note(bad), None, "{bad:?}");
         }
     }
@@ -1377,7 +1513,8 @@ mod tests {
         let funds = Funds { limits, ..Funds::new(30, 10) };
         assert_eq!(funds.available(), 120);
         assert_eq!(funds.pay(amount(60)), Ok(-30), "into the overdraft");
-        let over_cap = Err(Refusal::LimitExceeded { limit: LimitKind::PerPayment, left: 60 });
+        let over_cap =
+            Err(Refusal::LimitExceeded { limit: LimitKind::PerPayment, left: 60, resets_at: None });
         assert_eq!(funds.pay(amount(61)), over_cap);
         assert_eq!(funds.hold(amount(61)), over_cap, "a hold is a debit too");
         let deep = Funds { balance: -60, ..funds };
@@ -1385,7 +1522,7 @@ mod tests {
         // Shrinking the overdraft below what the wallet owes (60, and 10 held) is refused.
         assert_eq!(
             Limits { overdraft: 69, per_payment: None }.replacing(deep),
-            Err(Refusal::LimitBelowUsed { used: 70 })
+            Err(Refusal::LimitBelowUsed { limit: LimitKind::Overdraft, used: 70 })
         );
         assert!(Limits { overdraft: 70, per_payment: None }.replacing(deep).is_ok());
     }
@@ -1399,8 +1536,30 @@ mod tests {
             ),
             overdraft in prop_oneof![Just(0_i64), 1..i64::MAX],
             per_payment in proptest::option::of(1..i64::MAX),
+            velocity in proptest::collection::vec(
+                (
+                    prop_oneof![Just(Per::Day), Just(Per::Week), Just(Per::Month), (1..=Per::LONGEST).prop_map(Per::Every)],
+                    proptest::option::of(1..i64::MAX),
+                    proptest::option::of(1..i64::MAX),
+                    0..4_000_000_000_000_000_i64,
+                    1..1_000_000_000_000_i64,
+                    any::<i64>(),
+                    any::<i64>(),
+                ),
+                0..=MOST_VELOCITY,
+            ),
+            timezone in proptest::option::of(proptest::sample::select(vec![chrono_tz::Tz::UTC, chrono_tz::Tz::Europe__Paris, chrono_tz::Tz::America__Argentina__Buenos_Aires, chrono_tz::Tz::Etc__GMTPlus5])),
         ) {
-            let rules = Rules { monitors: Monitors::new(monitors), limits: Limits { overdraft, per_payment } };
+            let velocity = velocity
+                .into_iter()
+                .map(|(per, amount, count, from, span, taken, times)| {
+                    let at = |micros| DateTime::from_timestamp_micros(micros).unwrap();
+                    let used = Used { from: at(from), until: at(from + span), amount: taken, count: times };
+                    Velocity { limit: VelocityLimit { per, amount, count }, used }
+                })
+                .collect();
+            let velocity = Velocities { velocity, timezone };
+            let rules = Rules { monitors: Monitors::new(monitors), limits: Limits { overdraft, per_payment }, velocity };
             prop_assert_eq!(Rules::from_note(&rules.to_note()), Some(rules));
         }
     }

@@ -89,6 +89,8 @@ export function scenario(name, profile) {
     ackLog: __ENV.ACK_LOG === '1',
     openOnly: __ENV.OPEN_ONLY === '1',
     opened: __ENV.OPENED === '1',
+    // What setup PUTs on each wallet as its limits (spread-limits.js), as JSON; none if unset.
+    limits: profile.limits ? JSON.stringify(profile.limits) : null,
   });
   if (cfg.model !== 'closed' && cfg.model !== 'open') throw new Error(`MODEL must be closed or open, not ${cfg.model}`);
   // See ack(): a VU of the closed model runs to the end of the scenario.
@@ -213,42 +215,59 @@ function flushAcks(batched) {
   unlogged = [];
 }
 
-// setup: the run's wallets (ids RUN_ID-0, RUN_ID-1, ...) opened through the API, 100 at a time.
+// setup: the run's wallets (ids RUN_ID-0, RUN_ID-1, ...) opened through the API, 100 at a time,
+// and, if the scenario has `limits` (spread-limits.js), those limits put on each.
 export function setup() {
   const runId = __ENV.RUN_ID || `lt-${cfg.name}-${Date.now().toString(36)}`;
   if (!/^[A-Za-z0-9_-]{1,50}$/.test(runId)) fail(`RUN_ID must be 1 to 50 of A-Z a-z 0-9 _ -, not ${runId}`);
   if (cfg.opened && !__ENV.RUN_ID) fail('OPENED=1 needs the RUN_ID whose wallets an OPEN_ONLY=1 run opened');
   if (cfg.opened || cfg.wallets === 0) return { runId };
   const started = Date.now();
+  eachWallet(runId, 'opening', 201, (id) => ({
+    method: 'POST',
+    url: `${cfg.baseUrl}/wallets`,
+    body: JSON.stringify({ id, balance: cfg.initial }),
+    params: { headers: keyedHeaders(`${id}-open`), tags: { op: 'open', name: 'POST /wallets' } },
+  }), (id, res) => ack({ op: 'open', w: id, amount: res.json().balance, s: 201 }));
+  flushAcks(false);
+  console.info(`opened ${cfg.wallets} wallets ${walletId(runId, 0)}..${cfg.wallets - 1} in ${Date.now() - started} ms`);
+  if (cfg.limits) {
+    eachWallet(runId, 'setting the limits of', 200, (id) => ({
+      method: 'PUT',
+      url: `${cfg.baseUrl}/wallets/${id}/limits`,
+      body: cfg.limits,
+      params: { headers: keyedHeaders(`${id}-limits`), tags: { op: 'limits', name: 'PUT /wallets/{id}/limits' } },
+    }), () => {});
+  }
+  return { runId };
+}
+
+// eachWallet RUN_ID WHAT OK REQUEST DONE: REQUEST(id) (keyed) for each of the run's wallets, 100
+// at a time in one http.batch, DONE(id, response) for each answered OK; sent again (its key
+// replays it) while the fleet answers 5xx, no answer, or idempotency_key_in_flight, up to TRIES
+// rounds; any other answer fails the run, naming WHAT was being done.
+function eachWallet(runId, what, ok, request, done) {
   let pending = [...Array(cfg.wallets).keys()];
   for (let round = 0; round < TRIES && pending.length > 0; round++) {
     if (round > 0) sleep(0.2 * round);
     const retry = [];
     for (let start = 0; start < pending.length; start += 100) {
       const chunk = pending.slice(start, start + 100);
-      const responses = http.batch(chunk.map((i) => ({
-        method: 'POST',
-        url: `${cfg.baseUrl}/wallets`,
-        body: JSON.stringify({ id: walletId(runId, i), balance: cfg.initial }),
-        params: { headers: keyedHeaders(`${walletId(runId, i)}-open`), tags: { op: 'open', name: 'POST /wallets' } },
-      })));
+      const responses = http.batch(chunk.map((i) => request(walletId(runId, i))));
       responses.forEach((res, n) => {
-        const i = chunk[n];
-        if (res.status === 201) {
-          ack({ op: 'open', w: walletId(runId, i), amount: res.json().balance, s: 201 });
+        const id = walletId(runId, chunk[n]);
+        if (res.status === ok) {
+          done(id, res);
         } else if (res.status === 0 || res.status >= 500 || (res.status === 409 && code(res) === 'idempotency_key_in_flight')) {
-          retry.push(i);
+          retry.push(chunk[n]);
         } else {
-          fail(`opening wallet ${walletId(runId, i)}: HTTP ${res.status} ${res.body}`);
+          fail(`${what} wallet ${id}: HTTP ${res.status} ${res.body}`);
         }
       });
     }
     pending = retry;
   }
-  if (pending.length > 0) fail(`could not open ${pending.length} wallets (first: ${walletId(runId, pending[0])})`);
-  flushAcks(false);
-  console.info(`opened ${cfg.wallets} wallets ${walletId(runId, 0)}..${cfg.wallets - 1} in ${Date.now() - started} ms`);
-  return { runId };
+  if (pending.length > 0) fail(`${what} ${pending.length} wallets failed (first: ${walletId(runId, pending[0])})`);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
 //! `#[schema(as = ...)]`); in the code the suffix `Body` keeps it apart from the row it is made
 //! of.
 
-use crate::domain::{EntryKind, HoldStatus, Limits, Metadata, Monitor, MovementStatus};
+use crate::domain::{EntryKind, HoldStatus, Limits, Metadata, Monitor, MovementStatus, Rules};
 use crate::wallet::{Entry, HeldLeg, Hold, MovementHold, MovementRecord, Transfer, Wallet};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -58,7 +58,7 @@ impl From<Wallet> for WalletBody {
             available,
             version,
             monitors: rules.monitors.list().to_vec(),
-            limits: rules.limits.into(),
+            limits: LimitsBody::of(&rules, Utc::now()),
             created_at,
             updated_at,
         }
@@ -74,7 +74,8 @@ pub struct MonitorsBody {
     pub monitors: Vec<Monitor>,
 }
 
-/// A wallet's limits: each is always there, `null` (or an overdraft of 0) for none.
+/// A wallet's limits: each is always there, `null` (or an overdraft of 0, or no velocity limits)
+/// for none.
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(as = Limits)]
 pub struct LimitsBody {
@@ -84,11 +85,78 @@ pub struct LimitsBody {
     /// The most one debit may take.
     #[schema(minimum = 1, example = 20000)]
     pub per_payment: Option<i64>,
+    /// Its velocity limits, each with what its current window has taken and left.
+    pub velocity: Vec<VelocityBody>,
+    /// The IANA time zone its calendar windows (`day`, `week`, `month`) are counted in.
+    #[schema(example = "Europe/Paris")]
+    pub timezone: String,
 }
 
-impl From<Limits> for LimitsBody {
-    fn from(Limits { overdraft, per_payment }: Limits) -> Self {
-        LimitsBody { overdraft, per_payment }
+/// A velocity limit and its current window.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = Velocity)]
+pub struct VelocityBody {
+    /// `day`, `week` (from Monday), `month`, or a fixed window (`30s`, `1m`, `24h`, ...).
+    #[schema(example = "day")]
+    pub per: String,
+    /// The most debited per window, if limited.
+    #[schema(minimum = 1, example = 200000)]
+    pub amount: Option<i64>,
+    /// The most debits per window, if limited.
+    #[schema(minimum = 1, example = 50)]
+    pub count: Option<i64>,
+    /// What this window has taken.
+    pub used: WindowBody,
+    /// What is left of it (`null` for a measure not limited).
+    pub left: LeftBody,
+    /// What it counts from: the window's start, or when the limit was set if that is later.
+    pub counts_from: DateTime<Utc>,
+    /// When the window ends and its counts start again from nothing.
+    pub resets_at: DateTime<Utc>,
+}
+
+/// An amount and a number of debits.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct WindowBody {
+    pub amount: i64,
+    pub count: i64,
+}
+
+/// What a window has left, for each measure its limit bounds.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LeftBody {
+    pub amount: Option<i64>,
+    pub count: Option<i64>,
+}
+
+impl LimitsBody {
+    /// The limits of `rules`, their windows as of `now`.
+    pub fn of(rules: &Rules, now: DateTime<Utc>) -> LimitsBody {
+        let Limits { overdraft, per_payment } = rules.limits;
+        let velocity = rules
+            .velocity
+            .velocity
+            .iter()
+            .map(|velocity| {
+                let limit = velocity.limit;
+                let used = rules.velocity.used_at(velocity, now);
+                let left = |limit: Option<i64>, used: i64| limit.map(|limit| (limit - used).max(0));
+                VelocityBody {
+                    per: limit.per.name(),
+                    amount: limit.amount,
+                    count: limit.count,
+                    used: WindowBody { amount: used.amount, count: used.count },
+                    left: LeftBody {
+                        amount: left(limit.amount, used.amount),
+                        count: left(limit.count, used.count),
+                    },
+                    counts_from: used.from,
+                    resets_at: used.until,
+                }
+            })
+            .collect();
+        let timezone = rules.velocity.timezone.map_or("UTC", |zone| zone.name()).to_owned();
+        LimitsBody { overdraft, per_payment, velocity, timezone }
     }
 }
 

@@ -7,6 +7,7 @@
 
 pub mod codes;
 
+use crate::domain::{LimitKind, Per};
 use crate::idempotency::{Prior, StoredResponse};
 use crate::wallet::{Field, InvalidInput, Refusal, SameWallet, WalletError};
 use axum::{
@@ -72,14 +73,23 @@ pub struct ProblemDocument {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false, minimum = 0, example = 700)]
     refundable: Option<i64>,
-    /// With `limit_exceeded`: the limit the debit would pass (`per_payment`).
+    /// With `limit_exceeded`: the limit the debit would pass (`per_payment`, `velocity_amount`,
+    /// `velocity_count`).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false, example = "per_payment")]
     limit: Option<&'static str>,
-    /// With `limit_exceeded`: the most that limit allows now.
+    /// With `limit_exceeded`: the most that limit allows now (an amount, or a number of debits).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false, minimum = 0, example = 5000)]
     left: Option<i64>,
+    /// With `limit_exceeded` of a velocity limit: its window (`day`, `week`, `month`, `1m`, ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, example = "day")]
+    per: Option<String>,
+    /// With `limit_exceeded` of a velocity limit: when its window ends and frees room again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    resets_at: Option<chrono::DateTime<chrono::Utc>>,
     /// With a movement refused at one of its legs: the leg, from 0 in the request's order (its
     /// `balance` and `available` are that leg's wallet's).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -175,6 +185,8 @@ struct Problem {
     refundable: Option<i64>,
     limit: Option<&'static str>,
     left: Option<i64>,
+    per: Option<String>,
+    resets_at: Option<chrono::DateTime<chrono::Utc>>,
     leg: Option<usize>,
     retry_after: bool,
 }
@@ -208,6 +220,8 @@ impl Problem {
             refundable: None,
             limit: None,
             left: None,
+            per: None,
+            resets_at: None,
             leg: None,
             retry_after: false,
         }
@@ -421,22 +435,43 @@ fn wallet_problem(err: &WalletError) -> Problem {
             "Monitor not found",
             "the wallet has no such monitor; nothing was changed",
         ),
-        WalletError::Refused(Refusal::LimitExceeded { limit, left }) => {
+        WalletError::Refused(Refusal::LimitExceeded { limit, left, resets_at }) => {
+            let per = limit.per().map(Per::name);
+            let window = per.as_ref().map(|per| format!(" per {per}")).unwrap_or_default();
+            let until = resets_at.map(|at| format!(" until {}", at.to_rfc3339())).unwrap_or_default();
+            let allows = match limit {
+                LimitKind::Count(_) => format!("{left} more debits"),
+                _ => format!("at most {left}"),
+            };
             let mut problem = Problem::new(
                 &codes::LIMIT_EXCEEDED,
                 "Limit exceeded",
-                format!("the wallet's {} limit allows at most {left}; nothing was applied", limit.as_str()),
+                format!(
+                    "the wallet's {}{window} limit allows {allows}{until}; nothing was applied",
+                    limit.as_str()
+                ),
             )
             .with_field(Field::Amount);
-            (problem.limit, problem.left) = (Some(limit.as_str()), Some(*left));
+            (problem.limit, problem.left, problem.per, problem.resets_at) =
+                (Some(limit.as_str()), Some(*left), per, *resets_at);
             problem
         }
-        WalletError::Refused(Refusal::LimitBelowUsed { used }) => Problem::new(
-            &codes::LIMIT_BELOW_USED,
-            "Limit below what is used",
-            format!("the wallet already owes {used} beyond its balance and holds: the overdraft cannot be less; nothing was changed"),
-        )
-        .with_field(Field::Limits),
+        WalletError::Refused(Refusal::LimitBelowUsed { limit, used }) => {
+            let detail = match limit.per() {
+                None => format!(
+                    "the wallet already owes {used} beyond its balance and holds: the overdraft cannot be less; nothing was changed"
+                ),
+                Some(per) => format!(
+                    "this {} window has taken {used} already: its {} limit cannot be less; nothing was changed",
+                    per.name(),
+                    if matches!(limit, LimitKind::Count(_)) { "count" } else { "amount" },
+                ),
+            };
+            let mut problem = Problem::new(&codes::LIMIT_BELOW_USED, "Limit below what is used", detail)
+                .with_field(Field::Limits);
+            (problem.limit, problem.per) = (Some(limit.as_str()), limit.per().map(Per::name));
+            problem
+        }
         WalletError::Refused(Refusal::BalanceOverflow { balance }) => Problem::new(
             &codes::BALANCE_OVERFLOW,
             "Balance overflow",
@@ -516,6 +551,8 @@ impl ApiError {
             refundable: problem.refundable,
             limit: problem.limit,
             left: problem.left,
+            per: problem.per,
+            resets_at: problem.resets_at,
             leg: problem.leg,
         };
         StoredResponse {

@@ -107,7 +107,7 @@ fn render_moved(status: StatusCode, outcome: &MovementOutcome) -> StoredResponse
         ),
         Ok(Moved::Released) => json(status, &serde_json::json!({})),
         Ok(Moved::Monitors(monitors)) => json(status, &MonitorsBody { monitors: monitors.list().to_vec() }),
-        Ok(Moved::Limits(limits)) => json(status, &LimitsBody::from(*limits)),
+        Ok(Moved::Limits { rules, at }) => json(status, &LimitsBody::of(rules, *at)),
         Err(refusal) => ApiError::Wallet(WalletError::Refused(*refusal)).render(),
     }
 }

@@ -11,7 +11,9 @@ use super::error::described::{
 use super::error::{ApiError, PROBLEM_JSON, ProblemDocument};
 use super::extract::{IdempotencyHeader, JsonBody, WalletPath};
 use super::idempotent::{self, KeyedRequest, render_movement};
-use crate::domain::{Access, Amount, Field, InvalidInput, Limits, Movement};
+use crate::domain::{
+    Access, Amount, Field, InvalidInput, Limits, LimitsSet, MOST_VELOCITY, Movement, Per, VelocityLimit,
+};
 use axum::Json;
 use axum::extract::{Extension, State};
 use axum::http::Uri;
@@ -34,20 +36,74 @@ struct NewLimits {
     /// The most one debit may take: a payment, a hold, a transfer's or movement's debit leg.
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 20000)]
     per_payment: Option<i64>,
+    /// Velocity limits: at most an amount, or a number of debits, per window; at most 8, one per
+    /// window.
+    velocity: Option<Vec<NewVelocity>>,
+    /// The IANA time zone of calendar windows (`Europe/Paris`); UTC when left out.
+    #[schema(example = "Europe/Paris")]
+    timezone: Option<String>,
 }
 
+/// One velocity limit: `amount`, `count` or both.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct NewVelocity {
+    /// `day`, `week` (from Monday), `month` in the wallet's time zone, or a fixed window of whole
+    /// seconds, minutes, hours or days (`30s`, `1m`, `24h`, `7d`) counted from the Unix epoch.
+    #[schema(example = "day")]
+    per: String,
+    /// The most the window's debits may take in all.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 200000)]
+    amount: Option<i64>,
+    /// The most debits the window may have.
+    #[schema(minimum = 1, maximum = 1_000_000_000_i64, example = 50)]
+    count: Option<i64>,
+}
+
+/// The most debits a velocity limit may count per window.
+const MOST_COUNT: i64 = 1_000_000_000;
+
 impl NewLimits {
-    fn limits(&self) -> Result<Limits, InvalidInput> {
-        let invalid = || InvalidInput {
-            field: Field::Limits,
-            rule: "`overdraft` is a whole number from 0 to 10^12, `per_payment` from 1 to 10^12",
-        };
+    fn limits(&self) -> Result<LimitsSet, InvalidInput> {
+        let invalid = |rule| InvalidInput { field: Field::Limits, rule };
+        let amounts =
+            || invalid("`overdraft` is a whole number from 0 to 10^12, `per_payment` from 1 to 10^12");
         let overdraft = match self.overdraft {
             None | Some(0) => 0,
-            Some(overdraft) => Amount::new(overdraft).map_err(|_| invalid())?.get(),
+            Some(overdraft) => Amount::new(overdraft).map_err(|_| amounts())?.get(),
         };
-        let per_payment = self.per_payment.map(Amount::new).transpose().map_err(|_| invalid())?;
-        Ok(Limits { overdraft, per_payment: per_payment.map(Amount::get) })
+        let per_payment = self.per_payment.map(Amount::new).transpose().map_err(|_| amounts())?;
+        let velocity = self.velocity.as_deref().unwrap_or_default();
+        if velocity.len() > MOST_VELOCITY {
+            return Err(invalid("at most 8 velocity limits"));
+        }
+        let mut limits: Vec<VelocityLimit> = Vec::with_capacity(velocity.len());
+        for new in velocity {
+            let per = Per::parse(&new.per).ok_or(invalid(
+                "`per` is `day`, `week`, `month`, or a whole number of `s`, `m`, `h` or `d` up to 366 days",
+            ))?;
+            let amount = new
+                .amount
+                .map(Amount::new)
+                .transpose()
+                .map_err(|_| invalid("a velocity limit's `amount` is a whole number from 1 to 10^12"))?;
+            if new.count.is_some_and(|count| !(1..=MOST_COUNT).contains(&count)) {
+                return Err(invalid("a velocity limit's `count` is a whole number from 1 to 10^9"));
+            }
+            if amount.is_none() && new.count.is_none() {
+                return Err(invalid("a velocity limit has an `amount`, a `count`, or both"));
+            }
+            if limits.iter().any(|limit| limit.per == per) {
+                return Err(invalid("one velocity limit per window: give it both an `amount` and a `count`"));
+            }
+            limits.push(VelocityLimit { per, amount: amount.map(Amount::get), count: new.count });
+        }
+        let timezone =
+            self.timezone.as_deref().map(str::parse::<chrono_tz::Tz>).transpose().map_err(|_| {
+                invalid("`timezone` is an IANA time zone name, such as `Europe/Paris` or `UTC`")
+            })?;
+        let spend = Limits { overdraft, per_payment: per_payment.map(Amount::get) };
+        Ok(LimitsSet { limits: spend, velocity: limits, timezone })
     }
 }
 
@@ -118,5 +174,5 @@ async fn get_limits(
     Extension(access): Extension<Access>,
     WalletPath(id): WalletPath,
 ) -> Result<Json<LimitsBody>, ApiError> {
-    Ok(Json(ctx.wallets.get(&access, &id).await?.rules.limits.into()))
+    Ok(Json(LimitsBody::of(&ctx.wallets.get(&access, &id).await?.rules, chrono::Utc::now())))
 }

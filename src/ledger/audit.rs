@@ -20,6 +20,11 @@
 //! reports (for a transfer, one of its legs), in the scope it was made for, so no key was charged
 //! twice or without a record; a hold placed or voided reports a hold of its wallet and no entry, a
 //! capture its hold and the `pay` entry that charged it.
+//! For every velocity limit: what its window counts (`rules.velocity[].used`) is what the ledger
+//! says was debited in it (see `crate::domain::velocity`): the payments and the debit legs of
+//! transfers and movements stamped in `[from, until)`, captures and refunds aside, and the holds
+//! placed in it (all of one still held, what a captured one took, nothing of one voided or
+//! expired), each debit once.
 
 use super::StoreError;
 use super::storage::Storage;
@@ -102,6 +107,7 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
     conservation(conn, &mut report).await?;
     keys(conn, &mut report).await?;
     events(conn, &mut report).await?;
+    velocity(conn, &mut report).await?;
     tx.rollback().await?;
     Ok(report)
 }
@@ -635,6 +641,63 @@ async fn keys(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreE
                  of wallet {wallet:?}"
             ),
         });
+    }
+    Ok(())
+}
+
+async fn velocity(conn: &mut PgConnection, report: &mut Report) -> Result<(), StoreError> {
+    let rows = sqlx::query(
+        // language=PostgreSQL
+        r#"with counted as (
+               select w.id as wallet_id, v.n, v.limit_ ->> 'per' as per,
+                      (v.limit_ -> 'used' ->> 'from')::timestamptz as from_at,
+                      (v.limit_ -> 'used' ->> 'until')::timestamptz as until_at,
+                      (v.limit_ -> 'used' ->> 'amount')::int8 as amount,
+                      (v.limit_ -> 'used' ->> 'count')::int8 as times
+               from wallet w
+               cross join lateral jsonb_array_elements(w.rules -> 'velocity') with ordinality as v(limit_, n)
+               where jsonb_typeof(w.rules -> 'velocity') = 'array'
+           ), debited as (
+               select c.wallet_id, c.n, sum(e.amount)::int8 as amount, count(*) as times
+               from counted c
+               join ledger_entry e on e.wallet_id = c.wallet_id
+                                  and e.created_at >= c.from_at and e.created_at < c.until_at
+               where e.hold_id is null
+                 and (e.kind = 'pay'
+                      or e.kind = 'transfer_out'
+                         and not exists (select from transfer t where t.id = e.transfer_id and t.refund_of is not null)
+                         and not exists (select from movement m where m.id = e.transfer_id and m.refund_of is not null))
+               group by c.wallet_id, c.n
+           ), reserved as (
+               select c.wallet_id, c.n,
+                      sum(case h.status when 'held' then h.amount when 'captured' then h.captured else 0 end)::int8
+                          as amount,
+                      count(*) filter (where h.status in ('held', 'captured')) as times
+               from counted c
+               join hold h on h.wallet_id = c.wallet_id and h.created_at >= c.from_at and h.created_at < c.until_at
+               group by c.wallet_id, c.n
+           )
+           select c.wallet_id, c.per, c.from_at, c.amount, c.times,
+                  (coalesce(d.amount, 0) + coalesce(r.amount, 0))::int8 as found_amount,
+                  (coalesce(d.times, 0) + coalesce(r.times, 0))::int8 as found_times
+           from counted c
+           left join debited d on d.wallet_id = c.wallet_id and d.n = c.n
+           left join reserved r on r.wallet_id = c.wallet_id and r.n = c.n
+           where c.amount <> coalesce(d.amount, 0) + coalesce(r.amount, 0)
+              or c.times <> coalesce(d.times, 0) + coalesce(r.times, 0)
+           order by c.wallet_id, c.n"#,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for w in rows {
+        let (id, per): (String, String) = (w.try_get("wallet_id")?, w.try_get("per")?);
+        let from: DateTime<Utc> = w.try_get("from_at")?;
+        let (amount, times): (i64, i64) = (w.try_get("amount")?, w.try_get("times")?);
+        let (found_amount, found_times): (i64, i64) = (w.try_get("found_amount")?, w.try_get("found_times")?);
+        report.problems.push(format!(
+            "wallet {id}: its velocity limit per {per} counts {amount} in {times} debits from {from}, \
+             but the ledger has {found_amount} in {found_times}"
+        ));
     }
     Ok(())
 }

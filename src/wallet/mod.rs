@@ -92,8 +92,12 @@ pub enum Moved {
     Released,
     /// A monitor set or removed: the wallet's monitors after it.
     Monitors(Monitors),
-    /// Limits set: the wallet's limits now.
-    Limits(Limits),
+    /// Limits set: the wallet's rules now, as of the decision's time `at` (what each velocity
+    /// window has taken, and when it ends, are of that moment).
+    Limits {
+        rules: Box<crate::domain::Rules>,
+        at: chrono::DateTime<chrono::Utc>,
+    },
 }
 
 impl Moved {

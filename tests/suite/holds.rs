@@ -461,7 +461,12 @@ impl Tally {
 
 /// Sends `request` to `url` with `key` until the answer is definite (a movement that timed out, or
 /// whose lease was lost, applied nothing; one whose outcome is unknown is sent again with its key).
-async fn until_definite(client: &reqwest::Client, url: &str, request: &Value, key: &str) -> (u16, Value) {
+pub(crate) async fn until_definite(
+    client: &reqwest::Client,
+    url: &str,
+    request: &Value,
+    key: &str,
+) -> (u16, Value) {
     for _ in 0..50 {
         let sent = client.post(url).header("idempotency-key", key).json(request).send().await;
         let Ok(response) = sent else { continue };

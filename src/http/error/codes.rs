@@ -192,12 +192,12 @@ pub const TOO_MANY_MONITORS: ErrorCode = replica(
 pub const LIMIT_EXCEEDED: ErrorCode = replica(
     S::UNPROCESSABLE_ENTITY,
     "limit_exceeded",
-    "the debit would pass one of the wallet's limits (`limit` names it, `left` is the most it allows now); nothing was applied",
+    "the debit would pass one of the wallet's limits (`limit` names it, `left` is the most it allows now; for a velocity limit, `per` its window and `resets_at` when it ends); nothing was applied",
 );
 pub const LIMIT_BELOW_USED: ErrorCode = replica(
     S::UNPROCESSABLE_ENTITY,
     "limit_below_used",
-    "the wallet already owes more than the new overdraft would allow; nothing was changed",
+    "the wallet already owes more than the new overdraft would allow, or a velocity window has taken more than its new limit (`limit` names it); nothing was changed",
 );
 pub const BALANCE_OVERFLOW: ErrorCode = replica(
     S::UNPROCESSABLE_ENTITY,

@@ -17,7 +17,7 @@
 use super::{Held, Known, Leg, Links, Settled, as_written, decide_legs, settled};
 use crate::domain::{
     self, EntryKind, EventType, Funds, HoldLife, HoldStatus, LegRefusal, Metadata, MovementStatus, Parties,
-    pro_rata,
+    Room, pro_rata,
 };
 use crate::idempotency::{Keyed, Prior, StoredResponse};
 use crate::ledger::Entry;
@@ -345,6 +345,8 @@ struct Deciding<'a, 'k> {
     /// before it.
     refunded_now: super::Refunds,
     known: Known<'k>,
+    /// The job's time, which its entries and holds are stamped with.
+    now: DateTime<Utc>,
     plan: LegsPlan,
 }
 
@@ -367,16 +369,19 @@ enum Made {
 impl Deciding<'_, '_> {
     /// The legs of `op`, each against its wallet as the job left it (`touched`: the wallet of each
     /// leg, by index), with `held_off` taken off what each wallet holds (a capture's own holds).
-    fn legs<'o>(&self, op: &'o LegsOp, touched: &[usize], held_off: &[i64]) -> Vec<Leg<'o>> {
+    /// Its debits count against the wallets' velocity limits only if `counted` (not a capture's,
+    /// counted when placed, nor a refund's).
+    fn legs<'o>(&self, op: &'o LegsOp, touched: &[usize], held_off: &[i64], counted: bool) -> Vec<Leg<'o>> {
         op.legs()
             .into_iter()
             .zip(touched)
             .zip(held_off)
             .map(|(((wallet, amount, debit), &w), off)| {
                 let held = self.state[w].as_ref().expect("touched wallets exist");
+                let funds = held.rules.funds(held.balance, held.held - off, self.now);
                 Leg {
                     wallet,
-                    funds: Funds { balance: held.balance, held: held.held - off, limits: held.rules.limits },
+                    funds: if counted { funds } else { Funds { room: Room::NONE, ..funds } },
                     version: held.version,
                     fence: self.wallets[w].fence,
                     amount,
@@ -387,13 +392,17 @@ impl Deciding<'_, '_> {
     }
 
     /// Applies `entries` (one a leg, in `touched`'s order) of a movement whose legs are events of
-    /// type `between` to the job's wallets.
+    /// type `between` to the job's wallets, its debits counted against their velocity limits if
+    /// `counted` (as [`Self::legs`] decided them).
     /// Each entry's event comes first, then those of the monitors it crossed.
-    fn apply(&mut self, entries: &[Entry], touched: &[usize], between: EventType) {
+    fn apply(&mut self, entries: &[Entry], touched: &[usize], between: EventType, counted: bool) {
         let mut crossings = Vec::new();
         for (entry, &w) in entries.iter().zip(touched) {
             let held = self.state[w].as_mut().expect("touched wallets exist");
             crossings.extend(EventWrite::of_crossings(entry, &held.rules.monitors, held.balance));
+            if counted && entry.balance < held.balance {
+                held.rules.velocity.count(entry.amount, self.now);
+            }
             (held.balance, held.version) = (entry.balance, entry.version);
         }
         self.plan.events.extend(entries.iter().map(|entry| EventWrite::of_entry(entry, between)));
@@ -413,6 +422,9 @@ impl Deciding<'_, '_> {
     ) {
         let held = self.state[w].as_mut().expect("touched wallets exist");
         held.held -= hold.amount;
+        // What its placement counted and it does not take goes back: a capture keeps its count.
+        let count = if status == HoldStatus::Captured { 0 } else { 1 };
+        held.rules.velocity.give_back(hold.created_at, hold.amount - captured, count, self.now);
         self.status_now.insert(hold.id, status);
         // A capture that charged something is its entry's event.
         if capture_entry.is_none() {
@@ -423,7 +435,7 @@ impl Deciding<'_, '_> {
 
     /// A transfer, or a movement posted at once.
     fn post(&mut self, op: &LegsOp, touched: &[usize], now: DateTime<Utc>) -> Decided {
-        let legs = self.legs(op, touched, &vec![0; touched.len()]);
+        let legs = self.legs(op, touched, &vec![0; touched.len()], true);
         let id = Uuid::new_v4();
         let (reference, metadata, parties) = match op {
             LegsOp::Transfer { reference, metadata, parties, .. } => (reference, metadata, Some(parties)),
@@ -435,7 +447,7 @@ impl Deciding<'_, '_> {
         let entries = decide_legs(&legs, (EntryKind::TransferOut, EntryKind::TransferIn), links)?;
         let between =
             if parties.is_some() { EventType::TransferAccepted } else { EventType::MovementAccepted };
-        self.apply(&entries, touched, between);
+        self.apply(&entries, touched, between, true);
         Ok(match parties {
             Some(parties) => {
                 let [from_entry, to_entry]: [Entry; 2] = entries.try_into().expect("two legs, two entries");
@@ -473,7 +485,7 @@ impl Deciding<'_, '_> {
         let LegsOp::Movement { reference, metadata, .. } = op else {
             unreachable!("only a movement is placed")
         };
-        let legs = self.legs(op, touched, &vec![0; touched.len()]);
+        let legs = self.legs(op, touched, &vec![0; touched.len()], true);
         let id = Uuid::new_v4();
         let expires_at = life.expiry_from(now);
         let mut holds: Vec<Option<Hold>> = Vec::with_capacity(legs.len());
@@ -505,7 +517,9 @@ impl Deciding<'_, '_> {
             .collect();
         for (hold, &w) in holds.iter().zip(touched) {
             if let Some(hold) = hold {
-                self.state[w].as_mut().expect("touched wallets exist").held += hold.amount;
+                let held = self.state[w].as_mut().expect("touched wallets exist");
+                held.held += hold.amount;
+                held.rules.velocity.count(hold.amount, now);
             }
         }
         let placed = holds.into_iter().flatten();
@@ -577,7 +591,7 @@ impl Deciding<'_, '_> {
         let mut written: Vec<Option<(Uuid, i64)>> = vec![None; holds.len()];
         if let SettleAs::Capture(amount) = settle {
             let held_off: Vec<i64> = holds.iter().map(|hold| hold.as_ref().map_or(0, |h| h.amount)).collect();
-            let all = self.legs(op, touched, &held_off);
+            let all = self.legs(op, touched, &held_off, false);
             let reserved: i64 = all.iter().filter(|leg| leg.debit).map(|leg| leg.amount.get()).sum();
             let total = amount.map_or(reserved, Amount::get);
             if total > reserved {
@@ -605,6 +619,7 @@ impl Deciding<'_, '_> {
                 &entries,
                 &at.iter().map(|&n| touched[n]).collect::<Vec<_>>(),
                 EventType::MovementAccepted,
+                false,
             );
             record =
                 MovementRecord { status: MovementStatus::Captured, legs: entries, ..held.record.clone() };
@@ -637,7 +652,7 @@ impl Deciding<'_, '_> {
             refunded.get(wallet.as_str()).copied().unwrap_or(0) + now.unwrap_or(0)
         };
         // The original's legs reversed: a refund's credits are the original's debits.
-        let all = self.legs(op, touched, &vec![0; touched.len()]);
+        let all = self.legs(op, touched, &vec![0; touched.len()], false);
         let left: Vec<i64> = all.iter().map(|leg| leg.amount.get() - refunded_on(leg.wallet)).collect();
         let moved: i64 = all.iter().filter(|leg| !leg.debit).map(|leg| leg.amount.get()).sum();
         let left_in: i64 = all.iter().zip(&left).filter(|(leg, _)| !leg.debit).map(|(_, left)| left).sum();
@@ -661,7 +676,12 @@ impl Deciding<'_, '_> {
             Ok(entries) => entries,
             Err((n, refusal)) => return Ok(Err((at[n], refusal))),
         };
-        self.apply(&entries, &at.iter().map(|&n| touched[n]).collect::<Vec<_>>(), EventType::RefundAccepted);
+        self.apply(
+            &entries,
+            &at.iter().map(|&n| touched[n]).collect::<Vec<_>>(),
+            EventType::RefundAccepted,
+            false,
+        );
         let refunded_now = self.refunded_now.entry(of.id()).or_default();
         for entry in &entries {
             *refunded_now.entry(entry.wallet_id.clone()).or_default() += entry.amount;
@@ -736,6 +756,7 @@ pub fn decide_between(
         status_now: HashMap::new(),
         refunded_now: super::Refunds::new(),
         known,
+        now,
         plan: LegsPlan {
             decisions: Vec::with_capacity(ops.len()),
             entries: Vec::new(),
@@ -828,7 +849,10 @@ pub fn decide_between(
         };
         // Short of funds while something is held: the holds that expired may cover it, and only a
         // write that releases them may count on that.
-        if let Err((leg, Refusal::InsufficientFunds { .. })) = decided {
+        if let Err((leg, refusal)) = &decided
+            && refusal.spends_past_holds()
+        {
+            let leg = *leg;
             let wallet = wallets[touched[leg]].id.as_str();
             let held = job.state[touched[leg]].as_ref().map_or(0, |h| h.held);
             if held > 0 && !known.expired_read.contains(wallet) {
@@ -1044,6 +1068,39 @@ mod tests {
             "written under the leases' fences"
         );
         assert_eq!(plan.transfers.len(), 2);
+    }
+
+    #[test]
+    fn a_transfers_debit_counts_against_the_payers_velocity_limits_and_not_the_payees() {
+        let now = Utc::now();
+        let mut fixture = Fixture::of(&[Some((1_000, 0)), Some((0, 0))]);
+        let day =
+            crate::domain::VelocityLimit { per: crate::domain::Per::Day, amount: Some(100), count: Some(2) };
+        for wallet in fixture.held.iter_mut().flatten() {
+            wallet.rules.velocity = crate::domain::Velocities::NONE.replaced(&[day], None, now, (0, 0));
+        }
+        let ops = [
+            transfer(0, 1, 40),
+            transfer(0, 1, 70),
+            transfer(0, 1, 60),
+            transfer(0, 1, 1),
+            transfer(1, 0, 5),
+        ];
+        let plan = fixture.decide(&ops).unwrap();
+        let results = plan.results(Ok(true));
+        let refused = |n: usize| match &results[n] {
+            Err(WalletError::Refused(Refusal::LimitExceeded { limit, left, .. })) => {
+                Some((limit.as_str(), *left))
+            }
+            _ => None,
+        };
+        assert_eq!(refused(1), Some(("velocity_amount", 60)));
+        assert_eq!(refused(3), Some(("velocity_count", 0)));
+        assert!(results[0].is_ok() && results[2].is_ok() && results[4].is_ok());
+        assert_eq!(balances(&plan), [905, 95]);
+        let used = |n: usize| plan.after[n].as_ref().unwrap().rules.velocity.velocity[0].used;
+        assert_eq!((used(0).amount, used(0).count), (100, 2));
+        assert_eq!((used(1).amount, used(1).count), (5, 1), "the payee's own debit, not what it received");
     }
 
     #[test]

@@ -24,7 +24,7 @@ pub use legs::{HeldMovement, LegsOp, LegsPlan, LegsWallet, RefundOf, SettleAs, d
 
 use super::{Access, Moved, MovementOutcome, WalletError, WalletId};
 use crate::domain::{
-    Amount, EntryKind, EventType, FenceStanding, Funds, HoldStatus, Metadata, Rules, capture_amount,
+    Amount, EntryKind, EventType, FenceStanding, Funds, HoldStatus, Metadata, Room, Rules, capture_amount,
 };
 use crate::idempotency::{Keyed, Prior, StoredResponse};
 use crate::ledger::event::EventWrite;
@@ -117,7 +117,9 @@ impl Held {
         let owner = (!owner.is_empty()).then(|| Arc::from(owner));
         let plausible = FenceStanding::of(fence, written_by) == FenceStanding::Above;
         let held = Held { balance, held, version, fence: written_by, owner, rules, from_note: true };
-        (plausible && held.held >= 0 && held.funds().available() >= 0 && version >= 1).then_some(held)
+        let available =
+            Funds { limits: held.rules.limits, ..Funds::new(held.balance, held.held) }.available();
+        (plausible && held.held >= 0 && available >= 0 && version >= 1).then_some(held)
     }
 
     /// The wallet as its row, locked, has it.
@@ -133,8 +135,9 @@ impl Held {
         }
     }
 
-    fn funds(&self) -> Funds {
-        Funds { balance: self.balance, held: self.held, limits: self.rules.limits }
+    /// What it may spend, decided at `now`.
+    fn funds(&self, now: DateTime<Utc>) -> Funds {
+        self.rules.funds(self.balance, self.held, now)
     }
 }
 
@@ -292,7 +295,10 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
     let Batch { id, fence, held, ops } = *batch;
     let now = known.now;
     let expired_read = known.expired_read.contains(id.as_str());
-    let mut funds = held.funds();
+    let mut funds = held.funds(now);
+    let mut rules = held.rules.clone();
+    // What the debits of this batch took so far: a velocity limit set in it counts them.
+    let mut stamped_now = (0, 0);
     let mut plan = Plan {
         decisions: Vec::with_capacity(ops.len()),
         entries: Vec::new(),
@@ -309,16 +315,17 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
         for hold in known.holds.values().filter(|h| h.wallet_id == id.as_str()) {
             if hold.status == HoldStatus::Held && hold.expires_at <= now {
                 funds.held -= hold.amount;
+                rules.velocity.give_back(hold.created_at, hold.amount, 1, now);
                 status_now.insert(hold.id, HoldStatus::Expired);
                 plan.settle(id.as_str(), settled(hold.id, HoldStatus::Expired, 0, None));
             }
         }
     }
-    let mut rules = held.rules.clone();
     // The ops of this batch that carry each key: (op index, fingerprint).
     let mut first_with_key: HashMap<(&str, &str, &str), (usize, &[u8; 32])> = HashMap::new();
     for (n, op) in ops.iter().enumerate() {
         let balance_before = funds.balance;
+        funds.room = rules.velocity.room(now);
         if !op.access.may_use(held.owner.as_deref()) {
             plan.decisions.push(Decision::Hidden);
             continue;
@@ -359,11 +366,15 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             Movement::Pay { amount, reference, metadata } => {
                 one_leg(funds, *amount, true, reference.as_deref(), metadata).map(|entry| {
                     funds.balance = entry.balance;
+                    rules.velocity.count(amount.get(), now);
+                    stamped_now = (stamped_now.0 + amount.get(), stamped_now.1 + 1);
                     Moved::Entry(entry)
                 })
             }
             Movement::Hold { amount, life, reference, metadata } => funds.hold(*amount).map(|after| {
                 funds.held = after;
+                rules.velocity.count(amount.get(), now);
+                stamped_now = (stamped_now.0 + amount.get(), stamped_now.1 + 1);
                 let new = NewHold {
                     wallet_id: id.as_str().to_owned(),
                     amount: amount.get(),
@@ -388,17 +399,19 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             }
             Movement::Capture { hold: hold_id, amount } => {
                 let hold = &known.holds[hold_id];
-                match standing(hold, &mut status_now, &mut funds, &mut plan, now) {
+                match standing(hold, &mut status_now, (&mut funds, &mut rules), &mut plan, now) {
                     Err(refusal) => Err(refusal),
                     Ok(()) => capture_amount(*amount, hold.amount).and_then(|charged| {
-                        // The hold's own amount is released as it is charged.
-                        let released = Funds { held: funds.held - hold.amount, ..funds };
+                        // The hold's own amount is released as it is charged; its placement
+                        // counted against the velocity limits already.
+                        let released = Funds { held: funds.held - hold.amount, room: Room::NONE, ..funds };
                         let mut paid =
                             one_leg(released, charged, true, hold.reference.as_deref(), &hold.metadata)?;
                         paid.hold_id = Some(hold.id);
                         (funds.balance, funds.held) = (paid.balance, released.held);
                         status_now.insert(hold.id, HoldStatus::Captured);
                         let charged = charged.get();
+                        rules.velocity.give_back(hold.created_at, hold.amount - charged, 0, now);
                         plan.settle(
                             id.as_str(),
                             settled(hold.id, HoldStatus::Captured, charged, Some(paid.id)),
@@ -416,8 +429,9 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
             }
             Movement::Void { hold: hold_id } => {
                 let hold = &known.holds[hold_id];
-                standing(hold, &mut status_now, &mut funds, &mut plan, now).map(|()| {
+                standing(hold, &mut status_now, (&mut funds, &mut rules), &mut plan, now).map(|()| {
                     funds.held -= hold.amount;
+                    rules.velocity.give_back(hold.created_at, hold.amount, 1, now);
                     status_now.insert(hold.id, HoldStatus::Voided);
                     plan.settle(id.as_str(), settled(hold.id, HoldStatus::Voided, 0, None));
                     let hold = Hold { status: HoldStatus::Voided, settled_at: Some(now), ..hold.clone() };
@@ -437,9 +451,10 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
                 rules.monitors = after;
                 Moved::Monitors(rules.monitors.clone())
             }),
-            Movement::SetLimits(limits) => limits.replacing(funds).map(|limits| {
-                (rules.limits, funds.limits) = (limits, limits);
-                Moved::Limits(limits)
+            Movement::SetLimits(set) => rules.with_limits(set, funds, now, stamped_now).map(|after| {
+                rules = after;
+                funds.limits = rules.limits;
+                Moved::Limits { rules: Box::new(rules.clone()), at: now }
             }),
         };
         if let Some(entry) = outcome.as_ref().ok().and_then(Moved::entry) {
@@ -450,7 +465,10 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
         }
         // Short of funds while something is held: the holds that expired may cover it, and only a
         // write that releases them may count on that.
-        if matches!(outcome, Err(Refusal::InsufficientFunds { .. })) && funds.held > 0 && !expired_read {
+        if outcome.as_ref().is_err_and(|refusal| refusal.spends_past_holds())
+            && funds.held > 0
+            && !expired_read
+        {
             plan.needs_expired = true;
             return plan;
         }
@@ -571,7 +589,7 @@ fn settled(hold: Uuid, status: HoldStatus, captured: i64, capture_entry: Option<
 fn standing(
     hold: &Hold,
     status_now: &mut HashMap<Uuid, HoldStatus>,
-    funds: &mut Funds,
+    (funds, rules): (&mut Funds, &mut Rules),
     plan: &mut Plan,
     now: DateTime<Utc>,
 ) -> Result<(), Refusal> {
@@ -581,6 +599,7 @@ fn standing(
     }
     if hold.expires_at <= now {
         funds.held -= hold.amount;
+        rules.velocity.give_back(hold.created_at, hold.amount, 1, now);
         status_now.insert(hold.id, HoldStatus::Expired);
         plan.settle(&hold.wallet_id, settled(hold.id, HoldStatus::Expired, 0, None));
         return Err(Refusal::HoldExpired);
@@ -591,7 +610,9 @@ fn standing(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::{HoldLife, LimitKind, Limits, Monitor, Monitors};
+    use crate::domain::{
+        HoldLife, LimitKind, Limits, LimitsSet, Monitor, Monitors, Per, Velocities, VelocityLimit,
+    };
     use crate::idempotency::{IdempotencyKey, Scope};
     use crate::ledger::idempotency::ResponseRow;
     use proptest::prelude::*;
@@ -840,20 +861,26 @@ mod tests {
         let limits = Limits { overdraft: 100, per_payment: Some(80) };
         let ops = [
             op(pay(90)), // 100 → 10: no cap yet
-            op(Movement::SetLimits(limits)),
-            op(pay(81)),                                                          // over the cap
+            op(Movement::SetLimits(LimitsSet { limits, ..LimitsSet::default() })),
+            op(pay(81)), // over the cap
             op(pay(80)), // 10 → -70: into the overdraft
             op(pay(31)), // 30 available
-            op(Movement::SetLimits(Limits { overdraft: 69, per_payment: None })), // owes 70
+            op(Movement::SetLimits(LimitsSet {
+                limits: Limits { overdraft: 69, per_payment: None },
+                ..LimitsSet::default()
+            })), // owes 70
         ];
         let plan = World::new().decide(&held(100, 0), &ops);
-        let over_cap = Refusal::LimitExceeded { limit: LimitKind::PerPayment, left: 80 };
+        let over_cap = Refusal::LimitExceeded { limit: LimitKind::PerPayment, left: 80, resets_at: None };
         assert!(matches!(plan.decisions[2], Decision::Refused(refusal) if refusal == over_cap));
         assert!(matches!(
             plan.decisions[4],
             Decision::Refused(Refusal::InsufficientFunds { balance: -70, available: 30 })
         ));
-        assert!(matches!(plan.decisions[5], Decision::Refused(Refusal::LimitBelowUsed { used: 70 })));
+        assert!(matches!(
+            plan.decisions[5],
+            Decision::Refused(Refusal::LimitBelowUsed { limit: LimitKind::Overdraft, used: 70 })
+        ));
         let balances: Vec<i64> = plan.entries.iter().map(|e| e.balance).collect();
         assert_eq!(balances, [10, -70]);
         assert_eq!(
@@ -1030,6 +1057,49 @@ mod tests {
                 balance = entry.balance;
             }
             prop_assert_eq!(crossings(&plan), expected);
+        }
+
+        #[test]
+        fn no_velocity_window_takes_more_than_its_limit_and_each_counts_exactly_what_was_decided(
+            (spare, hold_specs, steps) in case(),
+            (day, times) in (1..1_500_i64, 1..12_i64),
+        ) {
+            let mut world = World::new();
+            let holds: Vec<Hold> = hold_specs.iter().map(|&(a, expired)| hold_of(a, expired, world.now)).collect();
+            for hold in &holds {
+                world.holds.insert(hold.id, hold.clone());
+            }
+            let reserved: i64 = holds.iter().map(|h| h.amount).sum();
+            // The limit was set a minute before the known holds were placed: they count in it.
+            let per = Per::Every(Per::LONGEST);
+            let set_at = world.now - chrono::Duration::minutes(1);
+            let limit = VelocityLimit { per, amount: Some(reserved + day), count: Some(3 + times) };
+            let mut velocity = Velocities::NONE.replaced(&[limit], None, set_at, (0, 0));
+            (velocity.velocity[0].used.amount, velocity.velocity[0].used.count) = (reserved, 3);
+            let rules = Rules { velocity, ..Rules::NONE };
+            let before = Held { rules, ..held(reserved + spare, reserved) };
+            let ops: Vec<Op> = steps.iter().map(|(step, key)| to_op(step, *key, &holds)).collect();
+            let plan = world.decide(&before, &ops);
+
+            let used = plan.after.rules.velocity.used_at(&plan.after.rules.velocity.velocity[0], world.now);
+            prop_assert!(used.amount <= reserved + day && used.count <= 3 + times, "{:?}", used);
+            // What the window took: the payments (not the captures: their holds counted), the holds
+            // placed, less what the holds settled did not take.
+            let payments: Vec<i64> = plan.entries.iter().filter(|e| e.hold_id.is_none() && e.kind.is_debit()).map(|e| e.amount).collect();
+            let placed: i64 = plan.placed.iter().map(|h| h.amount).sum();
+            let back: i64 = plan.settled.iter().map(|s| world.holds[&s.hold].amount - s.captured).sum();
+            let uncounted = plan.settled.iter().filter(|s| s.status != HoldStatus::Captured).count() as i64;
+            let expected_amount = reserved + payments.iter().sum::<i64>() + placed - back;
+            let expected_count = 3 + payments.len() as i64 + plan.placed.len() as i64 - uncounted;
+            if plan.runs() {
+                prop_assert_eq!((used.amount, used.count), (expected_amount, expected_count));
+            }
+            // A refusal of a velocity limit is one the window could not take.
+            for (n, decision) in plan.decisions.iter().enumerate() {
+                if let Decision::Refused(Refusal::LimitExceeded { limit: LimitKind::Count(_), left, .. }) = decision {
+                    prop_assert_eq!(*left, 0, "op {}", n);
+                }
+            }
         }
 
         #[test]

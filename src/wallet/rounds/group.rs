@@ -740,6 +740,10 @@ pub(in crate::wallet) fn add_legs<'a>(
             version: after.version,
         });
         write.read_rules.push(&held.rules);
+        // What the velocity limits' windows took (a movement sets no other rule).
+        if after.rules != held.rules {
+            write.rules.push((id, &after.rules));
+        }
     }
     let Some(first) = first else { return };
     write.entries.extend(plan.entries.iter());
