@@ -206,10 +206,6 @@ impl Tight {
 impl Velocities {
     pub const NONE: Velocities = Velocities { velocity: Vec::new(), timezone: None };
 
-    pub fn is_empty(&self) -> bool {
-        self.velocity.is_empty() && self.timezone.is_none()
-    }
-
     fn tz(&self) -> Tz {
         self.timezone.unwrap_or(Tz::UTC)
     }

@@ -345,8 +345,6 @@ struct Deciding<'a, 'k> {
     /// before it.
     refunded_now: super::Refunds,
     known: Known<'k>,
-    /// The job's time, which its entries and holds are stamped with.
-    now: DateTime<Utc>,
     plan: LegsPlan,
 }
 
@@ -378,7 +376,7 @@ impl Deciding<'_, '_> {
             .zip(held_off)
             .map(|(((wallet, amount, debit), &w), off)| {
                 let held = self.state[w].as_ref().expect("touched wallets exist");
-                let funds = held.rules.funds(held.balance, held.held - off, self.now);
+                let funds = held.rules.funds(held.balance, held.held - off, self.known.now);
                 Leg {
                     wallet,
                     funds: if counted { funds } else { Funds { room: Room::NONE, ..funds } },
@@ -401,7 +399,7 @@ impl Deciding<'_, '_> {
             let held = self.state[w].as_mut().expect("touched wallets exist");
             crossings.extend(EventWrite::of_crossings(entry, &held.rules.monitors, held.balance));
             if counted && entry.balance < held.balance {
-                held.rules.velocity.count(entry.amount, self.now);
+                held.rules.velocity.count(entry.amount, self.known.now);
             }
             (held.balance, held.version) = (entry.balance, entry.version);
         }
@@ -424,7 +422,7 @@ impl Deciding<'_, '_> {
         held.held -= hold.amount;
         // What its placement counted and it does not take goes back: a capture keeps its count.
         let count = if status == HoldStatus::Captured { 0 } else { 1 };
-        held.rules.velocity.give_back(hold.created_at, hold.amount - captured, count, self.now);
+        held.rules.velocity.give_back(hold.created_at, hold.amount - captured, count, self.known.now);
         self.status_now.insert(hold.id, status);
         // A capture that charged something is its entry's event.
         if capture_entry.is_none() {
@@ -756,7 +754,6 @@ pub fn decide_between(
         status_now: HashMap::new(),
         refunded_now: super::Refunds::new(),
         known,
-        now,
         plan: LegsPlan {
             decisions: Vec::with_capacity(ops.len()),
             entries: Vec::new(),

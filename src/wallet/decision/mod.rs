@@ -201,6 +201,15 @@ impl Plan {
         self.settled.push(settled);
     }
 
+    /// What the debits decided so far took, as a velocity window counts them: the payments (not
+    /// the captures: their holds counted) and the holds placed.
+    fn counted(&self) -> (i64, i64) {
+        let payments = self.entries.iter().filter(|e| e.kind.is_debit() && e.hold_id.is_none());
+        let (paid, payments) = payments.fold((0, 0), |(sum, n), e| (sum + e.amount, n + 1));
+        let placed: i64 = self.placed.iter().map(|h| h.amount).sum();
+        (paid + placed, payments + self.placed.len() as i64)
+    }
+
     /// Whether any op runs: then the batch must be written (or, with only refusals, its hold
     /// checked) before it is answered.
     pub fn runs(&self) -> bool {
@@ -297,8 +306,6 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
     let expired_read = known.expired_read.contains(id.as_str());
     let mut funds = held.funds(now);
     let mut rules = held.rules.clone();
-    // What the debits of this batch took so far: a velocity limit set in it counts them.
-    let mut stamped_now = (0, 0);
     let mut plan = Plan {
         decisions: Vec::with_capacity(ops.len()),
         entries: Vec::new(),
@@ -367,14 +374,12 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
                 one_leg(funds, *amount, true, reference.as_deref(), metadata).map(|entry| {
                     funds.balance = entry.balance;
                     rules.velocity.count(amount.get(), now);
-                    stamped_now = (stamped_now.0 + amount.get(), stamped_now.1 + 1);
                     Moved::Entry(entry)
                 })
             }
             Movement::Hold { amount, life, reference, metadata } => funds.hold(*amount).map(|after| {
                 funds.held = after;
                 rules.velocity.count(amount.get(), now);
-                stamped_now = (stamped_now.0 + amount.get(), stamped_now.1 + 1);
                 let new = NewHold {
                     wallet_id: id.as_str().to_owned(),
                     amount: amount.get(),
@@ -451,7 +456,9 @@ fn decide(batch: &Batch<'_>, known: Known<'_>) -> Plan {
                 rules.monitors = after;
                 Moved::Monitors(rules.monitors.clone())
             }),
-            Movement::SetLimits(set) => rules.with_limits(set, funds, now, stamped_now).map(|after| {
+            // A velocity limit set here also counts the debits decided before it in this batch:
+            // they are stamped with its moment.
+            Movement::SetLimits(set) => rules.with_limits(set, funds, now, plan.counted()).map(|after| {
                 rules = after;
                 funds.limits = rules.limits;
                 Moved::Limits { rules: Box::new(rules.clone()), at: now }
@@ -888,6 +895,34 @@ mod tests {
             (-70, limits),
             "the refused change changed nothing"
         );
+    }
+
+    #[test]
+    fn a_velocity_limit_set_in_a_batch_counts_the_debits_decided_before_it() {
+        let day = VelocityLimit { per: Per::Day, amount: Some(100), count: None };
+        let set = LimitsSet { velocity: vec![day], ..LimitsSet::default() };
+        let hold = Movement::Hold {
+            amount: amount(20),
+            life: HoldLife::DEFAULT,
+            reference: None,
+            metadata: Metadata::default(),
+        };
+        let ops =
+            [op(pay(30)), op(hold), op(deposit(500)), op(Movement::SetLimits(set)), op(pay(51)), op(pay(50))];
+        let plan = World::new().decide(&held(1_000, 0), &ops);
+        assert!(
+            matches!(
+                plan.decisions[4],
+                Decision::Refused(Refusal::LimitExceeded {
+                    limit: LimitKind::Amount(Per::Day),
+                    left: 50,
+                    ..
+                })
+            ),
+            "51 does not fit: the 50 before the limit count"
+        );
+        let used = plan.after.rules.velocity.velocity[0].used;
+        assert_eq!((used.amount, used.count), (100, 3), "30 and 20 before it, 50 after");
     }
 
     /// A movement for the property tests: holds are named by their index among the known ones.
