@@ -115,31 +115,6 @@ pub async fn find_hold(
     Ok(Some((sqlx::FromRow::from_row(&row)?, owner)))
 }
 
-/// Releases the holds of wallet `id` that expired by `now`, in the caller's transaction, which has
-/// the wallet's row locked under its lease (a transfer's); returns what is held after. The caller's
-/// fenced write of the row, later in the same transaction, decides whether any of it stands.
-pub async fn release_expired(
-    conn: &mut PgConnection,
-    id: &str,
-    now: DateTime<Utc>,
-) -> Result<i64, StoreError> {
-    Ok(sqlx::query_scalar(
-        // language=PostgreSQL
-        r#"with released as (
-               update hold set status = 'expired', settled_at = $2
-               where wallet_id = $1 and status = 'held' and expires_at <= $2
-               returning amount
-           )
-           update wallet set held = held - (select coalesce(sum(amount), 0) from released)
-           where id = $1
-           returning held"#,
-    )
-    .bind(id)
-    .bind(now)
-    .fetch_one(conn)
-    .await?)
-}
-
 /// Wallets with holds still held that expired before `before`: what the sweeper releases. At most
 /// `limit`.
 pub async fn wallets_with_expired_holds(

@@ -178,8 +178,8 @@ pub struct Wallet {
     /// The balance less what the wallet's active holds reserve: what a payment, a transfer or a
     /// new hold may spend.
     pub available: i64,
-    /// What the wallet's holds not yet settled reserve, expired ones included (see
-    /// [`hold::release_expired`]).
+    /// What the wallet's holds not yet settled reserve, expired ones included until a movement
+    /// of the wallet releases them (`crate::wallet::decision`).
     pub held: i64,
     pub version: i64,
     pub fence: i64,

@@ -24,7 +24,7 @@ use uuid::Uuid;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LockedWallet {
     pub balance: i64,
-    /// What its holds not yet settled reserve (see [`super::hold::release_expired`]).
+    /// What its holds not yet settled reserve, expired ones included until released.
     pub held: i64,
     pub version: i64,
     /// The highest fence any holder has written the row with.
