@@ -51,18 +51,22 @@ pub struct Report {
 
 pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
     let mut report = Report::default();
-    // One transaction, rolled back: the audit writes nothing that outlives it.
+    let storage = Storage::of(&mut *conn).await?;
+    // One transaction, rolled back: the audit writes nothing that outlives it. Its checks compare
+    // tables with each other, so they read the books as of one moment, while money moves: on one
+    // Postgres a snapshot (taken by the first statement after this one).
     let mut tx = sqlx::Connection::begin(conn).await?;
     let conn: &mut PgConnection = &mut tx;
-    if Storage::of(&mut *conn).await? == Storage::Citus {
+    if storage == Storage::OnePostgres {
+        sqlx::raw_sql("set transaction isolation level repeatable read").execute(&mut *conn).await?;
+    } else {
         // The checks that pair rows of two wallets (a transfer's legs, a key and the entry it
         // reports) join on something else than the wallet the tables are distributed by, which
         // Citus cannot run across workers. The audit reads every row anyway: it reads them once
         // into temporary tables on the coordinator, which shadow the distributed ones for the
         // rest of this session, and checks those as on one Postgres.
         // With their keys and indexes (LIKE ... INCLUDING ALL), which the checks' joins use.
-        let schema: String = sqlx::query_scalar("select current_schema()").fetch_one(&mut *conn).await?;
-        for table in [
+        const TABLES: [&str; 9] = [
             "wallet",
             "ledger_entry",
             "transfer",
@@ -72,10 +76,35 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
             "entry_rollup",
             "entry_rollup_until",
             "event",
+        ];
+        let schema: String = sqlx::query_scalar("select current_schema()").fetch_one(&mut *conn).await?;
+        let table = |name: &str| format!(r#""{schema}".{name}"#);
+        // Citus's workers have no snapshot in common, so the copy pauses the movements instead
+        // and reads the tables as the last one left them: every writer goes through the
+        // coordinator and holds its lock on what it writes there until its commit on the
+        // workers has ended. The locks are the coordinator's alone (Citus would also take them
+        // on the workers, where writers paused here hold row locks: distributed deadlocks).
+        // A movement's first lock is on its wallets' rows, and it writes other tables (an
+        // expired key deleted) before it writes those rows: the wallets are locked against
+        // that first lock (EXCLUSIVE, which plain reads pass), so the audit waits for every
+        // movement under way whole and holds back the next before it has locked anything. The
+        // other writers (keys claimed, rollups) write in the order of the rest.
+        // One statement each, as psql sends them: with the three in one string the workers
+        // were once seen taking the locks too, and deadlocking with the copy.
+        sqlx::raw_sql("set local citus.enable_ddl_propagation = off").execute(&mut *conn).await?;
+        let others = TABLES[1..].iter().map(|name| table(name)).collect::<Vec<_>>().join(", ");
+        for lock in [
+            format!("lock table {} in exclusive mode", table(TABLES[0])),
+            format!("lock table {others} in share mode"),
         ] {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(lock)).execute(&mut *conn).await?;
+        }
+        for table_name in TABLES {
             let copy = format!(
-                r#"create temporary table {table} (like "{schema}".{table} including all) on commit drop;
-                   insert into pg_temp.{table} select * from "{schema}".{table}"#
+                r#"create temporary table {name} (like {real} including all) on commit drop;
+                   insert into pg_temp.{name} select * from {real}"#,
+                name = table_name,
+                real = table(table_name),
             );
             sqlx::raw_sql(sqlx::AssertSqlSafe(copy)).execute(&mut *conn).await?;
         }

@@ -2,7 +2,7 @@
 //! as Standard Webhooks says, each wallet's in order, at least once, through a receiver that fails,
 //! hangs and goes away, and a replica delivering them stopped and killed.
 
-use crate::events::{WALLETS, move_money, read_all};
+use crate::events::{WALLETS, read_all, start_movers};
 use crate::support::fleet::Fleet;
 use crate::support::load::open_wallets;
 use crate::support::receiver::{Mode, Receiver};
@@ -11,7 +11,7 @@ use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// The fleet's settings: its receivers are on this machine, and a hung one is given up on soon.
@@ -87,13 +87,7 @@ async fn every_event_reaches_the_endpoint_in_order_through_a_failing_receiver_an
     open_wallets(&fleet, &WALLETS, 300).await;
 
     let fleet_ref = Arc::new(fleet);
-    let (stop, refused) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
-    let movers: Vec<_> = (0..4)
-        .map(|n| {
-            let (fleet, stop, refused) = (fleet_ref.clone(), stop.clone(), refused.clone());
-            tokio::spawn(async move { move_money(&fleet, n, stop, refused).await })
-        })
-        .collect();
+    let (stop, _, movers) = start_movers(&fleet_ref, 4);
     // The receiver takes, then fails half, goes away for 10 s, hangs past the timeout, answers
     // slowly, and takes again; meanwhile the replica delivering the most is stopped for a while,
     // then killed.
@@ -263,13 +257,7 @@ async fn deliveries_go_on_while_redis_is_gone() {
     assert_eq!(status, 201, "{endpoint}");
     receiver.set_secret(endpoint["secret"].as_str().unwrap());
     open_wallets(&*fleet, &WALLETS, 300).await;
-    let (stop, refused) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
-    let movers: Vec<_> = (0..4)
-        .map(|n| {
-            let (fleet, stop, refused) = (fleet.clone(), stop.clone(), refused.clone());
-            tokio::spawn(async move { move_money(&fleet, n, stop, refused).await })
-        })
-        .collect();
+    let (stop, _, movers) = start_movers(&fleet, 4);
     tokio::time::sleep(Duration::from_secs(1)).await;
     env.own_redis().kill();
     tokio::time::sleep(Duration::from_secs(3)).await;
