@@ -261,24 +261,38 @@ async fn a_postgres_restart_is_a_503_while_it_is_down_and_nothing_partial() {
 
     env.own_postgres().stop();
     let down_at = Instant::now(); // exited: nothing can commit from here
-    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    // Payments of our own, sent once it is down and answered before it comes back, however slow
+    // the machine: the load's clients may all be mid-request for the whole outage.
+    let probes: Vec<_> = WALLETS[..3]
+        .iter()
+        .map(|wallet| {
+            let (client, url) = (fleet.client.clone(), fleet.url(""));
+            tokio::spawn(async move { pay_one(&client, &url, wallet).await })
+        })
+        .collect();
+    let mut attempts = Vec::new();
+    for probe in probes {
+        attempts.push(probe.await.unwrap());
+    }
+    tokio::time::sleep_until((down_at + Duration::from_millis(3_000)).into()).await;
     let up_at = Instant::now(); // from here Postgres may answer again
     env.own_postgres().start_again();
-    let mut attempts = Vec::new();
     let recovered = time_to_recover(&fleet, "f1", Duration::from_secs(10), &mut attempts).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     attempts.extend(load.finish().await);
 
     let during: Vec<&Attempt> =
         attempts.iter().filter(|a| a.sent > down_at && a.sent + a.took < up_at).collect();
-    assert!(!during.is_empty());
+    assert!(during.len() >= 3, "the payments sent while it was down: {during:?}");
     for attempt in &during {
         assert!(
             matches!(&attempt.outcome, Outcome::NotApplied(code) if code == "dependency_unavailable"),
             "while Postgres was down: {:?}",
             attempt.outcome
         );
-        assert!(attempt.took <= Duration::from_secs(3), "a request hung for {:?}", attempt.took);
+        // Its turn at the wallet comes within the lease wait (3 s), and its write fails within
+        // the pool's acquire timeout (1 s); the rest is the machine's slack.
+        assert!(attempt.took <= Duration::from_secs(5), "a request hung for {:?}", attempt.took);
     }
     assert!(recovered <= Duration::from_secs(5), "recovered {recovered:?} after Postgres came back");
     settle(&fleet, &mut attempts).await;
