@@ -91,7 +91,11 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
         // other writers (keys claimed, rollups) write in the order of the rest.
         // One statement each, as psql sends them: with the three in one string the workers
         // were once seen taking the locks too, and deadlocking with the copy.
-        sqlx::raw_sql("set local citus.enable_ddl_propagation = off").execute(&mut *conn).await?;
+        // Movements queue behind a lock the audit waits for: it gives up (an error, nothing
+        // checked) rather than pause them for longer than `lock_timeout`.
+        sqlx::raw_sql("set local citus.enable_ddl_propagation = off; set local lock_timeout = '10s'")
+            .execute(&mut *conn)
+            .await?;
         let others = TABLES[1..].iter().map(|name| table(name)).collect::<Vec<_>>().join(", ");
         for lock in [
             format!("lock table {} in exclusive mode", table(TABLES[0])),
