@@ -46,11 +46,8 @@ pub(crate) async fn read_all(fleet: &Fleet, extra: &str) -> Vec<Value> {
     let now: i64 =
         sqlx::query_scalar("select pg_current_xact_id()::text::int8").fetch_one(&fleet.db).await.unwrap();
     eventually("the transactions running now end", Duration::from_secs(60), || async {
-        let horizon: i64 = sqlx::query_scalar("select pg_snapshot_xmin(pg_current_snapshot())::text::int8")
-            .fetch_one(&fleet.db)
-            .await
-            .unwrap();
-        horizon > now
+        let mut conn = fleet.db.acquire().await.unwrap();
+        walletlock::ledger::event::horizon(&mut conn).await.unwrap() > now
     })
     .await;
     let (mut events, mut after) = (Vec::new(), String::new());

@@ -21,6 +21,12 @@ fn opening(extra: &[&'static str]) -> Vec<(&'static str, i64)> {
 /// Settings for fault fleets: a one-second lease, and keys of dead replicas freed after two.
 const FAULT_SETTINGS: [(&str, &str); 2] = [("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s")];
 
+/// One payment from each of `wallets`, sent together through nginx; each attempt once answered.
+async fn pay_each_at_once(fleet: &Fleet, wallets: &[&str]) -> Vec<Attempt> {
+    let url = fleet.url("");
+    futures::future::join_all(wallets.iter().map(|wallet| pay_one(&fleet.client, &url, wallet))).await
+}
+
 /// Sends one keyed payment straight to a replica (bypassing nginx), in the background.
 fn pay_on(
     fleet: &Fleet,
@@ -209,17 +215,7 @@ async fn with_redis_outage_refuse_a_paused_redis_is_a_prompt_lock_timeout_never_
     // Payments of our own, sent once every lease held at the pause has lapsed (TTL 1 s) and with
     // their whole wait (1 s) inside the pause: the load's clients may all be mid-request then.
     tokio::time::sleep_until((paused_at + Duration::from_millis(1_300)).into()).await;
-    let probes: Vec<_> = WALLETS[..3]
-        .iter()
-        .map(|wallet| {
-            let (client, url) = (fleet.client.clone(), fleet.url(""));
-            tokio::spawn(async move { pay_one(&client, &url, wallet).await })
-        })
-        .collect();
-    let mut attempts = Vec::new();
-    for probe in probes {
-        attempts.push(probe.await.unwrap());
-    }
+    let mut attempts = pay_each_at_once(&fleet, &WALLETS[..3]).await;
     tokio::time::sleep_until((paused_at + Duration::from_millis(3_000)).into()).await;
     let recovered = time_to_recover(&fleet, "f1", Duration::from_secs(5), &mut attempts).await;
     attempts.extend(load.finish().await);
@@ -263,17 +259,7 @@ async fn a_postgres_restart_is_a_503_while_it_is_down_and_nothing_partial() {
     let down_at = Instant::now(); // exited: nothing can commit from here
     // Payments of our own, sent once it is down and answered before it comes back, however slow
     // the machine: the load's clients may all be mid-request for the whole outage.
-    let probes: Vec<_> = WALLETS[..3]
-        .iter()
-        .map(|wallet| {
-            let (client, url) = (fleet.client.clone(), fleet.url(""));
-            tokio::spawn(async move { pay_one(&client, &url, wallet).await })
-        })
-        .collect();
-    let mut attempts = Vec::new();
-    for probe in probes {
-        attempts.push(probe.await.unwrap());
-    }
+    let mut attempts = pay_each_at_once(&fleet, &WALLETS[..3]).await;
     tokio::time::sleep_until((down_at + Duration::from_millis(3_000)).into()).await;
     let up_at = Instant::now(); // from here Postgres may answer again
     env.own_postgres().start_again();
