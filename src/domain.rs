@@ -1036,6 +1036,13 @@ impl FenceStanding {
             FenceStanding::Above
         }
     }
+
+    /// As [`FenceStanding::of`], for a holder that knows whether it has written with `fence`
+    /// (`written`): a row at exactly its fence is then its own last write, which it may follow
+    /// with the next (a holder that keeps its lease across rounds re-reads the rows it wrote).
+    pub fn of_holder(fence: i64, written: bool, row_fence: i64) -> Self {
+        if written && fence == row_fence { FenceStanding::Above } else { FenceStanding::of(fence, row_fence) }
+    }
 }
 
 /// The two wallets of a transfer, which differ.
@@ -1367,6 +1374,10 @@ mod tests {
         assert_eq!(FenceStanding::of(8 + MAX_FENCE_STEP, 7), FenceStanding::Implausible);
         assert_eq!(FenceStanding::of(i64::MAX, 0), FenceStanding::Implausible, "no overflow");
         assert_eq!(FenceStanding::of(i64::MAX, i64::MAX - 1), FenceStanding::Above);
+        assert_eq!(FenceStanding::of_holder(7, true, 7), FenceStanding::Above, "its own last write");
+        assert_eq!(FenceStanding::of_holder(7, false, 7), FenceStanding::Behind);
+        assert_eq!(FenceStanding::of_holder(7, true, 8), FenceStanding::Behind);
+        assert_eq!(FenceStanding::of_holder(8 + MAX_FENCE_STEP, true, 7), FenceStanding::Implausible);
     }
 
     #[test]

@@ -373,6 +373,7 @@ impl LeaseClient {
                         keys,
                         token,
                         fence,
+                        fence_written: false,
                         acquired_at: Instant::now(),
                         waited: started.elapsed(),
                         note,
@@ -630,6 +631,8 @@ pub struct Lease {
     /// Issued with the lease; higher than every fence issued for this name before, as long as
     /// Redis kept the counter (see [`Lease::advance_fence`] for when it did not).
     fence: i64,
+    /// Whether a write of this holder has carried `fence` (see [`Lease::fence_written`]).
+    fence_written: bool,
     acquired_at: Instant,
     waited: Duration,
     /// The note the last holder left, until taken.
@@ -660,6 +663,18 @@ impl Lease {
     /// The fencing token: pass it to every write this lease protects.
     pub fn fence(&self) -> i64 {
         self.fence
+    }
+
+    /// Whether this holder has written with the fence it holds ([`Lease::mark_fence_written`]): a
+    /// store row at exactly this fence is then its own write, not the same fence issued twice
+    /// (which a store refuses, as it refuses a stale one).
+    pub fn fence_written(&self) -> bool {
+        self.fence_written
+    }
+
+    /// Records that a write carrying this lease's fence committed.
+    pub fn mark_fence_written(&mut self) {
+        self.fence_written = true;
     }
 
     /// How long [`LeaseClient::acquire`] waited for this lease.
@@ -759,6 +774,7 @@ impl Lease {
                 metrics::counter!(FENCE_RESYNCS.name).increment(1);
                 tracing::info!(lease = %self.name, old = self.fence, new = fence, seen, "fence counter resynchronized from the store");
                 self.fence = fence;
+                self.fence_written = false;
                 Ok(fence)
             }
         }

@@ -49,11 +49,13 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 use uuid::Uuid;
 
-/// A wallet to read for the lease holding `fence`.
+/// A wallet to read for the lease holding `fence`, which has `written` with it before (see
+/// [`FenceStanding::of_holder`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ToRead<'a> {
     pub id: &'a str,
     pub fence: i64,
+    pub written: bool,
 }
 
 /// What the read found of one wallet.
@@ -232,7 +234,7 @@ pub async fn read(
         .map(|wallet| {
             let outcome = match rows_read.get(wallet.id) {
                 Some(ready @ &ReadOutcome::Ready { fence: seen, .. }) => {
-                    match FenceStanding::of(wallet.fence, seen) {
+                    match FenceStanding::of_holder(wallet.fence, wallet.written, seen) {
                         FenceStanding::Above => ready.clone(),
                         FenceStanding::Behind => ReadOutcome::FenceBehind { seen },
                         FenceStanding::Implausible => ReadOutcome::FenceImplausible { seen },

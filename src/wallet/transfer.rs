@@ -139,8 +139,9 @@ impl<E: Into<WalletError>> From<E> for Failure {
 
 /// The fences a transaction writes its wallets with.
 pub(super) enum Fences {
-    /// Under leases: each lease's fence, by lease name. A row must not have seen it.
-    Leased(HashMap<String, i64>),
+    /// Under leases: each lease's fence and whether it has written with it, by lease name. A row
+    /// must not have seen it, unless from this holder ([`FenceStanding::of_holder`]).
+    Leased(HashMap<String, (i64, bool)>),
     /// Under Postgres alone, during a Redis outage ([`super::outage`]): each row keeps its own
     /// fence, and its lock (held to the commit) stands in for the lease.
     RowsOwn,
@@ -153,8 +154,8 @@ impl Fences {
     pub(super) fn for_row(&self, id: &WalletId, row_fence: i64) -> Result<i64, Failure> {
         match self {
             Fences::Leased(by_lease) => {
-                let fence = by_lease.get(&lease_name(id)).copied().unwrap_or_default();
-                match FenceStanding::of(fence, row_fence) {
+                let (fence, written) = by_lease.get(&lease_name(id)).copied().unwrap_or_default();
+                match FenceStanding::of_holder(fence, written, row_fence) {
                     FenceStanding::Above => Ok(fence),
                     FenceStanding::Behind => {
                         Err(Failure::FenceBehind { wallet: id.clone(), seen: row_fence })
@@ -435,20 +436,23 @@ impl Wallets {
             if leases.iter().any(|lease| lease.is_lost()) {
                 return Err(WalletError::LeaseLost);
             }
-            let fence_of = |id: &WalletId| {
+            let leased = |id: &WalletId| {
                 let name = lease_name(id);
-                leases
-                    .iter()
-                    .find(|lease| lease.name() == name)
-                    .map(|lease| lease.fence())
-                    .unwrap_or_default()
+                let lease = leases.iter().find(|lease| lease.name() == name);
+                group::Leased {
+                    id: id.clone(),
+                    fence: lease.map_or(0, |lease| lease.fence()),
+                    written: lease.is_some_and(|lease| lease.fence_written()),
+                }
             };
-            let job = group::LegsJob {
-                wallets: wallets.iter().map(|id| (id.clone(), fence_of(id))).collect(),
-                ops,
-            };
+            let job = group::LegsJob { wallets: wallets.iter().map(leased).collect(), ops };
+            // Kept to learn which wallets the accepted movements wrote.
+            let legs: Vec<Vec<WalletId>> = job.ops.iter().map(leg_wallets).collect();
             match self.rounds.run_legs(job).await {
-                group::LegsOutcome::Done(results) => return Ok(results),
+                group::LegsOutcome::Done(results) => {
+                    mark_written(leases, &legs, &results);
+                    return Ok(results);
+                }
                 group::LegsOutcome::FenceBehind { wallet, seen, ops: back } => {
                     lift_fence(leases, &mut lifted, wallet, seen).await?;
                     ops = back;
@@ -492,10 +496,18 @@ impl Wallets {
             if leases.iter().any(|lease| lease.is_lost()) {
                 return Err(WalletError::LeaseLost);
             }
-            let fences =
-                Fences::Leased(leases.iter().map(|lease| (lease.name().to_owned(), lease.fence())).collect());
+            let fences = Fences::Leased(
+                leases
+                    .iter()
+                    .map(|lease| (lease.name().to_owned(), (lease.fence(), lease.fence_written())))
+                    .collect(),
+            );
             match self.attempt_between(ops, &fences).await {
-                Ok(done) => return Ok(done),
+                Ok(done) => {
+                    let legs: Vec<Vec<WalletId>> = ops.iter().map(leg_wallets).collect();
+                    mark_written(leases, &legs, &done);
+                    return Ok(done);
+                }
                 Err(Failure::Wallet(err)) => return Err(err),
                 Err(Failure::FenceBehind { wallet, seen }) => {
                     lift_fence(leases, &mut lifted, wallet, seen).await?;
@@ -652,6 +664,25 @@ async fn lift_fence(
     }
     lease.advance_fence(seen).await?;
     Ok(())
+}
+
+/// The wallets of a movement's legs.
+fn leg_wallets(op: &LegsOp) -> Vec<WalletId> {
+    op.legs().into_iter().map(|(id, _, _)| id.clone()).collect()
+}
+
+/// Marks the leases of the wallets that accepted movements wrote (`legs`, each movement's wallets,
+/// beside its result) as having written with their fence: the holder may find them at that fence
+/// when it reads them again under the same lease.
+fn mark_written(leases: &mut [&mut Lease], legs: &[Vec<WalletId>], results: &[Result<Done, WalletError>]) {
+    for (wallets, _) in legs.iter().zip(results).filter(|(_, result)| result.is_ok()) {
+        for wallet in wallets {
+            let name = lease_name(wallet);
+            if let Some(lease) = leases.iter_mut().find(|lease| lease.name() == name) {
+                lease.mark_fence_written();
+            }
+        }
+    }
 }
 
 /// Counts how a transfer (or refund) of `kind` ended.

@@ -71,7 +71,8 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
     let (_schema, db) = env.database(2).await;
     let ids = [wallet_with(&db, 100).await, wallet_with(&db, 100).await, wallet_with(&db, 100).await];
     let mut conn = db.acquire().await.unwrap();
-    let reads: Vec<ToRead> = ids.iter().map(|id| ToRead { id: id.as_str(), fence: 5 }).collect();
+    let reads: Vec<ToRead> =
+        ids.iter().map(|id| ToRead { id: id.as_str(), fence: 5, written: false }).collect();
     let found = group::read(&mut conn, &reads, &round_of(&reads), &[], HoldsToRead::none()).await.unwrap();
     for id in &ids {
         assert!(
@@ -81,7 +82,7 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
         );
     }
     // The second wallet's lease passes to a newer holder, which reads and writes it first.
-    let newer = [ToRead { id: ids[1].as_str(), fence: 6 }];
+    let newer = [ToRead { id: ids[1].as_str(), fence: 6, written: false }];
     assert!(matches!(
         group::read(&mut conn, &newer, &round_of(&newer), &[], HoldsToRead::none()).await.unwrap().wallets
             [ids[1].as_str()],
@@ -119,9 +120,21 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
         assert_eq!((books.balance, books.ledger_sum, books.pays), (90, 90, 1), "{id}: one payment each");
     }
     // The stale holder can read no more: the row has seen a higher fence than its lease's.
-    let stale = [ToRead { id: ids[1].as_str(), fence: 5 }];
+    let stale = [ToRead { id: ids[1].as_str(), fence: 5, written: false }];
     let found = group::read(&mut conn, &stale, &round_of(&stale), &[], HoldsToRead::none()).await.unwrap();
     assert_eq!(found.wallets[ids[1].as_str()], ReadOutcome::FenceBehind { seen: 6 });
+    // The newer holder reads the row at its own fence: ready if it says it wrote with that fence
+    // (a holder keeping its lease across rounds), behind if not (the same fence issued twice).
+    for (written, ready) in [(true, true), (false, false)] {
+        let own = [ToRead { id: ids[1].as_str(), fence: 6, written }];
+        let found = group::read(&mut conn, &own, &round_of(&own), &[], HoldsToRead::none()).await.unwrap();
+        let outcome = &found.wallets[ids[1].as_str()];
+        assert_eq!(
+            matches!(outcome, ReadOutcome::Ready { fence: 6, .. }),
+            ready,
+            "written {written}: {outcome:?}"
+        );
+    }
 }
 
 #[tokio::test]
@@ -295,7 +308,8 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                 let (mut rounds, mut fence) = (0, writer);
                 while Instant::now() < stop_at {
                     fence += 4;
-                    let reads: Vec<ToRead> = ids.iter().map(|id| ToRead { id: id.as_str(), fence }).collect();
+                    let reads: Vec<ToRead> =
+                        ids.iter().map(|id| ToRead { id: id.as_str(), fence, written: false }).collect();
                     let found = group::read(&mut conn, &reads, &round_of(&reads), &[], HoldsToRead::none())
                         .await
                         .expect("no deadlock at the read");

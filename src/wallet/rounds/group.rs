@@ -85,13 +85,21 @@ pub enum JobOutcome {
 type JobWithReply = (Job, oneshot::Sender<JobOutcome>);
 
 /// Movements between wallets for a round (transfers, movements of many legs), from the holder of
-/// every one of their wallets' leases: `wallets` each with its lease's fence. They are read by the
-/// round, decided together ([`decision::decide_between`]) and written as one group: every wallet
-/// or none.
+/// every one of their wallets' leases. They are read by the round, decided together
+/// ([`decision::decide_between`]) and written as one group: every wallet or none.
 #[derive(Debug)]
 pub struct LegsJob {
-    pub wallets: Vec<(WalletId, i64)>,
+    pub wallets: Vec<Leased>,
     pub ops: Vec<LegsOp>,
+}
+
+/// A wallet of a [`LegsJob`], with its lease's fence and whether that lease has written with it
+/// (its row may then be at exactly that fence: see [`crate::domain::FenceStanding::of_holder`]).
+#[derive(Debug)]
+pub struct Leased {
+    pub id: WalletId,
+    pub fence: i64,
+    pub written: bool,
 }
 
 /// How a [`LegsJob`] ended.
@@ -319,7 +327,7 @@ impl LegsReady {
             .wallets
             .iter()
             .zip(&self.held)
-            .map(|((id, fence), held)| LegsWallet { id, fence: *fence, held: held.as_ref() })
+            .map(|(Leased { id, fence, .. }, held)| LegsWallet { id, fence: *fence, held: held.as_ref() })
             .collect()
     }
 }
@@ -509,12 +517,15 @@ async fn run_round(
                 }
                 for (r, plan) in jobs.legs_ready.into_iter().zip(legs_plans) {
                     let present = || r.job.wallets.iter().zip(&r.held).filter(|(_, held)| held.is_some());
-                    if plan.runs() && present().any(|((id, _), _)| committed.busy.contains(id.as_str())) {
+                    if plan.runs() && present().any(|(leased, _)| committed.busy.contains(leased.id.as_str()))
+                    {
                         metrics::counter!(WALLET_BUSY.name).increment(1);
                         let _ = r.reply.send(LegsOutcome::Again { busy: true, ops: r.job.ops });
                         continue;
                     }
-                    if plan.runs() && !present().all(|((id, _), _)| committed.moved.contains(id.as_str())) {
+                    if plan.runs()
+                        && !present().all(|(leased, _)| committed.moved.contains(leased.id.as_str()))
+                    {
                         let _ = r.reply.send(LegsOutcome::Again { busy: false, ops: r.job.ops });
                         continue;
                     }
@@ -598,9 +609,9 @@ async fn read(
         .pending
         .iter()
         .filter(|(job, _)| job.held.is_none())
-        .map(|(job, _)| ToRead { id: job.id.as_str(), fence: job.fence })
+        .map(|(job, _)| ToRead { id: job.id.as_str(), fence: job.fence, written: false })
         .chain(jobs.legs_pending.iter().flat_map(|(job, _)| {
-            job.wallets.iter().map(|(id, fence)| ToRead { id: id.as_str(), fence: *fence })
+            job.wallets.iter().map(|w| ToRead { id: w.id.as_str(), fence: w.fence, written: w.written })
         }))
         .collect();
     let wallet_jobs = jobs.pending.iter().map(|(job, _)| job).chain(jobs.ready.iter().map(|r| &r.job));
@@ -633,7 +644,7 @@ async fn read(
         // Every wallet the round names, and the wallets its keys are stored with.
         let round: Vec<&str> = wallet_jobs
             .map(|job| job.id.as_str())
-            .chain(legs_jobs.flat_map(|job| job.wallets.iter().map(|(id, _)| id.as_str())))
+            .chain(legs_jobs.flat_map(|job| job.wallets.iter().map(|w| w.id.as_str())))
             .chain(keys.iter().map(|key| key.wallet))
             .collect();
         store::read(conn, &to_read, &round, &keys, holds).await.map_err(WalletError::from)?
@@ -662,7 +673,7 @@ async fn read(
     }
     'legs: for (job, reply) in jobs.legs_pending.drain(..) {
         let mut held = Vec::with_capacity(job.wallets.len());
-        for (id, fence) in &job.wallets {
+        for Leased { id, fence, .. } in &job.wallets {
             held.push(match found.wallets.get(id.as_str()) {
                 Some(ready @ ReadOutcome::Ready { .. }) => Some(held_as_read(ready)),
                 Some(ReadOutcome::FenceBehind { seen }) => {
