@@ -834,10 +834,20 @@ fn count_timeout(err: &LeaseError) {
 /// token-checked. A lease found already gone is only logged: whatever it guarded has been decided
 /// by its fence by now.
 pub async fn release_all(leases: Vec<Lease>) {
+    release_all_with_notes(leases.into_iter().map(|lease| (lease, None)).collect()).await;
+}
+
+/// Releases every lease of `leases` as [`release_all`] does, each leaving its note, if it has
+/// one, for its next holder ([`Lease::release_with_note`]).
+pub async fn release_all_with_notes(leases: Vec<(Lease, Option<String>)>) {
     // All at once, pipelined over the shared connection: each release is its own token's.
-    futures::future::join_all(leases.into_iter().map(|lease| async move {
+    futures::future::join_all(leases.into_iter().map(|(lease, note)| async move {
         let name = lease.name.clone();
-        if let Err(err) = lease.release().await {
+        let released = match note {
+            Some(note) => lease.release_with_note(&note).await,
+            None => lease.release().await,
+        };
+        if let Err(err) = released {
             tracing::debug!(lease = %name, error = %err, "release found the lease gone");
         }
     }))

@@ -117,6 +117,10 @@ impl Done {
     }
 }
 
+/// A committed transaction's movements: each one's result, and each of its wallets as it left
+/// them (`None`: no such wallet).
+type Attempted = (Vec<Result<Done, WalletError>>, Vec<WalletId>, Vec<Option<Held>>);
+
 /// Why one transaction attempt did not commit.
 #[derive(Debug)]
 pub(super) enum Failure {
@@ -136,6 +140,12 @@ impl<E: Into<WalletError>> From<E> for Failure {
         Failure::Wallet(err.into())
     }
 }
+
+/// What a holder knows of the wallets whose leases it holds: each as its last write under the
+/// lease left it, or as the lease's note says. Advice only, as a note is: every write is
+/// conditional on the state it was decided on, so a wallet known wrongly moves nothing and is
+/// read again.
+pub(super) type KnownWallets = HashMap<WalletId, Held>;
 
 /// The fences a transaction writes its wallets with.
 pub(super) enum Fences {
@@ -391,11 +401,15 @@ impl Wallets {
         tracing::Span::current().record("lease_wait_ms", waited.as_secs_f64() * 1e3);
         crate::failpoint::hit("transfer_leases_held");
         let started = std::time::Instant::now();
+        let mut known = known_from_notes(&mut leases, &wallets_of(&ops));
         let mut held: Vec<&mut Lease> = leases.iter_mut().collect();
-        let result =
-            self.commit_under(&mut held, ops).await.and_then(one).inspect(|_| count_one(Path::Lease));
+        let outcome = self.commit_under(&mut held, ops, &mut known).await;
+        if outcome.is_err() {
+            known.clear();
+        }
+        let result = outcome.and_then(one).inspect(|_| count_one(Path::Lease));
         tracing::Span::current().record("db_ms", started.elapsed().as_secs_f64() * 1e3);
-        lease::release_all(leases).await;
+        lease::release_all_with_notes(with_notes(leases, &known)).await;
         result
     }
 
@@ -403,18 +417,21 @@ impl Wallets {
     /// the replica's rounds ([`Wallets::run_between`]); under Citus, and for a refund (which reads
     /// the refunds before it with its rows locked), in a transaction of their own
     /// ([`Wallets::attempt_between`]).
+    /// `known`: the wallets as the holder knows them (a round then need not read them), which it
+    /// learns again from what was written.
     pub(super) async fn commit_under(
         &self,
         leases: &mut [&mut Lease],
         ops: Vec<LegsOp>,
+        known: &mut KnownWallets,
     ) -> Result<Vec<Result<Done, WalletError>>, WalletError> {
         let refunds = ops.iter().any(|op| op.refunds().is_some());
         match self.storage.of(&self.db).await? {
             Storage::OnePostgres if !refunds => {
                 let wallets = wallets_of(&ops);
-                self.run_between(leases, wallets, ops).await
+                self.run_between(leases, wallets, ops, known).await
             }
-            _ => self.commit_retrying(leases, &ops).await,
+            _ => self.commit_retrying(leases, &ops, known).await,
         }
     }
 
@@ -428,6 +445,7 @@ impl Wallets {
         leases: &mut [&mut Lease],
         wallets: Vec<WalletId>,
         mut ops: Vec<LegsOp>,
+        known: &mut KnownWallets,
     ) -> Result<Vec<Result<Done, WalletError>>, WalletError> {
         let mut lifted: HashMap<WalletId, u32> = HashMap::new();
         let mut read_again = 0;
@@ -443,14 +461,13 @@ impl Wallets {
                     id: id.clone(),
                     fence: lease.map_or(0, |lease| lease.fence()),
                     written: lease.is_some_and(|lease| lease.fence_written()),
+                    held: known.get(id).cloned(),
                 }
             };
             let job = group::LegsJob { wallets: wallets.iter().map(leased).collect(), ops };
-            // Kept to learn which wallets the accepted movements wrote.
-            let legs: Vec<Vec<WalletId>> = job.ops.iter().map(leg_wallets).collect();
             match self.rounds.run_legs(job).await {
-                group::LegsOutcome::Done(results) => {
-                    mark_written(leases, &legs, &results);
+                group::LegsOutcome::Done { results, after } => {
+                    learn(leases, known, &wallets, after);
                     return Ok(results);
                 }
                 group::LegsOutcome::FenceBehind { wallet, seen, ops: back } => {
@@ -469,6 +486,9 @@ impl Wallets {
                 // has not noticed yet. Read again while every lease is still ours (token-checked),
                 // a few times: that holder's writes stop once it notices.
                 group::LegsOutcome::Again { busy: false, ops: back } => {
+                    for wallet in &wallets {
+                        known.remove(wallet);
+                    }
                     read_again += 1;
                     if read_again > MOST_LIFTS {
                         return Err(WalletError::LeaseLost);
@@ -489,6 +509,7 @@ impl Wallets {
         &self,
         leases: &mut [&mut Lease],
         ops: &[LegsOp],
+        known: &mut KnownWallets,
     ) -> Result<Vec<Result<Done, WalletError>>, WalletError> {
         let mut lifted: HashMap<WalletId, u32> = HashMap::new();
         let mut looked_again = false;
@@ -503,10 +524,9 @@ impl Wallets {
                     .collect(),
             );
             match self.attempt_between(ops, &fences).await {
-                Ok(done) => {
-                    let legs: Vec<Vec<WalletId>> = ops.iter().map(leg_wallets).collect();
-                    mark_written(leases, &legs, &done);
-                    return Ok(done);
+                Ok((results, wallets, after)) => {
+                    learn(leases, known, &wallets, after);
+                    return Ok(results);
                 }
                 Err(Failure::Wallet(err)) => return Err(err),
                 Err(Failure::FenceBehind { wallet, seen }) => {
@@ -529,7 +549,7 @@ impl Wallets {
         let mut looked_again = false;
         loop {
             match self.attempt_between(ops, &Fences::RowsOwn).await {
-                Ok(done) => return Ok(done),
+                Ok((results, _, _)) => return Ok(results),
                 Err(Failure::Wallet(err)) => return Err(err),
                 Err(Failure::FenceBehind { .. }) => {
                     return Err(WalletError::internal("a fence behind without a lease"));
@@ -554,11 +574,7 @@ impl Wallets {
     /// keys, the holds they settle and what the refunds before them gave back, decide them as a
     /// round does ([`decide_between`], reading the expired holds it asks for), and write them with
     /// the rounds' one write, all or nothing.
-    async fn attempt_between(
-        &self,
-        ops: &[LegsOp],
-        fences: &Fences,
-    ) -> Result<Vec<Result<Done, WalletError>>, Failure> {
+    async fn attempt_between(&self, ops: &[LegsOp], fences: &Fences) -> Result<Attempted, Failure> {
         let wallets = wallets_of(ops);
         let ids: Vec<&str> = wallets.iter().map(WalletId::as_str).collect();
         let mut tx = self.db.begin().await?;
@@ -637,7 +653,9 @@ impl Wallets {
         crate::failpoint::hit("before_commit");
         super::commit(tx).await?;
         crate::failpoint::hit("after_commit");
-        Ok(plan.results(Ok(true)))
+        let after =
+            if plan.runs() { plan.after.clone() } else { rows.into_iter().map(|(_, held)| held).collect() };
+        Ok((plan.results(Ok(true)), wallets, after))
     }
 }
 
@@ -666,22 +684,56 @@ async fn lift_fence(
     Ok(())
 }
 
-/// The wallets of a movement's legs.
-fn leg_wallets(op: &LegsOp) -> Vec<WalletId> {
-    op.legs().into_iter().map(|(id, _, _)| id.clone()).collect()
+/// `wallets` as the notes of their `leases` describe them, each note taken (see
+/// [`Held::from_note`]: one that does not fit the lease's fence says nothing).
+pub(super) fn known_from_notes(leases: &mut [Lease], wallets: &[WalletId]) -> KnownWallets {
+    let mut known = KnownWallets::new();
+    for wallet in wallets {
+        let name = lease_name(wallet);
+        let Some(lease) = leases.iter_mut().find(|lease| lease.name() == name) else { continue };
+        if let Some(held) = lease.take_note().and_then(|note| Held::from_note(&note, lease.fence())) {
+            known.insert(wallet.clone(), held);
+        }
+    }
+    known
 }
 
-/// Marks the leases of the wallets that accepted movements wrote (`legs`, each movement's wallets,
-/// beside its result) as having written with their fence: the holder may find them at that fence
-/// when it reads them again under the same lease.
-fn mark_written(leases: &mut [&mut Lease], legs: &[Vec<WalletId>], results: &[Result<Done, WalletError>]) {
-    for (wallets, _) in legs.iter().zip(results).filter(|(_, result)| result.is_ok()) {
-        for wallet in wallets {
-            let name = lease_name(wallet);
-            if let Some(lease) = leases.iter_mut().find(|lease| lease.name() == name) {
-                lease.mark_fence_written();
-            }
+/// `leases`, each with a note of its wallet as `known` has it for the next holder (none if not
+/// known).
+pub(super) fn with_notes(leases: Vec<Lease>, known: &KnownWallets) -> Vec<(Lease, Option<String>)> {
+    let notes: HashMap<String, String> =
+        known.iter().map(|(wallet, held)| (lease_name(wallet), held.to_note())).collect();
+    leases
+        .into_iter()
+        .map(|lease| {
+            let note = notes.get(lease.name()).cloned();
+            (lease, note)
+        })
+        .collect()
+}
+
+/// Learns `wallets` as a write or read left them (`after`, in the same order; empty, or `None` for
+/// a wallet: not known), and marks the leases whose fence a write carried: the holder then finds
+/// its own fence on those rows (see [`FenceStanding::of_holder`]).
+fn learn(
+    leases: &mut [&mut Lease],
+    known: &mut KnownWallets,
+    wallets: &[WalletId],
+    after: Vec<Option<Held>>,
+) {
+    let mut after = after.into_iter();
+    for wallet in wallets {
+        let Some(held) = after.next().flatten() else {
+            known.remove(wallet);
+            continue;
+        };
+        let name = lease_name(wallet);
+        if let Some(lease) = leases.iter_mut().find(|lease| lease.name() == name)
+            && held.fence == lease.fence()
+        {
+            lease.mark_fence_written();
         }
+        known.insert(wallet.clone(), held);
     }
 }
 

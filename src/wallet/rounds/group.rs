@@ -93,20 +93,24 @@ pub struct LegsJob {
     pub ops: Vec<LegsOp>,
 }
 
-/// A wallet of a [`LegsJob`], with its lease's fence and whether that lease has written with it
-/// (its row may then be at exactly that fence: see [`crate::domain::FenceStanding::of_holder`]).
+/// A wallet of a [`LegsJob`], with its lease's fence, whether that lease has written with it
+/// (its row may then be at exactly that fence: see [`crate::domain::FenceStanding::of_holder`]),
+/// and the wallet as its holder knows it (from its last write under the lease, or the lease's
+/// note; `None`: the round reads the row).
 #[derive(Debug)]
 pub struct Leased {
     pub id: WalletId,
     pub fence: i64,
     pub written: bool,
+    pub held: Option<Held>,
 }
 
 /// How a [`LegsJob`] ended.
 #[derive(Debug)]
 pub enum LegsOutcome {
-    /// Each movement's result.
-    Done(Vec<Result<Done, WalletError>>),
+    /// Each movement's result, and each of the job's wallets as written or read (in the job's
+    /// order; empty, or `None` for a wallet: not known, the next round reads it).
+    Done { results: Vec<Result<Done, WalletError>>, after: Vec<Option<Held>> },
     /// The row of `wallet` has seen a fence at least as high as its lease's: nothing ran.
     FenceBehind { wallet: WalletId, seen: i64, ops: Vec<LegsOp> },
     /// A wallet's row was not as read when written (only a lost lease lets that happen), or
@@ -213,7 +217,7 @@ fn failed(ops: usize, err: &WalletError) -> JobOutcome {
 }
 
 fn legs_failed(ops: usize, err: &WalletError) -> LegsOutcome {
-    LegsOutcome::Done((0..ops).map(|_| Err(err.clone())).collect())
+    LegsOutcome::Done { results: (0..ops).map(|_| Err(err.clone())).collect(), after: Vec::new() }
 }
 
 /// A round's connection, kept from one round to the next while its rounds succeed: a round then
@@ -483,7 +487,7 @@ async fn run_round(
                 }
                 for (r, plan) in jobs.legs_ready.into_iter().zip(legs_plans) {
                     let results = plan.results(if plan.runs() { Err(&err) } else { Ok(true) });
-                    let _ = r.reply.send(LegsOutcome::Done(results));
+                    let _ = r.reply.send(LegsOutcome::Done { results, after: Vec::new() });
                 }
                 return None;
             }
@@ -523,13 +527,22 @@ async fn run_round(
                         let _ = r.reply.send(LegsOutcome::Again { busy: true, ops: r.job.ops });
                         continue;
                     }
-                    if plan.runs()
-                        && !present().all(|(leased, _)| committed.moved.contains(leased.id.as_str()))
+                    // As for one wallet's job: a write that did not match was decided on a state
+                    // a row no longer has, and only a write that matched confirms a note, so
+                    // answers given without writing are never given on a note alone.
+                    let on_note = || r.held.iter().flatten().any(|held| held.from_note);
+                    if (plan.runs()
+                        && !present().all(|(leased, _)| committed.moved.contains(leased.id.as_str())))
+                        || (!plan.runs() && on_note())
                     {
+                        if on_note() {
+                            metrics::counter!(LEASE_NOTE_STALE.name).increment(1);
+                        }
                         let _ = r.reply.send(LegsOutcome::Again { busy: false, ops: r.job.ops });
                         continue;
                     }
-                    let _ = r.reply.send(LegsOutcome::Done(plan.results(Ok(true))));
+                    let after = if plan.runs() { plan.after.clone() } else { r.held };
+                    let _ = r.reply.send(LegsOutcome::Done { results: plan.results(Ok(true)), after });
                 }
                 return Some(Kept { conn, answered: Instant::now() });
             }
@@ -611,7 +624,11 @@ async fn read(
         .filter(|(job, _)| job.held.is_none())
         .map(|(job, _)| ToRead { id: job.id.as_str(), fence: job.fence, written: false })
         .chain(jobs.legs_pending.iter().flat_map(|(job, _)| {
-            job.wallets.iter().map(|w| ToRead { id: w.id.as_str(), fence: w.fence, written: w.written })
+            job.wallets.iter().filter(|w| w.held.is_none()).map(|w| ToRead {
+                id: w.id.as_str(),
+                fence: w.fence,
+                written: w.written,
+            })
         }))
         .collect();
     let wallet_jobs = jobs.pending.iter().map(|(job, _)| job).chain(jobs.ready.iter().map(|r| &r.job));
@@ -673,7 +690,11 @@ async fn read(
     }
     'legs: for (job, reply) in jobs.legs_pending.drain(..) {
         let mut held = Vec::with_capacity(job.wallets.len());
-        for Leased { id, fence, .. } in &job.wallets {
+        for Leased { id, fence, held: known, .. } in &job.wallets {
+            if known.is_some() {
+                held.push(known.clone());
+                continue;
+            }
             held.push(match found.wallets.get(id.as_str()) {
                 Some(ready @ ReadOutcome::Ready { .. }) => Some(held_as_read(ready)),
                 Some(ReadOutcome::FenceBehind { seen }) => {

@@ -19,10 +19,11 @@ use crate::idempotency::Keyed;
 use crate::lease::{self, Lease};
 use crate::ledger::transfer::Transfer;
 use crate::telemetry::metrics::{PAYEE_BATCH, PAYEE_BATCH_ALONE};
+use crate::wallet::decision::Held;
 use crate::wallet::decision::LegsOp;
 use crate::wallet::outage::{Path, count_path};
 use crate::wallet::rounds::queue::{Lane, MAX_BATCH, MAX_HOLD, Queues, Waiting};
-use crate::wallet::transfer::{Done, TransferOutcome, count_outcome};
+use crate::wallet::transfer::{Done, TransferOutcome, count_outcome, known_from_notes, with_notes};
 use crate::wallet::{Access, Between, WalletError, WalletId, Wallets, lease_name};
 use futures::future::OptionFuture;
 use std::collections::HashMap;
@@ -77,10 +78,9 @@ impl Lane for Transfers {
         &wallets.payees
     }
 
-    /// No note: the next holder of the payee's lease reads its row.
     async fn hold(wallets: &Wallets, payee: &WalletId, lease: &mut Lease) -> Option<String> {
-        wallets.hold_payee(payee, lease).await;
-        None
+        let note = lease.take_note().and_then(|note| Held::from_note(&note, lease.fence()));
+        wallets.hold_payee(payee, lease, note).await.map(|known| known.to_note())
     }
 
     async fn hold_unleased(wallets: &Wallets, payee: &WalletId) {
@@ -132,27 +132,31 @@ impl Wallets {
         answer.await.unwrap_or_else(|_| Err(WalletError::internal("the payee's worker stopped")))
     }
 
-    /// Serves the payee's queue while holding its lease, batch after batch.
-    async fn hold_payee(&self, payee: &WalletId, lease: &mut Lease) {
+    /// Serves the payee's queue while holding its lease, batch after batch, starting from `note`
+    /// if the last holder left one. Returns the payee as the last batch left it, for the next
+    /// holder's note (`None`: not known).
+    async fn hold_payee(&self, payee: &WalletId, lease: &mut Lease, note: Option<Held>) -> Option<Held> {
         let held_since = Instant::now();
+        let mut known = note;
         loop {
             let batch = self.payees.take(payee, MAX_BATCH);
             if batch.is_empty() {
-                return;
+                return known;
             }
             if lease.is_lost() {
                 for queued in batch {
                     queued.answer(Err(WalletError::LeaseLost));
                 }
-                return;
+                return None;
             }
             metrics::histogram!(PAYEE_BATCH.name).record(batch.len() as f64);
             // Asked while the batch is written (see the wallets' worker, `queue`).
             let contention: OptionFuture<_> =
                 (!self.payees.is_empty(payee)).then(|| lease.contention()).into();
-            let (_, contended) = tokio::join!(self.run_batch(lease, batch), contention);
+            let (after, contended) = tokio::join!(self.run_batch(lease, batch, known.take()), contention);
+            known = after;
             if held_since.elapsed() >= MAX_HOLD || self.payees.is_empty(payee) {
-                return;
+                return known;
             }
             // Another replica waits for this payee: hand the lease over after each batch.
             let contended = match contended {
@@ -160,7 +164,7 @@ impl Wallets {
                 None => lease.contended().await,
             };
             if contended.unwrap_or(true) {
-                return;
+                return known;
             }
         }
     }
@@ -184,9 +188,11 @@ impl Wallets {
         }
     }
 
-    /// One batch under the payee's `lease`: the payers' leases asked for once each, those
-    /// transfers decided and written together, the rest sent on alone.
-    async fn run_batch(&self, lease: &mut Lease, batch: Vec<Queued>) {
+    /// One batch under the payee's `lease`, the payee as `payee` (if known): the payers' leases
+    /// asked for once each, those transfers decided and written together, the rest sent on alone.
+    /// Returns the payee as the batch left it (`None`: not known).
+    async fn run_batch(&self, lease: &mut Lease, batch: Vec<Queued>, payee: Option<Held>) -> Option<Held> {
+        let payee_id = batch.first().map(|queued| queued.between.parties.to.clone());
         let mut names: Vec<String> =
             batch.iter().map(|queued| lease_name(&queued.between.parties.from)).collect();
         names.sort_unstable();
@@ -215,16 +221,25 @@ impl Wallets {
                 Err(err) => queued.answer(Err(err.clone())),
             }
         }
+        let payers: Vec<WalletId> = ready.iter().map(|queued| queued.between.parties.from.clone()).collect();
+        let mut known = known_from_notes(&mut payer_leases, &payers);
+        if let (Some(id), Some(payee)) = (&payee_id, payee) {
+            known.insert(id.clone(), payee);
+        }
         if !ready.is_empty() {
             crate::failpoint::hit("transfer_leases_held");
             let mut leases: Vec<&mut Lease> = payer_leases.iter_mut().collect();
             leases.push(lease);
             let (ops, replies): (Vec<LegsOp>, Vec<_>) = ready.into_iter().map(Queued::into_op).unzip();
-            let outcome = self.commit_under(&mut leases, ops).await;
+            let outcome = self.commit_under(&mut leases, ops, &mut known).await;
+            if outcome.is_err() {
+                known.clear();
+            }
             answer_each(replies, outcome, Path::Lease);
         }
+        let payee = payee_id.and_then(|id| known.remove(&id));
         // The payers' leases are let go while the worker goes on with its next batch.
-        self.in_flight.spawn(lease::release_all(payer_leases));
+        self.in_flight.spawn(lease::release_all_with_notes(with_notes(payer_leases, &known)));
         metrics::counter!(PAYEE_BATCH_ALONE.name).increment(alone.len() as u64);
         for queued in alone {
             let (op, reply) = queued.into_op();
@@ -235,5 +250,6 @@ impl Wallets {
                 let _ = reply.send(result);
             });
         }
+        payee
     }
 }
