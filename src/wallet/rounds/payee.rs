@@ -13,7 +13,9 @@
 //! a transaction of their own under Citus, and under Postgres alone too); the others take the path
 //! of a transfer alone (both leases in order), once the batch's leases are released. A key sent
 //! twice in one batch (a client's retry racing its first try) runs once: the second is answered
-//! with the first's response.
+//! with the first's response. Each batch starts from what is known of its wallets (the payee as
+//! the last batch left it, each payer as its lease's note says: see `docs/design/notes.md`), and
+//! the leases go back with notes of what they wrote.
 
 use crate::idempotency::Keyed;
 use crate::lease::{self, Lease};
