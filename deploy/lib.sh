@@ -41,6 +41,7 @@ wl_install_missing() {
   command -v curl >/dev/null || missing+=(curl)
   command -v python3 >/dev/null || missing+=(python3)
   command -v setpriv >/dev/null || missing+=(util-linux)
+  command -v ss >/dev/null || missing+=(iproute2)
   if [ ${#missing[@]} -gt 0 ]; then wl_apt_install "${missing[@]}"; fi
   export PATH="$PATH:/usr/sbin"
 }
@@ -219,10 +220,17 @@ wl_postgres_tls_settings() {
     ssl_min_protocol_version=TLSv1.2 "hba_file=$dir/tls/pg_hba.conf"
 }
 
-# wl_free_ports [N]: the first of N (1) consecutive ports on 127.0.0.1 that are free now
-# (deploy/free_port.py); wl_free_port: one.
+# wl_free_ports [N]: the first of N (1) consecutive ports, in 20000-59999, that no TCP socket uses
+# now (free when checked: whoever binds first gets it); wl_free_port: one.
 wl_free_ports() {
-  python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py" "$@"
+  local n=${1:-1} used base port
+  used=" $(ss -Htan | awk '{ sub(/.*:/, "", $4); printf "%s ", $4 }')"
+  for _ in $(seq 200); do
+    base=$((20000 + ((RANDOM << 15) | RANDOM) % (40000 - n)))
+    for ((port = base; port < base + n; port++)); do [[ $used == *" $port "* ]] && continue 2; done
+    echo "$base" && return
+  done
+  wl_log "no $n consecutive free ports"; return 1
 }
 wl_free_port() { wl_free_ports 1; }
 
