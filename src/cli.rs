@@ -127,6 +127,17 @@ pub enum Command {
         #[arg(long)]
         write: bool,
     },
+    /// Print a replica's live figures from its /metrics in one row (`deploy/local status`):
+    /// payments accepted, the p99 of its API answers, leases taken and their mean wait, writes the
+    /// fence refused, resident memory.
+    Figures {
+        /// The replica's address (127.0.0.1:8081).
+        #[arg(required_unless_present = "header")]
+        replica: Option<String>,
+        /// Print the columns' titles instead.
+        #[arg(long)]
+        header: bool,
+    },
 }
 
 /// `walletlock probe`: a health check for container runtimes that have no curl.
@@ -295,6 +306,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Metrics { write } => {
             let table = crate::telemetry::metrics::markdown_table();
             print_or_write(&generated_docs::METRICS, &table, write)
+        }
+        Command::Figures { replica, header } => {
+            use crate::telemetry::figures;
+            let Some(replica) = replica.filter(|_| !header) else {
+                println!("{}", figures::header());
+                return Ok(ExitCode::SUCCESS);
+            };
+            let client = reqwest::Client::builder().timeout(std::time::Duration::from_secs(1)).build()?;
+            let scrape = client.get(format!("http://{replica}/metrics")).send().await?;
+            println!("{}", figures::row(&scrape.error_for_status()?.text().await?));
+            Ok(ExitCode::SUCCESS)
         }
     }
 }

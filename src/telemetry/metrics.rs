@@ -306,7 +306,7 @@ pub const ALL: &[Metric] = &[
 /// `metrics-process` crate describes and samples (not described from [`ALL`]).
 pub const PROCESS: &[Metric] = &[
     metric("process_cpu_seconds_total", Counter, &[], "CPU time used by the process, in seconds."),
-    metric("process_resident_memory_bytes", Gauge, &[], "Resident memory, in bytes."),
+    RESIDENT_MEMORY,
     metric("process_virtual_memory_bytes", Gauge, &[], "Virtual memory, in bytes."),
     metric(
         "process_virtual_memory_max_bytes",
@@ -319,6 +319,10 @@ pub const PROCESS: &[Metric] = &[
     metric("process_start_time_seconds", Gauge, &[], "When the process started, in seconds since the epoch."),
     metric("process_threads", Gauge, &[], "Threads of the process."),
 ];
+
+/// The resident memory, of [`PROCESS`] (`walletlock figures` shows it).
+pub const RESIDENT_MEMORY: Metric =
+    metric("process_resident_memory_bytes", Gauge, &[], "Resident memory, in bytes.");
 
 /// The table of docs/operating/observability.md (`walletlock metrics`): every metric of [`ALL`]
 /// and [`PROCESS`], with its labels, kind and help.

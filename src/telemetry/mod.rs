@@ -5,6 +5,7 @@
 //! acquisition and release), else `info`. Secrets never reach a log line: the URLs that may carry
 //! passwords are `SecretString`s, which print as `[REDACTED]`.
 
+pub mod figures;
 pub mod metrics;
 
 use std::io::IsTerminal;
