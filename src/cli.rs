@@ -121,7 +121,7 @@ pub enum Command {
         write: bool,
     },
     /// Print the table of docs/operating/observability.md: every metric a replica exports, its
-    /// labels, its type and what it counts (what deploy/check-dashboard checks the dashboard by).
+    /// labels, its type and what it counts.
     Metrics {
         /// Put the table into docs/operating/observability.md instead (run from the repository's root).
         #[arg(long)]

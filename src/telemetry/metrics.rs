@@ -4,8 +4,8 @@
 //! time (the wallets sample their pools). Every metric is declared once, below ([`Metric`], listed in [`ALL`]): its name, kind, unit,
 //! labels and help. [`install`] describes them all to the recorder from there, the modules record
 //! them by these constants, `walletlock metrics` prints them as the table of
-//! docs/operating/observability.md (a test holds the page to it), and `deploy/check-dashboard`
-//! checks every query of the dashboard against that table.
+//! docs/operating/observability.md (a test holds the page to it), and `tests/suite/dashboard.rs`
+//! checks every query of the Grafana dashboard against [`ALL`] and [`PROCESS`].
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;

@@ -10,6 +10,7 @@ mod batch;
 mod burst;
 mod citus;
 mod compose;
+mod dashboard;
 mod demos;
 mod durability;
 mod events;
