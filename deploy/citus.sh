@@ -1,14 +1,10 @@
 # shellcheck shell=bash
-# The Citus extension, for `deploy/local up --postgres citus` and the tests' Citus topology
-# (docs/operating/citus.md): built from the vendored source (deploy/vendor, see its README) once per machine
-# into ~/.cache/walletlock/citus, and installed into the Postgres on this machine from that cache.
-# Sourced after deploy/lib.sh.
+# Citus for `deploy/local up --postgres citus` and the tests (docs/operating/citus.md): built from
+# deploy/vendor once per machine into ~/.cache/walletlock/citus, installed from there. After lib.sh.
 
 wl_citus_version=13.2.2
 
-# wl_citus_cache: where the build of this Citus for this Postgres is kept: stage/ holds what
-# `make install` writes (DESTDIR), so installing again (a fresh Postgres package, a container) is a
-# copy, not a build.
+# wl_citus_cache: the build for this Postgres; stage/ holds what `make install` wrote, to copy again.
 wl_citus_cache() {
   local server; server=$(dpkg-query -W -f '${Version}' postgresql-15 2>/dev/null)
   echo "${XDG_CACHE_HOME:-$HOME/.cache}/walletlock/citus/$wl_citus_version-pg$server"
@@ -20,9 +16,8 @@ wl_citus_installed() {
   [ -f "$lib" ] && cmp -s "$lib" "$(wl_citus_cache)/stage/usr/lib/postgresql/15/lib/citus.so"
 }
 
-# wl_citus_install: Citus in the installed Postgres 15, built first if the cache has no build.
-# Debian's server and its headers must be the same release (the vendored patch is for 15.20's
-# exported have_createdb_privilege), so both are installed together.
+# wl_citus_install: Citus in the installed Postgres 15, built first if the cache has none. The
+# server and its headers are installed together: the vendored patch is for one release.
 wl_citus_install() {
   local vendor; vendor=$(cd "$(dirname "${BASH_SOURCE[0]}")/vendor" && pwd)
   local server dev
@@ -53,26 +48,17 @@ wl_citus_install() {
   wl_citus_installed || wl_die "Citus did not install into $(wl_pg_bindir)/../lib"
 }
 
-# wl_citus_settings: the settings every node of a Citus cluster runs with (for wl_start_postgres):
-# the extension preloaded, prepared transactions for the two-phase commit of a transaction that
-# writes on two workers (a transfer between wallets placed apart), and logical WAL so shards can
-# move to a new worker while they take writes (citus_rebalance_start). The nodes reach each other
-# over their Unix sockets (wl_citus_join), where libpq uses no TLS: without `sslmode=disable`,
-# Citus would turn TLS on with a self-signed certificate that no client verifies.
-# A worker that crashed between a transfer's PREPARE and its COMMIT PREPARED comes back holding
-# the transfer's wallet rows in the prepared transaction, until the coordinator's recovery
-# finishes it; by default that runs once a minute, a minute in which every payment of those
-# wallets times out. Every second, it costs the coordinator one query per worker.
+# wl_citus_settings: every node's settings (for wl_start_postgres): two-phase commit, logical WAL
+# for rebalancing, no TLS over the sockets the nodes use (Citus would self-sign), and 2PC recovery
+# every second, not every minute (docs/operating/citus.md).
 wl_citus_settings() {
   printf '%s\n' shared_preload_libraries=citus max_prepared_transactions=200 wal_level=logical \
     citus.node_conninfo=sslmode=disable citus.recover_2pc_interval=1s
 }
 
-# wl_citus_join DATABASE COORDINATOR WORKER...: makes DATABASE a Citus cluster, each node given as
-# DIR:PORT (its wl_start_postgres directory, whose socket lets the superuser in, and its port): the
-# extension in DATABASE on every node (the database made where missing), the coordinator
-# registered as itself, the coordinator's login roles made on each worker, and each worker added,
-# which copies the distributed objects to it. Safe to run again.
+# wl_citus_join DATABASE COORDINATOR WORKER...: makes DATABASE a Citus cluster, each node DIR:PORT
+# (its wl_start_postgres directory and port; the nodes reach each other by those sockets): the
+# extension everywhere, the coordinator's login roles on each worker, the workers added. Safe to rerun.
 wl_citus_join() {
   local database=$1 coordinator=$2; shift 2
   local node
@@ -81,10 +67,7 @@ wl_citus_join() {
       wl_psql "$node" postgres -qc "create database \"$database\""
     wl_psql "$node" "$database" -qc "create extension if not exists citus"
   done
-  # Citus copies to a worker only the roles its distributed objects depend on (a table's owner),
-  # not the others, such as an app role that only gets grants later, which then fail on the
-  # workers: every login role of the coordinator is made on each worker too, without a password
-  # (only the coordinator connects to a worker, over its socket).
+  # Citus copies only the roles its tables depend on; the app role's grants need it everywhere.
   local role
   for node in "$@"; do
     while read -r role; do
@@ -95,8 +78,6 @@ SQL
     done < <(wl_psql "$coordinator" postgres -tAc \
       "select rolname from pg_roles where rolcanlogin and not rolsuper and rolname !~ '^pg_'")
   done
-  # Each node by its socket directory: the nodes connect to each other as the user of the session
-  # at hand, which the socket lets in without a password (TCP clients must give one).
   wl_psql "$coordinator" "$database" -qAtc "select citus_set_coordinator_host('${coordinator%:*}', ${coordinator##*:})" >/dev/null
   for node in "$@"; do
     wl_psql "$coordinator" "$database" -qAtc "select citus_add_node('${node%:*}', ${node##*:})" >/dev/null

@@ -1,20 +1,9 @@
 #!/bin/sh
-# deploy/compose.d/secrets.sh: the `secrets` step of docker-compose.yml (alpine, as root, no network).
-# It runs before Redis and the replicas on every `docker compose up`, and writes to the `secrets`
-# volume (mounted here at $SECRETS_DIR, read-only in the services that use it):
-#
-#   api-tokens       `local:<64 hex>`, 256 bits from /dev/urandom, made on the first start only
-#                    (kept afterwards); mode 0400, owned by 65532 (distroless `nonroot`, the
-#                    replicas' and k6's user). Its token is printed on every run, so
-#                    `docker compose logs secrets` shows it.
-#   redis-users.acl  the Redis ACL, written anew on every run from WALLETLOCK_REDIS_PASSWORD and
-#                    WALLETLOCK_REDIS_ADMIN_PASSWORD (as SHA-256 hashes, no plaintext); mode 0400,
-#                    owned by 999 (`redis` in the redis image). As deploy/lib.sh's wl_redis_acl: no
-#                    default user, `admin` for operators, Sentinel and replication, and `walletlock`
-#                    for the replicas, limited to the lease keys and channels under
-#                    REDIS_KEY_PREFIX and the commands the lease layer sends.
-#
-# Read the token later with: docker compose run --rm -T secrets cut -d: -f2 /secrets/api-tokens
+# deploy/compose.d/secrets.sh: docker-compose.yml's `secrets` step (as root, no network), before
+# Redis and the replicas on every `up`, into the `secrets` volume at $SECRETS_DIR:
+#   api-tokens       `local:<64 hex>`, made on the first start only, printed on every run; 0400,
+#                    owned by the replicas' and k6's uid
+#   redis-users.acl  deploy/lib.sh's wl_redis_acl with the passwords' SHA-256; 0400, owned by redis
 set -eu
 
 dir=${SECRETS_DIR:-/secrets}
@@ -28,8 +17,7 @@ umask 077
 # Others may reach the files by name (each file's own owner and mode decide), not list them.
 chmod 0711 "$dir"
 
-# install_file SRC DEST UID: moves SRC into place as DEST, owned by UID, mode 0400 (atomically: a
-# reader never sees half a file).
+# install_file SRC DEST UID: SRC into place as DEST, owned by UID, mode 0400, atomically.
 install_file() {
   chown "$3:$3" "$1"
   chmod 0400 "$1"
@@ -45,8 +33,7 @@ if [ ! -s "$tokens" ]; then
   install_file "$tokens.new" "$tokens" "$app_uid"
   echo "secrets: made a new API token for caller \"local\" ($tokens)"
 else
-  # A volume from an older run, or a file edited by hand (more callers, a rotated token): keep its
-  # content, put its owner and mode right.
+  # Kept as it is (more callers, a rotated token); its owner and mode put right.
   chown "$app_uid:$app_uid" "$tokens"
   chmod 0400 "$tokens"
 fi
@@ -63,9 +50,7 @@ sha256() { printf '%s' "$1" | sha256sum | cut -d' ' -f1; }
 {
   echo "user default off"
   echo "user admin on #$(sha256 "$WALLETLOCK_REDIS_ADMIN_PASSWORD") ~* &* +@all"
-  # The same commands as wl_redis_acl in deploy/lib.sh (deploy/check-deploy compares the two): ROLE
-  # lets a Sentinel client check it reached the primary; cluster|* and readonly/readwrite let a
-  # Cluster client learn the slot map.
+  # As wl_redis_acl in deploy/lib.sh (deploy/checks.py compares the two).
   echo "user walletlock on #$(sha256 "$WALLETLOCK_REDIS_PASSWORD") ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +fcall +function|list +get +set +del +exists +incr +pexpire +pttl +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
 } >"$dir/redis-users.acl.new"
 install_file "$dir/redis-users.acl.new" "$dir/redis-users.acl" "$redis_uid"

@@ -1,18 +1,8 @@
 #!/bin/sh
-# deploy/compose.d/sentinel.sh: starts one Redis Sentinel of docker-compose.yml's `sentinel` profile
-# (redis image, as root until the image's entrypoint drops to the `redis` user).
-#
-# Sentinel rewrites its config file as it learns the topology (replicas, the other Sentinels, the
-# current primary after a failover), so the config lives in the container's writable /data, written
-# here on the first start only; a restarted Sentinel resumes from what it had learned. To start
-# over (e.g. after changing WALLETLOCK_REDIS_ADMIN_PASSWORD):
+# deploy/compose.d/sentinel.sh: one Sentinel of docker-compose.yml's `sentinel` profile, by DNS
+# names throughout (SENTINEL_ANNOUNCE), logging in to the data nodes as `admin`. Its config is
+# written once into /data, which Sentinel rewrites as it learns the topology; to start over:
 #   docker compose --profile sentinel up -d --force-recreate --renew-anon-volumes redis-sentinel-1 ...
-#
-# Compose names every container by DNS, so the Sentinels monitor `redis` by name, announce
-# themselves by name (SENTINEL_ANNOUNCE, e.g. redis-sentinel-1), and give clients names, not
-# container addresses that change when a container is recreated. They log in to the data nodes as
-# `admin` (deploy/compose.d/secrets.sh writes the ACL); clients reach the Sentinels themselves without
-# a password, which is why no Sentinel port is published.
 set -eu
 conf=/data/sentinel.conf
 : "${SENTINEL_ANNOUNCE:?SENTINEL_ANNOUNCE is empty}"
@@ -37,5 +27,4 @@ sentinel parallel-syncs $master 1
 EOF
   mv "$conf.new" "$conf"
 fi
-# The image's entrypoint hands /data to the redis user and drops root before it runs redis-server.
 exec docker-entrypoint.sh redis-server "$conf" --sentinel

@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
-# deploy/compose.d/standins/nginx-follow-dns.sh: the entrypoint of the nginx stand-in
-# (nginx.Dockerfile), doing for Debian's nginx 1.22 what nginx >= 1.27.3's `server NAME:PORT
-# resolve` does in the mounted upstream.conf: it writes a copy of upstream.conf with one `server
-# ADDRESS:PORT <its other parameters>;` per address Docker's DNS gives for NAME, resolves NAME
-# again every $interval seconds and, when the set changes, rewrites the copy and reloads nginx
-# (SIGHUP). An empty answer keeps the last set. SIGQUIT and SIGTERM are passed to nginx.
+# The nginx stand-in's entrypoint: what nginx >= 1.27.3's `server NAME:PORT resolve` does, for
+# nginx 1.22: a copy of upstream.conf with a server per address of NAME, rewritten and reloaded
+# (SIGHUP) when they change; an empty answer keeps the last. SIGQUIT and SIGTERM go to nginx.
 set -euo pipefail
 mounted=/etc/nginx
 conf=/run/walletlock-nginx

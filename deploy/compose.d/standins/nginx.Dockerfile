@@ -1,9 +1,5 @@
-# The stand-in for nginx:1.28-alpine where public images cannot be pulled (deploy/compose builds it
-# from Debian's packages: nginx 1.22). nginx 1.22 has no `resolver` inside `upstream` and no
-# `server ... resolve`, which deploy/compose.d/upstream.conf uses to follow `--scale`; the entrypoint
-# (nginx-follow-dns.sh) does that job instead: it resolves the name itself, writes the addresses
-# into a copy of upstream.conf, and reloads nginx when they change. nginx.conf, listen.conf and
-# status_listen.conf are used as mounted.
+# The stand-in for nginx:1.28-alpine: Debian's nginx 1.22, whose entrypoint (nginx-follow-dns.sh)
+# follows `--scale` as upstream `resolve` would (docs/operating/compose-and-kubernetes.md).
 ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
 

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
-# deploy/compose.d/standins/postgres-entrypoint.sh: the part of the official postgres image's
-# entrypoint that docker-compose.yml uses, for the Debian stand-in (postgres.Dockerfile;
-# docs/operating/compose-and-kubernetes.md lists what it implements). On an empty $PGDATA: initdb,
-# a temporary socket-only server while the database is made and /docker-entrypoint-initdb.d runs
-# (so nothing outside sees it before), then the real server.
+# The postgres stand-in's entrypoint: the official image's interface docker-compose.yml uses
+# (docs/operating/compose-and-kubernetes.md): on an empty $PGDATA, initdb and the init scripts
+# under a socket-only server first, then the real server.
 set -Eeo pipefail
 
 init_cluster() {

@@ -1,8 +1,5 @@
-# The stand-in for postgres:16-alpine where public images cannot be pulled (deploy/compose builds it
-# from Debian's packages). Debian 12 ships PostgreSQL 15. The entrypoint (postgres-entrypoint.sh)
-# gives the interface docker-compose.yml uses from the official image: POSTGRES_USER,
-# POSTGRES_PASSWORD and POSTGRES_DB, and the scripts in /docker-entrypoint-initdb.d, run once, as
-# the postgres user, on an empty data volume.
+# The stand-in for postgres:16-alpine: Debian's PostgreSQL 15, with an entrypoint of the official
+# image's interface (postgres-entrypoint.sh; docs/operating/compose-and-kubernetes.md).
 ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
 

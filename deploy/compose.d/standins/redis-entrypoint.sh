@@ -1,9 +1,6 @@
 #!/bin/sh
-# deploy/compose.d/standins/redis-entrypoint.sh: the official redis image's entrypoint for the Debian
-# stand-in (redis.Dockerfile): options or a .conf file alone mean redis-server; as root, /data is
-# handed to `redis` and root is dropped. The official image builds Redis with protected mode off
-# (it is reached over the container network, and the ACL guards it); Debian's is on, so it is
-# turned off here unless the command says otherwise.
+# The redis stand-in's entrypoint, as the official image's: options or a .conf mean redis-server,
+# root is dropped, and protected mode is off (the official build's default; the ACL guards it).
 set -e
 if [ "${1#-}" != "$1" ] || [ "${1%.conf}" != "$1" ]; then
   set -- redis-server "$@"

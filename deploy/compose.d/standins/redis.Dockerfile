@@ -1,7 +1,5 @@
-# The stand-in for redis:7-alpine where public images cannot be pulled (deploy/compose builds it
-# from Debian's packages: Redis 7.0, which has the Functions and ACLs walletlock uses). As in the
-# official image: the `redis` user is uid 999 (the secrets step hands the ACL file to 999), /data is
-# the working directory, and the entrypoint drops root before it runs redis-server.
+# The stand-in for redis:7-alpine: Debian's Redis 7.0 (Functions, ACLs), `redis` as uid 999 (the
+# secrets step hands it the ACL), /data its directory, root dropped by the entrypoint.
 ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
 
