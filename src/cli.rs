@@ -10,6 +10,7 @@ use crate::tutorial::{self, Demo, Sandbox};
 use anyhow::Context;
 use clap::{CommandFactory, Parser, Subcommand};
 use secrecy::ExposeSecret;
+use std::collections::HashMap;
 use std::process::ExitCode;
 
 #[derive(Debug, Parser)]
@@ -52,6 +53,14 @@ pub enum Command {
         /// is `accepted=N balance=B expected=E OK|BROKEN` over the wallets it opened.
         #[arg(long)]
         acks: Option<std::path::PathBuf>,
+        /// First settle each undecided operation of the acknowledgements as a client would: send
+        /// its request again with its key to this API (http://127.0.0.1:8080, say) until an answer
+        /// decides it, for a minute at most.
+        #[arg(long, requires = "acks")]
+        settle: Option<String>,
+        /// The bearer token `--settle` sends, if the API wants one.
+        #[arg(long, env = "API_TOKEN", hide_env_values = true)]
+        api_token: Option<String>,
     },
     /// Export a wallet's entries, oldest first, to stdout, as `GET /wallets/{id}/entries` with
     /// `Accept: text/csv` (or NDJSON) does: each line with the cursor to resume from. For an
@@ -167,6 +176,93 @@ impl Cli {
     }
 }
 
+/// Sends each undecided operation of `acks` again with its key to the API at `url` until an
+/// answer decides it (a minute at most for them all), and puts what the answer told in its place.
+async fn settle_acks(
+    url: &str,
+    token: Option<&str>,
+    acks: Vec<books::Ack>,
+) -> anyhow::Result<Vec<books::Ack>> {
+    use books::Ack;
+    let client = reqwest::Client::builder().timeout(std::time::Duration::from_secs(30)).build()?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let (mut settled, mut holds, mut undecided, mut charged) = (Vec::new(), HashMap::new(), 0, 0);
+    for ack in acks {
+        let Ack::Undecided(op) = ack else {
+            settled.push(ack);
+            continue;
+        };
+        undecided += 1;
+        let outcome = loop {
+            let mut request = client
+                .post(format!("{}{}", url.trim_end_matches('/'), op.path))
+                .header("content-type", "application/json")
+                .header("idempotency-key", &op.key)
+                .body(op.body.clone().unwrap_or_default());
+            if let Some(token) = token {
+                request = request.bearer_auth(token);
+            }
+            let answer = match request.send().await {
+                Ok(response) => {
+                    let status = response.status().as_u16();
+                    let body = response.bytes().await.unwrap_or_default();
+                    (status, serde_json::from_slice(&body).unwrap_or_default())
+                }
+                Err(_) => (0, serde_json::Value::Null),
+            };
+            if let Some(outcome) = op.settled(answer.0, &answer.1) {
+                break outcome;
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "could not settle {} (last answer: HTTP {} {})",
+                op.key,
+                answer.0,
+                answer.1["code"]
+            );
+            // In flight (a claim that turns stale after IDEMPOTENCY_STALE_AFTER), or no answer yet.
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        };
+        holds.extend(outcome.hold);
+        if let Some(ack) = outcome.ack {
+            charged += usize::from(matches!(ack, Ack::Applied { .. }));
+            settled.push(ack);
+        }
+    }
+    for ack in &mut settled {
+        if let Ack::Hold { hold, told, .. } = ack
+            && let Some(settled) = holds.get(hold)
+        {
+            *told = *settled;
+        }
+    }
+    if undecided > 0 {
+        println!("settled {undecided} undecided operations by replaying their keys: {charged} charged");
+    }
+    Ok(settled)
+}
+
+/// Waits until every hold of `acks` its client was told expired has expired (a second past the
+/// last `expires_at`, two minutes at most: one that expires later is a problem, not waited for).
+async fn wait_for_expiry(conn: &mut sqlx::PgConnection, acks: &[books::Ack]) -> anyhow::Result<()> {
+    let [placed, captured, voided, expired] = books::holds_told(acks);
+    if placed == 0 {
+        return Ok(());
+    }
+    let wait = match books::last_expiry(conn, acks).await? {
+        Some(last) => (last + chrono::Duration::seconds(1) - chrono::Utc::now()).to_std().unwrap_or_default(),
+        None => std::time::Duration::ZERO,
+    }
+    .min(std::time::Duration::from_secs(120));
+    tokio::time::sleep(wait).await;
+    println!(
+        "holds: {placed} placed: {captured} captured, {voided} voided, {expired} expired (left alone, or their \
+         capture or void refused); waited {:.1} s for the last expiry",
+        wait.as_secs_f64()
+    );
+    Ok(())
+}
+
 /// The formats of `walletlock export`.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub enum ExportFormat {
@@ -190,7 +286,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Audit { database, acks } => {
+        Command::Audit { database, acks, settle, api_token } => {
             // Read first: a file that cannot be read is a usage error, not a broken ledger.
             let acks = match acks {
                 Some(path) => {
@@ -202,8 +298,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 None => None,
             };
+            let acks = match (acks, settle) {
+                (Some(acks), Some(url)) => Some(settle_acks(&url, api_token.as_deref(), acks).await?),
+                (acks, _) => acks,
+            };
             let pool = connect::postgres_pool(&database)?;
             let mut conn = pool.acquire().await?;
+            if let Some(acks) = &acks {
+                wait_for_expiry(&mut conn, acks).await?;
+            }
             let report = crate::ledger::audit::run(&mut conn).await?;
             for problem in &report.problems {
                 println!("{problem}");

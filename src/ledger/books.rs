@@ -1,9 +1,10 @@
 //! The bank check against what the clients were told (Jepsen's bank test): `walletlock audit
-//! --acks FILE`, the one check that the load test's book check (`loadtest/books.py`) and the test
-//! suite run after their loads.
+//! --acks FILE`, the one check that the load test (`loadtest/run`) and the test suite run after
+//! their loads.
 //!
-//! The clients write what each of them was told, one acknowledgement a line ([`Ack`], JSON), once
-//! every outcome they did not learn has been settled by sending the request again with its key:
+//! The clients write what each of them was told, one acknowledgement a line ([`Ack`], JSON): each
+//! operation whose outcome they did not learn as [`Undecided`], which `--settle` decides by sending
+//! the request again with its key (as a client would) before anything is checked;
 //! the wallets they opened and with what, each movement applied (each leg's wallet, signed amount
 //! and ledger entry), each one refused (nothing applied), and each hold placed and what became of
 //! it. The check reads the ledger and holds them against it: every wallet's balance is its opening
@@ -42,6 +43,104 @@ pub enum Ack {
     /// alone, or its capture or void refused too late). Checked once every hold left alone has
     /// expired.
     Hold { hold: Uuid, wallet: String, amount: i64, told: HoldTold },
+    /// An operation whose answer its client never saw: settle it first (`--settle`).
+    Undecided(Undecided),
+}
+
+/// An operation whose outcome its client never learned (no answer, or one that leaves it open):
+/// its key, its kind (`pay`, `deposit`, `transfer`, `split`, `hold`, `capture`, `void`) and its
+/// request, a POST of `body` (none: empty) to `path`, to send again with the key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Undecided {
+    pub key: String,
+    pub op: String,
+    pub path: String,
+    #[serde(default)]
+    pub body: Option<String>,
+}
+
+/// What the answer to an undecided operation told its client: its acknowledgement (none for a
+/// void, which moves no money), and what became of the hold it captured or voided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settled {
+    pub ack: Option<Ack>,
+    pub hold: Option<(Uuid, HoldTold)>,
+}
+
+impl Undecided {
+    /// What `status` and `body`, the answer to the request sent again with its key, tell: `None`
+    /// while they leave it undecided (no answer, in flight, a 5xx that may have applied it).
+    pub fn settled(&self, status: u16, body: &serde_json::Value) -> Option<Settled> {
+        let applied = |legs| Settled {
+            ack: Some(Ack::Applied { key: self.key.clone(), movement: None, legs }),
+            hold: None,
+        };
+        let code = body["code"].as_str().unwrap_or("");
+        Some(match (self.op.as_str(), status) {
+            ("hold", 201) => Settled {
+                ack: Some(Ack::Hold {
+                    hold: uuid(&body["id"])?,
+                    wallet: body["wallet_id"].as_str()?.to_owned(),
+                    amount: body["amount"].as_i64()?,
+                    told: HoldTold::Expired,
+                }),
+                hold: None,
+            },
+            ("capture", 200) => {
+                let leg = leg(&body["entry"])?;
+                let told = HoldTold::Captured { amount: body["captured"].as_i64()?, entry: leg.entry? };
+                Settled { hold: Some((uuid(&body["id"])?, told)), ..applied(vec![leg]) }
+            }
+            ("void", 200) => Settled { ack: None, hold: Some((uuid(&body["id"])?, HoldTold::Voided)) },
+            ("transfer", 200) => applied(vec![leg(&body["from_entry"])?, leg(&body["to_entry"])?]),
+            ("split", 201) => applied(body["legs"].as_array()?.iter().map(leg).collect::<Option<_>>()?),
+            ("pay" | "deposit", 200) => applied(vec![leg(body)?]),
+            // Nothing applied, and the API says so.
+            (_, 400..=499) if code != "idempotency_key_in_flight" => refused(&self.key),
+            (_, 503) if matches!(code, "lock_timeout" | "overloaded" | "dependency_unavailable") => {
+                refused(&self.key)
+            }
+            _ => return None,
+        })
+    }
+}
+
+fn refused(key: &str) -> Settled {
+    Settled { ack: Some(Ack::Refused { key: key.to_owned() }), hold: None }
+}
+
+fn uuid(value: &serde_json::Value) -> Option<Uuid> {
+    value.as_str()?.parse().ok()
+}
+
+/// The leg an entry of an answer (`wallet_id`, `kind`, `amount`, `id`) acknowledges.
+fn leg(entry: &serde_json::Value) -> Option<AckLeg> {
+    Some(AckLeg {
+        wallet: entry["wallet_id"].as_str()?.to_owned(),
+        amount: signed(entry["kind"].as_str()?, entry["amount"].as_i64()?),
+        entry: Some(uuid(&entry["id"])?),
+    })
+}
+
+/// What an entry of `kind` and `amount` does to its wallet's balance.
+fn signed(kind: &str, amount: i64) -> i64 {
+    if matches!(kind, "pay" | "transfer_out") { -amount } else { amount }
+}
+
+/// How many holds `acks` tells of: placed, then captured, voided and expired.
+pub fn holds_told(acks: &[Ack]) -> [usize; 4] {
+    let mut told = [0; 4];
+    for ack in acks {
+        if let Ack::Hold { told: as_told, .. } = ack {
+            told[0] += 1;
+            told[match as_told {
+                HoldTold::Captured { .. } => 1,
+                HoldTold::Voided => 2,
+                HoldTold::Expired => 3,
+            }] += 1;
+        }
+    }
+    told
 }
 
 /// One leg of an applied movement: money into (`amount` > 0) or out of its wallet, and its
@@ -96,7 +195,7 @@ pub struct EntryRow {
 impl EntryRow {
     /// What the entry did to its wallet's balance.
     fn signed(&self) -> i64 {
-        if matches!(self.kind.as_str(), "pay" | "transfer_out") { -self.amount } else { self.amount }
+        signed(&self.kind, self.amount)
     }
 }
 
@@ -197,6 +296,21 @@ pub async fn read(conn: &mut PgConnection, acks: &[Ack]) -> Result<Ledger, Store
     Ok(ledger)
 }
 
+/// When the last hold of `acks` that its client was told expired, and that is still held, expires.
+pub async fn last_expiry(conn: &mut PgConnection, acks: &[Ack]) -> Result<Option<DateTime<Utc>>, StoreError> {
+    let holds: Vec<Uuid> = acks
+        .iter()
+        .filter_map(|ack| match ack {
+            Ack::Hold { hold, told: HoldTold::Expired, .. } => Some(*hold),
+            _ => None,
+        })
+        .collect();
+    Ok(sqlx::query_scalar("select max(expires_at) from hold where id = any($1) and status = 'held'")
+        .bind(&holds)
+        .fetch_one(conn)
+        .await?)
+}
+
 /// Holds `ledger` against `acks` (see the module doc).
 pub fn check(acks: &[Ack], ledger: &Ledger) -> Books {
     let mut books = Books::default();
@@ -234,6 +348,9 @@ pub fn check(acks: &[Ack], ledger: &Ledger) -> Books {
             Ack::Refused { .. } => {}
             Ack::Hold { hold, wallet, amount, told } => {
                 books.problems.extend(check_hold(*hold, wallet, *amount, *told, ledger))
+            }
+            Ack::Undecided(op) => {
+                books.problems.push(format!("{}: undecided (its answer never seen): settle it first", op.key))
             }
         }
     }
@@ -466,6 +583,60 @@ mod tests {
         assert_eq!(books.problems.len(), 2, "{:?}", books.problems);
         assert!(books.problems.iter().any(|p| p.starts_with(&format!("hold {}", pending.id))));
         assert!(books.problems.iter().any(|p| p.starts_with(&format!("hold {}", voided.id))));
+    }
+
+    #[test]
+    fn an_undecided_operation_is_what_the_answer_to_its_key_then_tells() {
+        use serde_json::json;
+        let op = |op: &str| Undecided { key: "k".into(), op: op.into(), path: "/p".into(), body: None };
+        let (hold, entry) = (Uuid::new_v4(), Uuid::new_v4());
+        let pay = json!({ "id": entry, "wallet_id": "a", "kind": "pay", "amount": 30 });
+        let leg = AckLeg { wallet: "a".into(), amount: -30, entry: Some(entry) };
+        let applied = Some(Ack::Applied { key: "k".into(), movement: None, legs: vec![leg.clone()] });
+        assert_eq!(op("pay").settled(200, &pay), Some(Settled { ack: applied.clone(), hold: None }));
+        let captured = json!({ "id": hold, "wallet_id": "a", "captured": 30, "entry": pay });
+        let told = HoldTold::Captured { amount: 30, entry };
+        assert_eq!(
+            op("capture").settled(200, &captured),
+            Some(Settled { ack: applied, hold: Some((hold, told)) })
+        );
+        assert_eq!(
+            op("void").settled(200, &json!({ "id": hold })),
+            Some(Settled { ack: None, hold: Some((hold, HoldTold::Voided)) })
+        );
+        let placed = json!({ "id": hold, "wallet_id": "a", "amount": 5, "status": "held" });
+        let expired = Ack::Hold { hold, wallet: "a".into(), amount: 5, told: HoldTold::Expired };
+        assert_eq!(op("hold").settled(201, &placed).unwrap().ack, Some(expired));
+        let into = json!({ "id": Uuid::new_v4(), "wallet_id": "b", "kind": "transfer_in", "amount": 30 });
+        let Some(Ack::Applied { legs, .. }) =
+            op("split").settled(201, &json!({ "legs": [pay, into] })).and_then(|settled| settled.ack)
+        else {
+            panic!("a split applied")
+        };
+        assert_eq!(legs.iter().map(|leg| leg.amount).collect::<Vec<_>>(), [-30, 30]);
+
+        let refused = Some(Settled { ack: Some(Ack::Refused { key: "k".into() }), hold: None });
+        assert_eq!(op("pay").settled(422, &json!({ "code": "insufficient_funds" })), refused);
+        assert_eq!(op("pay").settled(503, &json!({ "code": "lock_timeout" })), refused);
+        for (status, code) in
+            [(409, "idempotency_key_in_flight"), (503, "request_timeout"), (502, ""), (0, "")]
+        {
+            assert_eq!(op("pay").settled(status, &json!({ "code": code })), None, "{status} {code}");
+        }
+    }
+
+    #[test]
+    fn an_undecided_operation_left_unsettled_breaks_the_books() {
+        let (mut acks, ledger) = sample();
+        acks.push(Ack::Undecided(Undecided {
+            key: "k-open".into(),
+            op: "pay".into(),
+            path: "/p".into(),
+            body: None,
+        }));
+        assert!(check(&acks, &ledger).problems.iter().any(|p| p.starts_with("k-open: undecided")));
+        let line = r#"{"ack":"undecided","key":"k","op":"void","path":"/holds/h/void","body":null}"#;
+        assert!(matches!(&parse(line).unwrap()[0], Ack::Undecided(Undecided { body: None, .. })));
     }
 
     #[test]
