@@ -2,7 +2,7 @@
 // fifth placed for 1 s and left to expire, the rest placed for HOLD_EXPIRES_IN (30) s and at once
 // captured in full, captured in part (1 to the amount) or voided, a third each; every placing,
 // capture and void with a key of its own (loadtest/README.md).
-import { anyWallet, cfg, count, finish, iteration, operation, positiveInt, randomInt, scenario, settle } from './lib.js';
+import { ack, anyWallet, cfg, count, finish, iteration, leg, operation, positiveInt, randomInt, scenario, settle } from './lib.js';
 
 export { setup, handleSummary } from './lib.js';
 export const options = scenario('holds', { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 2000, p99_ms: 3000 });
@@ -31,14 +31,11 @@ const DESCRIBES = {
     Number.isInteger(b.entry.balance) && b.entry.balance >= 0,
   void: (b, op) => b.id === op.to && b.wallet_id === op.wallet && b.status === 'voided' && b.captured === 0,
 };
-const ACKED = {
-  hold: (op, b) => `"hold":"${b.id}","expires_at":${JSON.stringify(b.expires_at)}`,
-  capture: (op, b) => `"hold":"${op.to}","entry":${JSON.stringify(b.entry.id)}`,
-  void: (op) => `"hold":"${op.to}"`,
-};
+// What a placing or a capture or void applied: a capture's charge (the hold's own line says the rest).
+const ACKED = { hold: () => null, capture: (op, b) => leg(op.wallet, -op.amount, b.entry.id), void: () => null };
 
-// A hold that was not placed (refused, or undecided: books.py settles it, and then it is left to
-// expire) goes no further.
+// A hold that was not placed (refused, or undecided: settled after the run, then left to expire)
+// goes no further; one placed is acknowledged at the end, with what its client was told became of it.
 export default iteration((runId) => {
   const wallet = anyWallet(runId);
   const amount = randomInt(1, 100);
@@ -50,19 +47,28 @@ export default iteration((runId) => {
   const placed = settle(hold, null);
   finish(hold, placed);
   if (placed === null || placed.decided !== 'charged') return;
-  if (left) {
-    count.holds_left.add(1);
-    return;
-  }
+  const to = placed.entry.id;
+  let told = '{"as":"expired"}';
+  if (left) count.holds_left.add(1);
+  else told = settleHold(runId, wallet, amount, to);
+  ack(`{"ack":"hold","hold":${JSON.stringify(to)},"wallet":"${wallet}","amount":${amount},"told":${told}}`);
+});
+
+// Captures hold TO (of AMOUNT on WALLET) in full or in part, or voids it; returns what its client
+// was told: captured, voided, or (refused, or undecided until settled) expired.
+function settleHold(runId, wallet, amount, to) {
   // Captured in full (`{}`: no amount), captured in part, or voided (nothing charged).
   const pick = Math.random();
   const kind = pick < 2 / 3 ? 'capture' : 'void';
   const part = pick >= 1 / 3 && pick < 2 / 3 ? randomInt(1, amount) : null;
   let body = null;
   if (kind === 'capture') body = part === null ? '{}' : `{"amount":${part}}`;
-  const to = placed.entry.id;
   // What the answer and the record show: a capture's charge, a void's hold.
   const op = operation({ kind, wallet, amount: part === null ? amount : part, to, key: `${runId}-${kind}-${__VU}-${__ITER}`,
     path: `/holds/${to}/${kind}`, route: `POST /holds/{id}/${kind}`, body, describes: DESCRIBES[kind], acked: ACKED[kind] });
-  finish(op, settle(op, null));
-});
+  const outcome = settle(op, null);
+  finish(op, outcome);
+  if (outcome === null || outcome.decided !== 'charged') return '{"as":"expired"}';
+  if (kind === 'void') return '{"as":"voided"}';
+  return `{"as":"captured","amount":${op.amount},"entry":${JSON.stringify(outcome.entry.entry.id)}}`;
+}

@@ -1,13 +1,8 @@
-// loadtest/k6/lib.js: what the k6 scenarios (loadtest/k6/<scenario>.js, one a file) share: the
-// settings, the wallets setup() opens, operations sent and retried until the API decides them, the
-// client's record (ACK_LOG=1, for loadtest/books.py), counters, thresholds and the summary.
-// loadtest/README.md says what each scenario does, every setting, and what counts as an error.
-//
-// An answer that leaves an operation's outcome unknown (no answer, a 502/504 from nginx, 500, 503
-// request_timeout, 409 idempotency_key_in_flight) is retried with the same Idempotency-Key until it
-// is decided; what is still undecided at the end is logged as such and books.py settles it by
-// replaying the key. So every operation ends applied exactly once or not at all, and the client
-// knows which: the books can be checked exactly.
+// loadtest/k6/lib.js: what the k6 scenarios (loadtest/k6/<scenario>.js) share: the settings, the
+// wallets setup() opens, operations retried with their Idempotency-Key until the API decides them,
+// the client's record (ACK_LOG=1: what it was told, as `walletlock audit --acks` reads it),
+// counters, thresholds and the summary. loadtest/README.md says what each scenario does, every
+// setting, what counts as an error and how the books are checked.
 
 import http from 'k6/http';
 import { check, fail, sleep } from 'k6';
@@ -49,12 +44,10 @@ const TRIES = 5;
 // The run's settings: scenario() fills them in, in the init context of every VU.
 export const cfg = {};
 
-// The counters, by name. Per operation (one payment, however many requests it took): accepted
-// (payments, transfers, splits and captures charged; captured counts again), deposited,
-// holds_placed, voided, holds_left (placed and left to expire), the refusals by their code,
-// undecided (still unknown after TRIES; settled by books.py). Per answer: replayed
-// (Idempotent-Replayed: true), in_flight (409 idempotency_key_in_flight), dropped_connections (no
-// answer at all), no_retry_after (a 503 or 429 without it), unexpected (behind unexpected_errors).
+// The counters. Per operation (however many requests it took): accepted (payments, transfers,
+// splits and captures charged; captured counts again), deposited, holds_placed, voided, holds_left,
+// the refusals by code, undecided (unknown after TRIES). Per answer: replayed, in_flight,
+// dropped_connections (no answer), no_retry_after (a 503 or 429 without it), unexpected.
 const REFUSALS = new Set(['insufficient_funds', 'lock_timeout', 'lease_lost', 'dependency_unavailable', 'overloaded',
   'rate_limited', 'hold_expired']);
 const COUNTERS = ['operations', 'accepted', 'deposited', 'holds_placed', 'captured', 'voided', 'holds_left',
@@ -70,8 +63,8 @@ http.setResponseCallback(http.expectedStatuses(200, 201, 409, 422, 429, 503));
 export const JSON_HEADERS = { 'Content-Type': 'application/json' };
 
 // scenario NAME PROFILE: reads the settings (PROFILE: the scenario's defaults: wallets, initial,
-// vus, p95_ms, p99_ms, and op, the tag of its own requests: move, read or health) and returns k6's
-// options. A scenario file exports them, lib's setup and handleSummary, and iteration(its work).
+// vus, p95_ms, p99_ms, limits, and op, the tag of its own requests: move, read or health) and
+// returns k6's options.
 export function scenario(name, profile) {
   const vus = positiveInt('VUS', profile.vus);
   Object.assign(cfg, {
@@ -180,13 +173,11 @@ function json(res) {
   }
 }
 
-// The acknowledgements this VU has not logged yet, and when the oldest was added. A console line
-// costs k6 about as much CPU as a request's own checks, so in the closed model a VU logs up to
-// ACK_BATCH of them in one message (one `WL {...}` per line), at the latest ACK_HOLD_MS after the
-// first, and in the scenario's last ACK_TAIL_MS each as it comes: a constant-vus VU's last
-// iteration ends after the scenario does, so nothing is left unlogged when the run ends. Elsewhere
-// (setup, the open model, the flood: a VU may run no further iteration) every iteration logs its
-// own at its end.
+// The acknowledgements this VU has not logged yet. A console line costs k6 about as much CPU as a
+// request's checks, so in the closed model a VU logs up to ACK_BATCH in one message (a `WL {...}`
+// a line), at the latest ACK_HOLD_MS after the first, and each as it comes in the scenario's last
+// ACK_TAIL_MS (a constant-vus VU's last iteration ends after the scenario does). Elsewhere (setup,
+// the open model, the flood) every iteration logs its own at its end.
 const ACK_BATCH = 64;
 const ACK_HOLD_MS = 500;
 const ACK_TAIL_MS = 2000;
@@ -196,11 +187,11 @@ let unloggedSince = 0;
 // anew on every access).
 let scenarioEnds = null;
 
-// Queues one acknowledgement: a record, or its JSON already written out.
-function ack(record) {
+// Queues one acknowledgement, written out as JSON (src/ledger/books.rs's Ack).
+export function ack(json) {
   if (!cfg.ackLog) return;
   if (unlogged.length === 0) unloggedSince = Date.now();
-  unlogged.push(`WL ${typeof record === 'string' ? record : JSON.stringify(record)}`);
+  unlogged.push(`WL ${json}`);
 }
 
 // Logs what ack() gathered, unless it may wait for a fuller batch (see above).
@@ -228,7 +219,7 @@ export function setup() {
     url: `${cfg.baseUrl}/wallets`,
     body: JSON.stringify({ id, balance: cfg.initial }),
     params: { headers: keyedHeaders(`${id}-open`), tags: { op: 'open', name: 'POST /wallets' } },
-  }), (id, res) => ack({ op: 'open', w: id, amount: res.json().balance, s: 201 }));
+  }), (id, res) => ack(`{"ack":"opened","wallet":"${id}","balance":${res.json().balance}}`));
   flushAcks(false);
   console.info(`opened ${cfg.wallets} wallets ${walletId(runId, 0)}..${cfg.wallets - 1} in ${Date.now() - started} ms`);
   if (cfg.limits) {
@@ -270,17 +261,13 @@ function eachWallet(runId, what, ok, request, done) {
   if (pending.length > 0) fail(`${what} ${pending.length} wallets failed (first: ${walletId(runId, pending[0])})`);
 }
 
-// ---------------------------------------------------------------------------------------------
-// Operations: a deposit, payment, transfer, split, hold placed, capture or void. An operation is
-// the request (method, url, body, params) and what the run knows of it: kind, wallet, amount, to
-// (a transfer's payee, a split's legs, the hold a capture or void settles), key, ok (the status
-// that applies it), describes(body, op) (whether that answer's body is this operation's outcome)
-// and acked(op, body) (the record's fields for it, written out).
-
-// operation FIELDS: FIELDS (kind, wallet, amount, key, path, body, route, describes, acked, and to
-// and ok where they apply) made into a request with its Idempotency-Key. A key is made of RUN_ID
-// (checked in setup) and numbers: it needs no escaping in JSON, so bodies and records are written
-// out rather than built by JSON.stringify, one less object per iteration.
+// operation FIELDS: a deposit, payment, transfer, split, hold placed, capture or void, made into a
+// request with its Idempotency-Key. FIELDS: kind, wallet, amount, key, path, body, route, to (a
+// transfer's payee, a split's legs, the hold a capture or void settles), ok (the status that
+// applies it: 200), describes(body, op) (whether an answer's body is this operation's outcome) and
+// acked(op, body) (the legs it applied, as leg()s joined by commas; none: no `applied` line).
+// Keys and wallet ids are RUN_ID (checked in setup) and numbers: bodies and acknowledgements are
+// written out rather than built by JSON.stringify, one less object per iteration.
 export function operation(fields) {
   fields.method = 'POST';
   fields.url = cfg.baseUrl + fields.path;
@@ -289,9 +276,8 @@ export function operation(fields) {
   return fields;
 }
 
-// A payment (with the key as its reference) or a deposit. EXTRA (optional): more fields of the body,
-// written out as JSON members, e.g. `"metadata":{"channel":"web"}` (spread-metadata.js); the
-// record of an undecided operation keeps the whole body, so books.py replays exactly this request.
+// A payment (with the key as its reference) or a deposit. EXTRA (optional): more members of the
+// body, written out, e.g. `"metadata":{"channel":"web"}` (spread-metadata.js).
 export function payment(kind, wallet, amount, key, extra) {
   let body = kind === 'pay' ? `{"amount":${amount},"reference":"${key}"}` : `{"amount":${amount}}`;
   if (extra) body = `${body.slice(0, -1)},${extra}}`;
@@ -299,13 +285,18 @@ export function payment(kind, wallet, amount, key, extra) {
     route: `POST /wallets/{id}/${kind}`, describes: describesEntry, acked: ackedEntry });
 }
 
+function ackedEntry(op, entry) {
+  return leg(op.wallet, op.kind === 'pay' ? -op.amount : op.amount, entry.id);
+}
+
+// One leg of an acknowledgement: AMOUNT into (> 0) or out of WALLET, by ledger entry ENTRY.
+export function leg(wallet, amount, entry) {
+  return `{"wallet":"${wallet}","amount":${amount},"entry":${JSON.stringify(entry)}}`;
+}
+
 function describesEntry(body, op) {
   return body.wallet_id === op.wallet && body.kind === op.kind && body.amount === op.amount &&
     Number.isInteger(body.balance) && body.balance >= 0 && typeof body.id === 'string';
-}
-
-function ackedEntry(op, body) {
-  return `"entry":${JSON.stringify(body.id)}`;
 }
 
 // Whether `entry` is the leg of movement `id` that moves `amount` (kind transfer_out or transfer_in)
@@ -391,23 +382,21 @@ export function settle(op, first) {
   return null;
 }
 
-// Records the final outcome of OP (null: undecided). A transfer, a split and a capture count as
-// accepted, like a payment: money left a wallet.
+// Counts and acknowledges the final outcome of OP (null: undecided, settled after the run by
+// replaying its key). A transfer, a split and a capture count as accepted: money left a wallet.
 export function finish(op, outcome) {
   count.operations.add(1);
-  const other = op.kind === 'capture' || op.kind === 'void' ? 'hold' : 'to';
-  const record = { op: op.kind, w: op.wallet, [other]: op.to, amount: op.amount, key: op.key };
   if (outcome === null) {
     count.undecided.add(1);
-    ack({ ...record, s: 'undecided', url: op.url, body: op.body });
+    ack(`{"ack":"undecided","key":"${op.key}","op":"${op.kind}","path":"${op.path}","body":${JSON.stringify(op.body)}}`);
   } else if (outcome.decided === 'charged') {
     count[{ deposit: 'deposited', hold: 'holds_placed', void: 'voided' }[op.kind] || 'accepted'].add(1);
     if (op.kind === 'capture') count.captured.add(1);
-    ack(`{"op":"${op.kind}","w":"${op.wallet}","amount":${op.amount},"key":"${op.key}","s":${op.ok},` +
-      `${op.acked(op, outcome.entry)}}`);
+    const legs = op.acked(op, outcome.entry);
+    if (legs) ack(`{"ack":"applied","key":"${op.key}","legs":[${legs}]}`);
   } else {
     if (REFUSALS.has(outcome.code)) count[outcome.code].add(1);
-    ack({ ...record, s: outcome.status, code: outcome.code });
+    ack(`{"ack":"refused","key":"${op.key}"}`);
   }
 }
 

@@ -1,7 +1,7 @@
 // loadtest/k6/split.js: movements of three legs (POST /movements): 2 to 100 out of a wallet picked
 // at random, a tenth (at least 1) to a second as a fee and the rest to a third, all three distinct,
 // every leg or none (loadtest/README.md).
-import { cfg, finish, isLeg, iteration, operation, randomInt, scenario, settle, walletId } from './lib.js';
+import { cfg, finish, isLeg, iteration, leg, operation, randomInt, scenario, settle, walletId } from './lib.js';
 
 export { setup, handleSummary } from './lib.js';
 export const options = scenario('split', { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 2000, p99_ms: 3000 });
@@ -17,7 +17,7 @@ function describes(body, op) {
 }
 
 function acked(op, body) {
-  return `"legs":${JSON.stringify(body.legs.map((entry, n) => [op.to[n][0], op.to[n][1], entry.id]))}`;
+  return body.legs.map((entry, n) => leg(op.to[n][0], op.to[n][1], entry.id)).join(',');
 }
 
 export default iteration((runId) => {

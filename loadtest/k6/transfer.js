@@ -1,7 +1,7 @@
 // loadtest/k6/transfer.js: transfers of 1 to 100 (POST /transfers) from payers picked at random to
 // PAYEES (100) payees picked by a Zipf law, the k-th most popular paid 1/k as often as the first
 // (loadtest/README.md). Wallets 0..PAYEES-1 are the payees, the rest the payers.
-import { cfg, finish, isLeg, iteration, operation, positiveInt, randomInt, scenario, settle, walletId } from './lib.js';
+import { cfg, finish, isLeg, iteration, leg, operation, positiveInt, randomInt, scenario, settle, walletId } from './lib.js';
 
 export { setup, handleSummary } from './lib.js';
 export const options = scenario('transfer', { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 2000, p99_ms: 3000 });
@@ -31,7 +31,7 @@ function describes(body, op) {
 }
 
 function acked(op, body) {
-  return `"to":"${op.to}","entry":${JSON.stringify(body.from_entry.id)},"to_entry":${JSON.stringify(body.to_entry.id)}`;
+  return `${leg(op.wallet, -op.amount, body.from_entry.id)},${leg(op.to, op.amount, body.to_entry.id)}`;
 }
 
 export default iteration((runId) => {
