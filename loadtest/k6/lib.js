@@ -9,21 +9,17 @@ import { check, fail, sleep } from 'k6';
 import exec from 'k6/execution';
 import { Counter, Rate } from 'k6/metrics';
 
-export function positiveInt(name, fallback) {
+// The setting NAME (FALLBACK if unset): a positive integer, or with `any` a non-negative number.
+export function positiveInt(name, fallback, any = false) {
   const raw = __ENV[name];
   if (raw === undefined || raw === '') return fallback;
   const value = Number(raw);
-  if (!Number.isInteger(value) || value < 1) throw new Error(`${name} must be a positive integer, not ${raw}`);
+  if (any ? !(value >= 0) : !Number.isInteger(value) || value < 1) {
+    throw new Error(`${name} must be a ${any ? 'non-negative number' : 'positive integer'}, not ${raw}`);
+  }
   return value;
 }
-
-function positiveNumber(name, fallback) {
-  const raw = __ENV[name];
-  if (raw === undefined || raw === '') return fallback;
-  const value = Number(raw);
-  if (!(value >= 0)) throw new Error(`${name} must be a non-negative number, not ${raw}`);
-  return value;
-}
+const positiveNumber = (name, fallback) => positiveInt(name, fallback, true);
 
 // "90s", "2m", "1m30s", "1h" -> seconds.
 function seconds(text) {
@@ -61,6 +57,7 @@ const unexpectedErrors = new Rate('unexpected_errors');
 http.setResponseCallback(http.expectedStatuses(200, 201, 409, 422, 429, 503));
 
 export const JSON_HEADERS = { 'Content-Type': 'application/json' };
+if (__ENV.API_TOKEN) JSON_HEADERS.Authorization = `Bearer ${__ENV.API_TOKEN}`;
 
 // scenario NAME PROFILE: reads the settings (PROFILE: the scenario's defaults: wallets, initial,
 // vus, p95_ms, p99_ms, limits, and op, the tag of its own requests: move, read or health) and
@@ -88,7 +85,6 @@ export function scenario(name, profile) {
   if (cfg.model !== 'closed' && cfg.model !== 'open') throw new Error(`MODEL must be closed or open, not ${cfg.model}`);
   // See ack(): a VU of the closed model runs to the end of the scenario.
   cfg.acksBatched = cfg.model === 'closed';
-  if (__ENV.API_TOKEN) JSON_HEADERS.Authorization = `Bearer ${__ENV.API_TOKEN}`;
   let executor = { executor: 'constant-vus', vus, duration: cfg.duration, gracefulStop: '10s' };
   if (cfg.openOnly) executor = { executor: 'shared-iterations', vus: 1, iterations: 1, maxDuration: '1m' };
   else if (cfg.model === 'open') {
@@ -150,19 +146,10 @@ export function anyWallet(runId) {
 
 // The headers of a request with an Idempotency-Key. Built as a literal, not spread from
 // JSON_HEADERS: k6's JavaScript runs on the cores it measures, and every iteration builds one.
-function keyedHeaders(key) {
+export function keyedHeaders(key) {
   return JSON_HEADERS.Authorization === undefined
     ? { 'Content-Type': 'application/json', 'Idempotency-Key': key }
     : { 'Content-Type': 'application/json', Authorization: JSON_HEADERS.Authorization, 'Idempotency-Key': key };
-}
-
-function code(res) {
-  try {
-    const body = res.json();
-    return body && typeof body.code === 'string' ? body.code : '';
-  } catch (_) {
-    return '';
-  }
 }
 
 function json(res) {
@@ -171,6 +158,11 @@ function json(res) {
   } catch (_) {
     return null;
   }
+}
+
+function code(res) {
+  const body = json(res);
+  return body && typeof body.code === 'string' ? body.code : '';
 }
 
 // The acknowledgements this VU has not logged yet. A console line costs k6 about as much CPU as a
@@ -214,21 +206,16 @@ export function setup() {
   if (cfg.opened && !__ENV.RUN_ID) fail('OPENED=1 needs the RUN_ID whose wallets an OPEN_ONLY=1 run opened');
   if (cfg.opened || cfg.wallets === 0) return { runId };
   const started = Date.now();
-  eachWallet(runId, 'opening', 201, (id) => ({
-    method: 'POST',
-    url: `${cfg.baseUrl}/wallets`,
+  eachWallet(runId, 'opening', 201, (id) => ({ method: 'POST', url: `${cfg.baseUrl}/wallets`,
     body: JSON.stringify({ id, balance: cfg.initial }),
-    params: { headers: keyedHeaders(`${id}-open`), tags: { op: 'open', name: 'POST /wallets' } },
-  }), (id, res) => ack(`{"ack":"opened","wallet":"${id}","balance":${res.json().balance}}`));
+    params: { headers: keyedHeaders(`${id}-open`), tags: { op: 'open', name: 'POST /wallets' } } }),
+  (id, res) => ack(`{"ack":"opened","wallet":"${id}","balance":${res.json().balance}}`));
   flushAcks(false);
   console.info(`opened ${cfg.wallets} wallets ${walletId(runId, 0)}..${cfg.wallets - 1} in ${Date.now() - started} ms`);
   if (cfg.limits) {
-    eachWallet(runId, 'setting the limits of', 200, (id) => ({
-      method: 'PUT',
-      url: `${cfg.baseUrl}/wallets/${id}/limits`,
+    eachWallet(runId, 'setting the limits of', 200, (id) => ({ method: 'PUT', url: `${cfg.baseUrl}/wallets/${id}/limits`,
       body: cfg.limits,
-      params: { headers: keyedHeaders(`${id}-limits`), tags: { op: 'limits', name: 'PUT /wallets/{id}/limits' } },
-    }), () => {});
+      params: { headers: keyedHeaders(`${id}-limits`), tags: { op: 'limits', name: 'PUT /wallets/{id}/limits' } } }), () => {});
   }
   return { runId };
 }
@@ -409,7 +396,7 @@ export function move(runId, kind, wallet, amount, extra) {
 // ---------------------------------------------------------------------------------------------
 // The summary: JSON for the runner (SUMMARY_JSON), a few lines for people (and loadtest/bench).
 
-function metric(data, name, field) {
+export function metric(data, name, field) {
   const m = data.metrics[name];
   return m && m.values && m.values[field] !== undefined ? m.values[field] : 0;
 }
@@ -419,26 +406,14 @@ export function handleSummary(data) {
   const own = (name, field) => metric(data, `${name}{op:${cfg.op}}`, field);
   const requests = own('http_reqs', 'count');
   const figures = {
-    scenario: cfg.name,
-    model: cfg.model,
-    duration_s: cfg.durationS,
-    vus: cfg.model === 'closed' ? cfg.vus : null,
-    rate: cfg.model === 'open' ? cfg.rate : null,
-    wallets: cfg.wallets,
-    initial: cfg.initial,
-    base_url: cfg.baseUrl,
+    scenario: cfg.name, model: cfg.model, duration_s: cfg.durationS, vus: cfg.model === 'closed' ? cfg.vus : null,
+    rate: cfg.model === 'open' ? cfg.rate : null, wallets: cfg.wallets, initial: cfg.initial, base_url: cfg.baseUrl,
     run_id: (data.setup_data && data.setup_data.runId) || __ENV.RUN_ID || null,
     // The scenario's own operations (deposits and payments, or reads, or health checks), over its
     // own duration (setup's wallet openings excluded).
-    op: cfg.op,
-    operations: metric(data, 'operations', 'count'),
-    ops_per_s: metric(data, 'operations', 'count') / cfg.durationS,
-    requests,
-    rps: requests / cfg.durationS,
-    p50_ms: own('http_req_duration', 'med'),
-    p95_ms: own('http_req_duration', 'p(95)'),
-    p99_ms: own('http_req_duration', 'p(99)'),
-    max_ms: own('http_req_duration', 'max'),
+    op: cfg.op, operations: metric(data, 'operations', 'count'), ops_per_s: metric(data, 'operations', 'count') / cfg.durationS,
+    requests, rps: requests / cfg.durationS, p50_ms: own('http_req_duration', 'med'),
+    p95_ms: own('http_req_duration', 'p(95)'), p99_ms: own('http_req_duration', 'p(99)'), max_ms: own('http_req_duration', 'max'),
   };
   for (const name of [...COUNTERS, 'dropped_iterations']) figures[name] = metric(data, name, 'count');
   figures.unexpected_rate = metric(data, 'unexpected_errors', 'rate');
