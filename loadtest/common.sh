@@ -28,11 +28,9 @@ lt_psql() { wl_psql "$lt_pg_socket:$lt_pg_port" "$@" -q; }
 # lt_api_token: the API token for the load tests: $API_TOKEN, else `deploy/local token` (empty if
 # this deploy/local has none, for an API without authentication).
 lt_api_token() {
-  local token
-  if [ -n "${API_TOKEN:-}" ]; then echo "$API_TOKEN"; return; fi
-  if token=$("$lt_root/deploy/local" token 2>/dev/null) && [[ $token =~ ^[[:graph:]]+$ ]]; then
-    echo "$token"
-  fi
+  local token=${API_TOKEN:-}
+  [ -n "$token" ] || token=$("$lt_root/deploy/local" token 2>/dev/null) || return 0
+  [[ ! $token =~ ^[[:graph:]]+$ ]] || echo "$token"
 }
 
 # lt_fleet_up: the local fleet, started with deploy/local unless every part of it is healthy.
@@ -44,11 +42,9 @@ lt_fleet_up() {
 
 # lt_replica_pids: "NAME PID" for each replica deploy/local runs.
 lt_replica_pids() {
-  local file name
+  local file
   for file in "$lt_state"/replica-*/walletlock.pid; do
-    [ -s "$file" ] || continue
-    name=$(basename "$(dirname "$file")")
-    echo "$name $(head -n 1 "$file")"
+    [ ! -s "$file" ] || echo "$(basename "$(dirname "$file")") $(head -n 1 "$file")"
   done | sort -V
 }
 

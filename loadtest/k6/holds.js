@@ -6,10 +6,8 @@ import { ack, anyWallet, cfg, count, finish, iteration, leg, operation, positive
 
 export { setup, handleSummary } from './lib.js';
 export const options = scenario('holds', { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 2000, p99_ms: 3000 });
-// The share placed for 1 s and left alone, to expire. The others last HOLD_EXPIRES_IN s: long
-// enough that their capture or void, sent right after, comes first even on a loaded machine, short
-// enough that the book check, which waits for every hold not settled to expire, waits little for
-// one whose capture or void was refused.
+// The share placed for 1 s and left to expire. The others last HOLD_EXPIRES_IN s: long enough for
+// their capture or void to come first, short enough for the book check to wait little for them.
 const HOLDS_LEFT = 0.2;
 const HOLD_EXPIRES_IN = positiveInt('HOLD_EXPIRES_IN', 30);
 if (HOLD_EXPIRES_IN > 604800) throw new Error(`HOLD_EXPIRES_IN must be at most 604800 (7 days), not ${HOLD_EXPIRES_IN}`);

@@ -65,20 +65,11 @@ if (__ENV.API_TOKEN) JSON_HEADERS.Authorization = `Bearer ${__ENV.API_TOKEN}`;
 export function scenario(name, profile) {
   const vus = positiveInt('VUS', profile.vus);
   Object.assign(cfg, {
-    name,
-    op: profile.op || 'move',
-    baseUrl: (__ENV.BASE_URL || 'http://127.0.0.1:8080').replace(/\/+$/, ''),
-    model: __ENV.MODEL || 'closed',
-    duration: __ENV.DURATION || '60s',
-    durationS: seconds(__ENV.DURATION || '60s'),
-    vus,
-    rate: positiveInt('RATE', 200),
-    maxVus: positiveInt('MAX_VUS', 4 * vus),
-    wallets: positiveInt('WALLETS', profile.wallets),
-    initial: positiveInt('INITIAL', profile.initial),
-    ackLog: __ENV.ACK_LOG === '1',
-    openOnly: __ENV.OPEN_ONLY === '1',
-    opened: __ENV.OPENED === '1',
+    name, op: profile.op || 'move', baseUrl: (__ENV.BASE_URL || 'http://127.0.0.1:8080').replace(/\/+$/, ''),
+    model: __ENV.MODEL || 'closed', duration: __ENV.DURATION || '60s', durationS: seconds(__ENV.DURATION || '60s'),
+    vus, rate: positiveInt('RATE', 200), maxVus: positiveInt('MAX_VUS', 4 * vus),
+    wallets: positiveInt('WALLETS', profile.wallets), initial: positiveInt('INITIAL', profile.initial),
+    ackLog: __ENV.ACK_LOG === '1', openOnly: __ENV.OPEN_ONLY === '1', opened: __ENV.OPENED === '1',
     // What setup PUTs on each wallet as its limits (spread-limits.js), as JSON; none if unset.
     limits: profile.limits ? JSON.stringify(profile.limits) : null,
   });
@@ -91,18 +82,14 @@ export function scenario(name, profile) {
     executor = { executor: 'constant-arrival-rate', rate: cfg.rate, timeUnit: '1s', duration: cfg.duration,
       preAllocatedVUs: vus, maxVUs: cfg.maxVus, gracefulStop: '10s' };
   }
+  // Unexpected answers per request; the latency of the scenario's own requests (not setup's); no
+  // double charge, no connection closed without an answer; and http_reqs{op} listed, so that the
+  // summary has the count of the scenario's own requests.
   const thresholds = {
-    // Answers outside the API's contract, per request.
     unexpected_errors: [`rate<${positiveNumber('MAX_ERROR_RATE', 0.001)}`],
-    // The scenario's own requests only: setup's wallet openings are not timed here.
     [`http_req_duration{op:${cfg.op}}`]: [`p(95)<${positiveNumber('P95_MS', profile.p95_ms)}`,
       `p(99)<${positiveNumber('P99_MS', profile.p99_ms)}`],
-    // Two answers to one key that report different ledger entries: a double charge.
-    double_charges: ['count==0'],
-    // Connections closed without an answer (status 0): never, not even under a flood.
-    dropped_connections: ['count==0'],
-    // Listed so that the summary carries the request count of the scenario's own requests alone.
-    [`http_reqs{op:${cfg.op}}`]: ['count>0'],
+    double_charges: ['count==0'], dropped_connections: ['count==0'], [`http_reqs{op:${cfg.op}}`]: ['count>0'],
   };
   if (cfg.model === 'open') {
     const planned = cfg.rate * cfg.durationS;
@@ -175,8 +162,7 @@ const ACK_HOLD_MS = 500;
 const ACK_TAIL_MS = 2000;
 let unlogged = [];
 let unloggedSince = 0;
-// When the scenario ends, in ms since the epoch: read once (`exec.scenario` builds its object
-// anew on every access).
+// When the scenario ends (ms since the epoch), read once: `exec.scenario` is built on each access.
 let scenarioEnds = null;
 
 // Queues one acknowledgement, written out as JSON (src/ledger/books.rs's Ack).
@@ -220,10 +206,9 @@ export function setup() {
   return { runId };
 }
 
-// eachWallet RUN_ID WHAT OK REQUEST DONE: REQUEST(id) (keyed) for each of the run's wallets, 100
-// at a time in one http.batch, DONE(id, response) for each answered OK; sent again (its key
-// replays it) while the fleet answers 5xx, no answer, or idempotency_key_in_flight, up to TRIES
-// rounds; any other answer fails the run, naming WHAT was being done.
+// eachWallet RUN_ID WHAT OK REQUEST DONE: REQUEST(id) (keyed) for each of the run's wallets, 100 a
+// http.batch, DONE(id, response) for each answered OK; sent again while the fleet answers 5xx, none
+// or idempotency_key_in_flight, TRIES rounds at most; any other answer fails the run, naming WHAT.
 function eachWallet(runId, what, ok, request, done) {
   let pending = [...Array(cfg.wallets).keys()];
   for (let round = 0; round < TRIES && pending.length > 0; round++) {
@@ -252,9 +237,8 @@ function eachWallet(runId, what, ok, request, done) {
 // request with its Idempotency-Key. FIELDS: kind, wallet, amount, key, path, body, route, to (a
 // transfer's payee, a split's legs, the hold a capture or void settles), ok (the status that
 // applies it: 200), describes(body, op) (whether an answer's body is this operation's outcome) and
-// acked(op, body) (the legs it applied, as leg()s joined by commas; none: no `applied` line).
-// Keys and wallet ids are RUN_ID (checked in setup) and numbers: bodies and acknowledgements are
-// written out rather than built by JSON.stringify, one less object per iteration.
+// acked(op, body) (the legs it applied, leg()s joined by commas; none: no `applied` line). Keys and
+// wallet ids need no escaping: bodies and acknowledgements are written out, not JSON.stringify'd.
 export function operation(fields) {
   fields.method = 'POST';
   fields.url = cfg.baseUrl + fields.path;
@@ -286,8 +270,7 @@ function describesEntry(body, op) {
     Number.isInteger(body.balance) && body.balance >= 0 && typeof body.id === 'string';
 }
 
-// Whether `entry` is the leg of movement `id` that moves `amount` (kind transfer_out or transfer_in)
-// in `wallet`.
+// Whether `entry` is the leg of movement `id` that moves `amount` (transfer_out or _in) in `wallet`.
 export function isLeg(entry, wallet, kind, amount, id) {
   return entry !== null && typeof entry === 'object' && entry.wallet_id === wallet && entry.kind === kind &&
     entry.amount === amount && entry.transfer_id === id && Number.isInteger(entry.balance) && entry.balance >= 0 &&
@@ -321,8 +304,7 @@ export function classify(res, op) {
   } else if (res.status === 409 && errorCode === 'idempotency_key_in_flight') {
     count.in_flight.add(1);
   } else if (res.status >= 400 && res.status < 500 && res.status !== 408 && res.status !== 429) {
-    // A request the API rejected (400, 404, 422 idempotency_key_reused): nothing was applied, but
-    // these scripts should never send one.
+    // Rejected (400, 404, 422 idempotency_key_reused): nothing applied, but never sent by these scripts.
     decided = 'refused';
     expected = false;
   } else {
@@ -393,7 +375,6 @@ export function move(runId, kind, wallet, amount, extra) {
   finish(op, settle(op, null));
 }
 
-// ---------------------------------------------------------------------------------------------
 // The summary: JSON for the runner (SUMMARY_JSON), a few lines for people (and loadtest/bench).
 
 export function metric(data, name, field) {
