@@ -155,7 +155,8 @@ impl Wallets {
             // Asked while the batch is written (see the wallets' worker, `queue`).
             let contention: OptionFuture<_> =
                 (!self.payees.is_empty(payee)).then(|| lease.contention()).into();
-            let (after, contended) = tokio::join!(self.run_batch(lease, batch, known.take()), contention);
+            let (after, contended) =
+                tokio::join!(self.run_batch(payee, lease, batch, known.take()), contention);
             known = after;
             if held_since.elapsed() >= MAX_HOLD || self.payees.is_empty(payee) {
                 return known;
@@ -190,11 +191,16 @@ impl Wallets {
         }
     }
 
-    /// One batch under the payee's `lease`, the payee as `payee` (if known): the payers' leases
-    /// asked for once each, those transfers decided and written together, the rest sent on alone.
-    /// Returns the payee as the batch left it (`None`: not known).
-    async fn run_batch(&self, lease: &mut Lease, batch: Vec<Queued>, payee: Option<Held>) -> Option<Held> {
-        let payee_id = batch.first().map(|queued| queued.between.parties.to.clone());
+    /// One batch into `payee` under its `lease`, starting from the payee as `known` (if known):
+    /// the payers' leases asked for once each, those transfers decided and written together, the
+    /// rest sent on alone. Returns the payee as the batch left it (`None`: not known).
+    async fn run_batch(
+        &self,
+        payee: &WalletId,
+        lease: &mut Lease,
+        batch: Vec<Queued>,
+        known_payee: Option<Held>,
+    ) -> Option<Held> {
         let mut names: Vec<String> =
             batch.iter().map(|queued| lease_name(&queued.between.parties.from)).collect();
         names.sort_unstable();
@@ -225,8 +231,8 @@ impl Wallets {
         }
         let payers: Vec<WalletId> = ready.iter().map(|queued| queued.between.parties.from.clone()).collect();
         let mut known = known_from_notes(&mut payer_leases, &payers);
-        if let (Some(id), Some(payee)) = (&payee_id, payee) {
-            known.insert(id.clone(), payee);
+        if let Some(held) = known_payee {
+            known.insert(payee.clone(), held);
         }
         if !ready.is_empty() {
             crate::failpoint::hit("transfer_leases_held");
@@ -239,7 +245,7 @@ impl Wallets {
             }
             answer_each(replies, outcome, Path::Lease);
         }
-        let payee = payee_id.and_then(|id| known.remove(&id));
+        let known_payee = known.remove(payee);
         // The payers' leases are let go while the worker goes on with its next batch.
         self.in_flight.spawn(lease::release_all_with_notes(with_notes(payer_leases, &known)));
         metrics::counter!(PAYEE_BATCH_ALONE.name).increment(alone.len() as u64);
@@ -252,6 +258,6 @@ impl Wallets {
                 let _ = reply.send(result);
             });
         }
-        payee
+        known_payee
     }
 }
