@@ -156,9 +156,9 @@ impl LegsOp {
     }
 
     /// The wallets it takes money out of, each with the scope of that wallet's keys, if it has a
-    /// key: its key is stored there too, as an alias of its own (same request, same response). A
-    /// key is then one request's whichever route it is sent to: a payment's key is refused
-    /// (`idempotency_key_reused`) to a movement out of that wallet, and this one's to a payment.
+    /// key: its key is stored there too, as an alias ([`KeyAlias`]). A key is then one request's
+    /// whichever route it is sent to: a payment's key is refused (`idempotency_key_reused`) to a
+    /// movement out of that wallet, and this one's to a payment.
     pub fn key_aliases(&self) -> Vec<(&WalletId, String)> {
         if self.key().is_none() {
             return Vec::new();
@@ -291,9 +291,25 @@ pub struct LegsPlan {
     pub movements: Vec<MovementRecord>,
     /// The response to store for each keyed movement that ran: (index, response, its first entry).
     pub responses: Vec<(usize, StoredResponse, Option<Uuid>)>,
-    /// Where each of those keys is stored again ([`LegsOp::key_aliases`]): (index, the wallet's
-    /// index in the job, the scope).
-    pub key_aliases: Vec<(usize, usize, String)>,
+    /// Where each of those keys is stored again ([`LegsOp::key_aliases`]).
+    pub key_aliases: Vec<KeyAlias>,
+}
+
+/// A movement's key stored again in the scope of a wallet it takes money out of. It is there to
+/// refuse any other request sent with that key on that wallet, never to answer: a retry of the
+/// movement itself is answered from the movement's own key, which one statement writes with its
+/// aliases and the same expiry, so neither is ever found without the other. Its response is then
+/// only the status and what names the movement (`{"id": ...}`, which `walletlock audit` checks),
+/// not the whole body again: a transfer's key costs one stored response, not two.
+#[derive(Debug)]
+pub struct KeyAlias {
+    /// The movement's index in the job.
+    pub op: usize,
+    /// The wallet's index in the job.
+    pub wallet: usize,
+    pub scope: String,
+    /// `{"id": ...}` of what the movement made, or `{}` for a refusal.
+    pub body: Vec<u8>,
 }
 
 impl LegsPlan {
@@ -806,15 +822,18 @@ pub fn decide_between(
         };
         if let Some((at, fingerprint)) = op.key() {
             let at: KeyAt<'_> = (at.caller, at.scope, at.key);
-            // Its own key, or the same key stored in the scope of a wallet it takes money out of
-            // (a payment's, or another movement's alias: see `LegsOp::key_aliases`).
-            let stored = std::iter::once(at.1.to_owned())
-                .chain(op.key_aliases().into_iter().map(|(_, scope)| scope))
-                .find_map(|scope| known.keys.get(&(at.0.to_owned(), scope, at.2.to_owned())));
-            if let Some(stored) = stored {
-                job.plan
-                    .decisions
-                    .push(LegsDecision::Answered(WalletError::AlreadyRan(Prior::of(stored, fingerprint))));
+            // Its own key; or the same key stored in the scope of a wallet it takes money out of
+            // for another request (a payment's, or another movement's alias: see [`KeyAlias`]).
+            let own = known.keys.get(&(at.0.to_owned(), at.1.to_owned(), at.2.to_owned()));
+            let prior = own.map(|stored| Prior::of(stored, fingerprint)).or_else(|| {
+                op.key_aliases()
+                    .into_iter()
+                    .filter_map(|(_, scope)| known.keys.get(&(at.0.to_owned(), scope, at.2.to_owned())))
+                    .find(|stored| stored.fingerprint != fingerprint)
+                    .map(|_| Prior::Reused)
+            });
+            if let Some(prior) = prior {
+                job.plan.decisions.push(LegsDecision::Answered(WalletError::AlreadyRan(prior)));
                 continue;
             }
             if let Some((first, first_fingerprint)) = first_with_key.get(&at) {
@@ -919,12 +938,27 @@ pub fn decide_between(
                 (decision, response)
             }
         };
-        job.plan.decisions.push(decision);
         if let Some(response) = response {
             job.plan.responses.push((n, response, first_entry));
-            let debited = op.key_aliases().into_iter().map(|(wallet, scope)| (n, index[wallet], scope));
-            job.plan.key_aliases.extend(debited);
+            let made = match &decision {
+                LegsDecision::Accepted(Done::Transfer(transfer)) => Some(transfer.id),
+                LegsDecision::Accepted(Done::Movement(movement)) => Some(movement.id),
+                LegsDecision::Accepted(Done::Entry(entry)) => Some(entry.id),
+                _ => None,
+            };
+            let body = match made {
+                Some(id) => serde_json::to_vec(&serde_json::json!({ "id": id })).unwrap_or_default(),
+                None => b"{}".to_vec(),
+            };
+            let aliases = op.key_aliases().into_iter().map(|(wallet, scope)| KeyAlias {
+                op: n,
+                wallet: index[wallet],
+                scope,
+                body: body.clone(),
+            });
+            job.plan.key_aliases.extend(aliases);
         }
+        job.plan.decisions.push(decision);
     }
     if !short.is_empty() {
         return Err(short);
@@ -1134,6 +1168,35 @@ mod tests {
         assert!(matches!(results[3], Err(WalletError::AlreadyRan(Prior::Reused))));
         assert_eq!(balances(&plan), [90, 10], "charged once");
         assert_eq!(plan.responses.len(), 1);
+    }
+
+    #[test]
+    fn a_keys_alias_refuses_other_requests_and_names_the_transfer_without_its_body() {
+        let mut fixture = Fixture::of(&[Some((100, 0)), Some((0, 0))]);
+        let alias = |fingerprint: u8| FoundKey {
+            fingerprint: vec![fingerprint; 32],
+            response: Some(ResponseRow {
+                status: 200,
+                content_type: "text/plain".into(),
+                body: b"{}".to_vec(),
+            }),
+        };
+        let payer_scope = id(0).scope();
+        // "paid": a payment's key on the payer; "mine": this transfer's own alias, found without its
+        // key (which one statement writes with it: never so, but it must not answer for it).
+        fixture.keys.insert((OWNER.to_owned(), payer_scope.clone(), "paid".to_owned()), alias(8));
+        fixture.keys.insert((OWNER.to_owned(), payer_scope, "mine".to_owned()), alias(1));
+        let plan = fixture
+            .decide(&[keyed(transfer(0, 1, 10), "paid", 1), keyed(transfer(0, 1, 10), "mine", 1)])
+            .unwrap();
+        let results = plan.results(Ok(true));
+        assert!(matches!(results[0], Err(WalletError::AlreadyRan(Prior::Reused))));
+        let Ok(Done::Transfer(transfer)) = &results[1] else { panic!("{:?}", results[1]) };
+        // Its alias in the payer's scope holds only what names the transfer.
+        let [alias] = &plan.key_aliases[..] else { panic!("{:?}", plan.key_aliases) };
+        assert_eq!((alias.op, alias.wallet, alias.scope.as_str()), (1, 0, "wallet:w0"));
+        let named: serde_json::Value = serde_json::from_slice(&alias.body).unwrap();
+        assert_eq!(named, serde_json::json!({ "id": transfer.id }));
     }
 
     #[test]

@@ -793,23 +793,20 @@ pub(in crate::wallet) fn add_legs<'a>(
     // Every wallet of the group is written or none: each key's response depends on the first.
     for (op, response, entry_id) in &plan.responses {
         let Some((at, fingerprint)) = ops[*op].key() else { continue };
+        let stored = |at, body| KeyWrite {
+            wallet_id: first,
+            at,
+            fingerprint,
+            status: response.status,
+            content_type: &response.content_type,
+            body,
+            entry_id: *entry_id,
+        };
         // Its own, and its aliases in the scopes of the wallets it takes money out of.
-        let aliases = plan.key_aliases.iter().filter(|(n, _, _)| n == op);
-        let ats = std::iter::once(at).chain(aliases.map(|(_, wallet, scope)| KeyRef {
-            wallet: wallets[*wallet].id.as_str(),
-            scope,
-            ..at
-        }));
-        for at in ats {
-            write.keys.push(KeyWrite {
-                wallet_id: first,
-                at,
-                fingerprint,
-                status: response.status,
-                content_type: &response.content_type,
-                body: &response.body,
-                entry_id: *entry_id,
-            });
+        write.keys.push(stored(at, &response.body));
+        for alias in plan.key_aliases.iter().filter(|alias| alias.op == *op) {
+            let at = KeyRef { wallet: wallets[alias.wallet].id.as_str(), scope: &alias.scope, ..at };
+            write.keys.push(stored(at, &alias.body));
         }
     }
 }
