@@ -728,8 +728,29 @@ async fn a_transfer_waits_for_a_wallet_held_elsewhere_and_times_out_holding_noth
     // Another holder keeps `w2` for longer than the lease wait (2 s in test replicas).
     let holder =
         env.leases(Duration::from_secs(10), Duration::from_secs(1)).acquire("wallet:w2").await.unwrap();
+    let taken_before = lease_acquisitions(&app).await;
     let started = Instant::now();
-    let response = app.post_json("/transfers", json!({ "from": "w1", "to": "w2", "amount": 1 })).await;
+    let request =
+        app.client.post(app.url("/transfers")).json(&json!({ "from": "w1", "to": "w2", "amount": 1 }));
+    let transfer = tokio::spawn(request.send());
+    // The payee's worker asks for `w1`'s lease with `w2`'s, in one round trip, and takes it; `w2`'s
+    // busy, it gives `w1`'s back at once rather than wait holding it (a transfer out of `w2` could
+    // be waiting for it: a cycle). So `w1` is free while the transfer still waits.
+    let probe = env.leases(Duration::from_secs(10), Duration::from_secs(1));
+    while lease_acquisitions(&app).await == taken_before {
+        assert!(!transfer.is_finished(), "the worker never took w1's lease with w2's ask");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let w1 = loop {
+        if let Some(w1) = probe.try_acquire("wallet:w1").await.unwrap() {
+            break w1;
+        }
+        assert!(!transfer.is_finished(), "w1 stayed leased while its worker waited for w2");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(!transfer.is_finished(), "w1 was free only once the transfer gave up");
+    w1.release().await.unwrap();
+    let response = transfer.await.unwrap().unwrap();
     let waited = started.elapsed();
     let (status, body) = problem(response).await;
     assert_eq!((status, body["code"].as_str()), (503, Some("lock_timeout")));
@@ -774,6 +795,13 @@ async fn a_replica_killed_mid_transfer_applies_it_whole_or_not_at_all_and_the_re
         let (ok, report) = audit(&fleet.database_url);
         assert!(ok, "{failpoint}: {report}");
     }
+}
+
+/// `walletlock_lease_acquisitions_total` as the replica's `/metrics` reports it.
+async fn lease_acquisitions(app: &TestApp) -> u64 {
+    let metrics = app.get("/metrics").await.text().await.unwrap();
+    let line = metrics.lines().find(|line| line.starts_with("walletlock_lease_acquisitions_total "));
+    line.and_then(|line| line.split(' ').nth(1)?.parse().ok()).unwrap_or(0)
 }
 
 async fn transfer_count_in(db: &sqlx::PgPool) -> i64 {

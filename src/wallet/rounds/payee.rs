@@ -80,9 +80,23 @@ impl Lane for Transfers {
         &wallets.payees
     }
 
-    async fn hold(wallets: &Wallets, payee: &WalletId, lease: &mut Lease) -> Option<String> {
+    /// The payers of the first batch: their leases come in the round trip that takes the payee's.
+    fn companions(wallets: &Wallets, payee: &WalletId) -> Vec<String> {
+        let mut names =
+            wallets.payees.peek(payee, MAX_BATCH, |queued| lease_name(&queued.between.parties.from));
+        names.sort_unstable();
+        names.dedup();
+        names
+    }
+
+    async fn hold(
+        wallets: &Wallets,
+        payee: &WalletId,
+        lease: &mut Lease,
+        payers: Vec<Lease>,
+    ) -> Option<String> {
         let note = lease.take_note().and_then(|note| Held::from_note(&note, lease.fence()));
-        wallets.hold_payee(payee, lease, note).await.map(|known| known.to_note())
+        wallets.hold_payee(payee, lease, note, payers).await.map(|known| known.to_note())
     }
 
     async fn hold_unleased(wallets: &Wallets, payee: &WalletId) {
@@ -135,13 +149,22 @@ impl Wallets {
     }
 
     /// Serves the payee's queue while holding its lease, batch after batch, starting from `note`
-    /// if the last holder left one. Returns the payee as the last batch left it, for the next
-    /// holder's note (`None`: not known).
-    async fn hold_payee(&self, payee: &WalletId, lease: &mut Lease, note: Option<Held>) -> Option<Held> {
+    /// if the last holder left one, the first batch with the leases of `payers` taken already.
+    /// Returns the payee as the last batch left it, for the next holder's note (`None`: not known).
+    async fn hold_payee(
+        &self,
+        payee: &WalletId,
+        lease: &mut Lease,
+        note: Option<Held>,
+        mut payers: Vec<Lease>,
+    ) -> Option<Held> {
         let held_since = Instant::now();
         let mut known = note;
         loop {
             let batch = self.payees.take(payee, MAX_BATCH);
+            if batch.is_empty() || lease.is_lost() {
+                lease::release_all(std::mem::take(&mut payers)).await;
+            }
             if batch.is_empty() {
                 return known;
             }
@@ -155,8 +178,10 @@ impl Wallets {
             // Asked while the batch is written (see the wallets' worker, `queue`).
             let contention: OptionFuture<_> =
                 (!self.payees.is_empty(payee)).then(|| lease.contention()).into();
-            let (after, contended) =
-                tokio::join!(self.run_batch(payee, lease, batch, known.take()), contention);
+            let (after, contended) = tokio::join!(
+                self.run_batch(payee, lease, batch, known.take(), std::mem::take(&mut payers)),
+                contention
+            );
             known = after;
             if held_since.elapsed() >= MAX_HOLD || self.payees.is_empty(payee) {
                 return known;
@@ -191,24 +216,33 @@ impl Wallets {
         }
     }
 
-    /// One batch into `payee` under its `lease`, starting from the payee as `known` (if known):
-    /// the payers' leases asked for once each, those transfers decided and written together, the
-    /// rest sent on alone. Returns the payee as the batch left it (`None`: not known).
+    /// One batch into `payee` under its `lease`, starting from the payee as `known` (if known)
+    /// and the payers' leases in `taken`: the other payers' leases asked for once each, those
+    /// transfers decided and written together, the rest sent on alone. Returns the payee as the
+    /// batch left it (`None`: not known).
     async fn run_batch(
         &self,
         payee: &WalletId,
         lease: &mut Lease,
         batch: Vec<Queued>,
         known_payee: Option<Held>,
+        taken: Vec<Lease>,
     ) -> Option<Held> {
         let mut names: Vec<String> =
             batch.iter().map(|queued| lease_name(&queued.between.parties.from)).collect();
         names.sort_unstable();
         names.dedup();
+        // The leases taken already that this batch wants, the others given back.
+        let (mut payer_leases, unwanted): (Vec<Lease>, Vec<Lease>) = taken
+            .into_iter()
+            .partition(|payer| names.binary_search_by(|name| name.as_str().cmp(payer.name())).is_ok());
+        self.in_flight.spawn(lease::release_all(unwanted));
+        let mut standing: HashMap<String, Result<bool, WalletError>> =
+            payer_leases.iter().map(|payer| (payer.name().to_owned(), Ok(true))).collect();
+        names.retain(|name| !standing.contains_key(name));
         let asked = self.leases.try_acquire_each(&names.iter().map(String::as_str).collect::<Vec<_>>()).await;
-        // Each payer's lease as asked: taken, busy (`None`), or the failure that answers its transfers.
-        let mut payer_leases: Vec<Lease> = Vec::new();
-        let mut standing: HashMap<String, Result<bool, WalletError>> = HashMap::new();
+        // Each other payer's lease as asked: taken, busy (`None`), or the failure that answers its
+        // transfers.
         for (name, asked) in names.into_iter().zip(asked) {
             let taken = match asked {
                 Ok(Some(mut payer)) => {

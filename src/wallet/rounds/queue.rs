@@ -16,7 +16,7 @@
 //! While Redis cannot be reached, the worker serves the queue the same way without a lease, under
 //! Postgres alone ([`crate::wallet::outage`]), and takes leases again once Redis answers.
 
-use crate::lease::{Lease, LeaseError, Released};
+use crate::lease::{self, Lease, LeaseError, Released};
 use crate::telemetry::metrics::BATCH_SIZE;
 use crate::wallet::decision::{Held, Op};
 use crate::wallet::rounds::group::{Job, JobOutcome};
@@ -67,11 +67,20 @@ pub(in crate::wallet) trait Lane {
 
     fn queues(wallets: &Wallets) -> &Queues<Self::Item>;
 
-    /// Serves the wallet's queue while `lease` is held; returns the note to leave the next holder.
+    /// The leases the wallet's next batch will want besides its own (a payee's payers), asked
+    /// for in the same round trip as the wallet's own when the worker first asks for it: none by
+    /// default.
+    fn companions(_wallets: &Wallets, _id: &WalletId) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Serves the wallet's queue while `lease` is held, with `companions` (those of
+    /// [`Lane::companions`] taken with it); returns the note to leave the next holder.
     fn hold(
         wallets: &Wallets,
         id: &WalletId,
         lease: &mut Lease,
+        companions: Vec<Lease>,
     ) -> impl Future<Output = Option<String>> + Send;
 
     /// Serves the wallet's queue without a lease, under Postgres alone (a Redis outage, see
@@ -92,7 +101,7 @@ impl Lane for Movements {
         &wallets.queues
     }
 
-    async fn hold(wallets: &Wallets, id: &WalletId, lease: &mut Lease) -> Option<String> {
+    async fn hold(wallets: &Wallets, id: &WalletId, lease: &mut Lease, _: Vec<Lease>) -> Option<String> {
         let note = lease.take_note().and_then(|note| Held::from_note(&note, lease.fence()));
         wallets.hold(id, lease, note).await.map(|known| known.to_note())
     }
@@ -175,6 +184,12 @@ impl<P: Waiting> Queues<P> {
         earliest
     }
 
+    /// What `f` makes of each of the first `max` requests of the queue, left in it.
+    pub(in crate::wallet) fn peek<T>(&self, id: &WalletId, max: usize, f: impl Fn(&P) -> T) -> Vec<T> {
+        let queues = self.inner.lock().expect("queues lock");
+        queues.get(id).map_or_else(Vec::new, |queue| queue.iter().take(max).map(f).collect())
+    }
+
     /// Up to `max` requests from the front of the queue.
     pub(in crate::wallet) fn take(&self, id: &WalletId, max: usize) -> Vec<P> {
         let mut queues = self.inner.lock().expect("queues lock");
@@ -237,12 +252,14 @@ impl Wallets {
             // Each step's future is boxed: unboxed, the worker's task held the largest of them
             // (13 KB), copied whole at its spawn.
             let acquired = if yield_first {
-                Box::pin(self.leases.acquire_after_others(&name, deadline)).await
+                Box::pin(self.leases.acquire_after_others(&name, deadline))
+                    .await
+                    .map(|lease| (lease, Vec::new()))
             } else {
-                Box::pin(self.leases.acquire_until(&name, deadline)).await
+                Box::pin(self.acquire_with_companions(&name, L::companions(self, id), deadline)).await
             };
-            let mut lease = match acquired {
-                Ok(lease) => lease,
+            let (mut lease, companions) = match acquired {
+                Ok(acquired) => acquired,
                 // Redis is unreachable, not busy: go on under Postgres alone, if so configured.
                 Err(LeaseError::Unavailable(failure)) if self.outage.enter(&failure, &self.leases, &name) => {
                     continue;
@@ -258,7 +275,7 @@ impl Wallets {
                 }
             };
             lease.keep_alive();
-            let released = match Box::pin(L::hold(self, id, &mut lease)).await {
+            let released = match Box::pin(L::hold(self, id, &mut lease, companions)).await {
                 Some(note) => Box::pin(lease.release_with_note(&note)).await,
                 None => Box::pin(lease.release()).await,
             };
@@ -271,6 +288,34 @@ impl Wallets {
                 }
             };
         }
+    }
+
+    /// The lease on `name`, waiting until `deadline`, and those of `companions` that were free.
+    /// Each is asked once, all in one round trip, without waiting; if `name`'s is busy, the others
+    /// are given back and `name`'s is waited for alone. So a worker never waits for its lease
+    /// while it holds others (taken outside the order [`crate::lease::LeaseClient::acquire_all`]
+    /// keeps): their release, under way meanwhile, waits for nothing and closes no cycle.
+    async fn acquire_with_companions(
+        &self,
+        name: &str,
+        companions: Vec<String>,
+        deadline: Instant,
+    ) -> Result<(Lease, Vec<Lease>), LeaseError> {
+        if companions.is_empty() {
+            return self.leases.acquire_until(name, deadline).await.map(|lease| (lease, Vec::new()));
+        }
+        let names: Vec<&str> = companions.iter().map(String::as_str).filter(|other| *other != name).collect();
+        let (own, others) = tokio::join!(self.leases.try_acquire(name), self.leases.try_acquire_each(&names));
+        let mut taken: Vec<Lease> = others.into_iter().filter_map(|other| other.ok().flatten()).collect();
+        for lease in &mut taken {
+            lease.keep_alive();
+        }
+        if let Ok(Some(lease)) = own {
+            return Ok((lease, taken));
+        }
+        self.in_flight.spawn(lease::release_all(taken));
+        own?;
+        self.leases.acquire_until(name, deadline).await.map(|lease| (lease, Vec::new()))
     }
 
     /// Serves the queue while holding the lease: batch after batch, each written by a round,
