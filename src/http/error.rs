@@ -95,6 +95,10 @@ pub struct ProblemDocument {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false, minimum = 0, maximum = 15, example = 1)]
     leg: Option<usize>,
+    /// With `invalid_batch` about one of its items: the item, from 0 in the batch's order.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, minimum = 0, maximum = 999, example = 3)]
+    item: Option<usize>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -131,6 +135,10 @@ pub enum ApiError {
     Overloaded,
     #[error("the request handler panicked")]
     Panic,
+    /// A `POST /batches` that cannot be read as a batch (`item`: the item at fault, if one is):
+    /// refused whole, nothing applied.
+    #[error("{detail}")]
+    InvalidBatch { item: Option<usize>, detail: String },
 }
 
 impl From<JsonRejection> for ApiError {
@@ -188,6 +196,7 @@ struct Problem {
     per: Option<String>,
     resets_at: Option<chrono::DateTime<chrono::Utc>>,
     leg: Option<usize>,
+    item: Option<usize>,
     retry_after: bool,
 }
 
@@ -223,6 +232,7 @@ impl Problem {
             per: None,
             resets_at: None,
             leg: None,
+            item: None,
             retry_after: false,
         }
     }
@@ -279,6 +289,15 @@ impl ApiError {
                 "this replica is handling as many requests as it takes; nothing was applied, retry later",
             ),
             ApiError::Panic => internal(),
+            ApiError::InvalidBatch { item, detail } => {
+                let detail = match item {
+                    Some(item) => format!("item {item}: {detail}; nothing of the batch was applied"),
+                    None => format!("{detail}; nothing of the batch was applied"),
+                };
+                let mut problem = Problem::new(&codes::INVALID_BATCH, "Invalid batch", detail);
+                problem.item = *item;
+                problem
+            }
         }
     }
 }
@@ -554,6 +573,7 @@ impl ApiError {
             per: problem.per,
             resets_at: problem.resets_at,
             leg: problem.leg,
+            item: problem.item,
         };
         StoredResponse {
             status: problem.status.as_u16(),

@@ -56,7 +56,7 @@ impl<T: DeserializeOwned + Default, S: Send + Sync> FromRequest<S> for OptionalJ
 }
 
 /// `application/json`, or any `application/*+json`, with or without parameters.
-fn is_json(content_type: Option<&axum::http::HeaderValue>) -> bool {
+pub(super) fn is_json(content_type: Option<&axum::http::HeaderValue>) -> bool {
     let Some(essence) = content_type.and_then(|v| v.to_str().ok()).and_then(|v| v.split(';').next()) else {
         return false;
     };

@@ -48,7 +48,7 @@ super::extract::uuid_path!(
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(as = NewHold)]
-struct PlaceHold {
+pub(super) struct PlaceHold {
     /// Minor units to reserve of the available balance.
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 4000)]
     amount: i64,
@@ -150,7 +150,7 @@ async fn get_hold(
 /// How much of a hold to charge. Unknown fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct Capture {
+pub(super) struct Capture {
     /// Minor units, at most the hold's amount; without it (or with null), all of it. The rest is
     /// released.
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 3200)]

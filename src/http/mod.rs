@@ -2,6 +2,7 @@
 //! through (request id, replica name, tracing, body limit, timeout, panic handling, drain).
 
 pub mod auth;
+mod batches;
 mod bodies;
 pub mod error;
 pub mod events;
@@ -77,6 +78,7 @@ pub struct ApiContext {
 pub fn router(ctx: ApiContext) -> Router {
     let served_by = HeaderValue::from_str(&ctx.replica).unwrap_or(HeaderValue::from_static("walletlock"));
     let replica = ctx.replica.clone();
+    let items = batch_items(&ctx);
     // Merged in the order the document lists the paths (routing does not depend on it).
     let (routes, api) = OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
         .merge(
@@ -87,6 +89,7 @@ pub fn router(ctx: ApiContext) -> Router {
                 .merge(holds::router())
                 .merge(monitors::router())
                 .merge(limits::router())
+                .merge(batches::router(items))
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token))
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), shed_when_full)),
         )
@@ -145,6 +148,25 @@ pub fn router(ctx: ApiContext) -> Router {
         .with_state(ctx)
 }
 
+/// The router a batch's items run through (see [`batches`]): the routes of the movements a batch
+/// may hold, with the token check, the body limit and panics answered as the API does, and without
+/// the layers the batch applies to itself once (shedding, timeout, tracing, metrics).
+fn batch_items(ctx: &ApiContext) -> batches::Items {
+    let (routes, _) = OpenApiRouter::default()
+        .merge(wallets::router())
+        .merge(transfers::router())
+        .merge(movements::router())
+        .merge(holds::router())
+        .split_for_parts();
+    let routes = routes
+        .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token))
+        .fallback(|| async { ApiError::RouteNotFound })
+        .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(CatchPanicLayer::custom(|_panic| ApiError::Panic.into_response()))
+        .with_state(ctx.clone());
+    batches::Items(routes)
+}
+
 /// Registers the shed counter's `in_flight` reason at zero (`crate::wallet` registers its
 /// `wallet_queue`); the metrics themselves are declared in `crate::telemetry::metrics`.
 pub fn register_metrics() {
@@ -182,8 +204,10 @@ async fn shed_when_full(State(ctx): State<ApiContext>, request: Request, next: N
 /// connection after this response, so it opens its next one to a replica that is staying.
 async fn bounded_and_draining(State(ctx): State<ApiContext>, request: Request, next: Next) -> Response {
     // A read of the feed may wait for an event besides (it bounds its own wait).
+    // A batch bounds its items by REQUEST_TIMEOUT itself, and then has a moment to answer them all.
     let bound = match request.uri().path() {
         events::PATH => ctx.request_timeout + crate::wallet::MAX_WAIT,
+        batches::PATH => ctx.request_timeout + batches::ANSWER_GRACE,
         _ => ctx.request_timeout,
     };
     let mut response = match tokio::time::timeout(bound, next.run(request)).await {

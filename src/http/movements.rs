@@ -62,7 +62,7 @@ struct NewLeg {
 /// Money between 2 to 16 wallets at once. Unknown fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct NewMovement {
+pub(super) struct NewMovement {
     /// 2 to 16 legs on distinct wallets, summing to zero.
     #[schema(min_items = 2, max_items = 16)]
     legs: Vec<NewLeg>,
@@ -156,7 +156,7 @@ async fn create_movement(
 /// Unknown fields are refused.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct PartOf {
+pub(super) struct PartOf {
     /// Minor units, at most what is left; without it (or with null, or with no body), all of it.
     /// Each leg takes its share in proportion to its amount (the debits of it, and the credits
     /// of it, each rounded down, the units left over to the legs rounding took most from).
@@ -167,7 +167,7 @@ struct PartOf {
 /// How much of a movement to move back. Unknown fields are refused.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct MovementRefund {
+pub(super) struct MovementRefund {
     /// Minor units, at most what is left to refund; without it (or with null, or with no body),
     /// all of it. Each leg gives back its share, as a capture's legs take theirs.
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 500)]

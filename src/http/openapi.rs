@@ -30,6 +30,7 @@ use utoipa_axum::{router::OpenApiRouter, routes};
     tags(
         (name = "wallets", description = "Open, read, deposit, pay, page through the ledger (bearer token)"),
         (name = "transfers", description = "Money between wallets, and refunds (bearer token)"),
+        (name = "batches", description = "Up to 1,000 movements in one request, each decided on its own (bearer token)"),
         (name = "holds", description = "Reserve now, capture or void later, or let expire (bearer token)"),
         (name = "events", description = "Every wallet's events in order, with long polling (bearer token)"),
         (name = "webhooks", description = "Endpoints that receive the events, signed (bearer token)"),

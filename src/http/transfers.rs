@@ -44,7 +44,7 @@ super::extract::uuid_path!(
 /// Money from one wallet to another. Unknown fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct NewTransfer {
+pub(super) struct NewTransfer {
     /// The paying wallet.
     #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$", example = "alice")]
     from: String,
@@ -156,7 +156,7 @@ async fn get_transfer(
 /// How much of a transfer to move back. Unknown fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct TransferRefund {
+pub(super) struct TransferRefund {
     /// Minor units; without it (or with null), all that is not yet refunded.
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 500)]
     amount: Option<i64>,
@@ -214,7 +214,7 @@ async fn refund_transfer(
 /// Money back into a wallet for one of its payments. Unknown fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct PaymentRefund {
+pub(super) struct PaymentRefund {
     /// The id of a `pay` entry of this wallet.
     #[schema(format = Uuid)]
     payment: String,

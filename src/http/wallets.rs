@@ -145,7 +145,7 @@ async fn get_wallet(
 /// Money in. Unknown fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct Deposit {
+pub(super) struct Deposit {
     /// Minor units.
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 500)]
     amount: i64,
@@ -205,7 +205,7 @@ async fn deposit(
 /// Money out. Unknown fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct Pay {
+pub(super) struct Pay {
     /// Minor units.
     #[schema(minimum = 1, maximum = 1_000_000_000_000_i64, example = 2500)]
     amount: i64,

@@ -74,6 +74,12 @@ pub const REQUESTS_SHED: Metric = metric(
     &["reason"],
     "Requests answered 503 overloaded before any work, by reason: in_flight (the replica's MAX_IN_FLIGHT) or wallet_queue (the wallet's WALLET_QUEUE_LIMIT).",
 );
+pub const BATCH_ITEMS: Metric = metric(
+    "walletlock_batch_items_total",
+    Counter,
+    &["op", "status"],
+    "Items of `POST /batches` answered, by op and the status the item's own route answered (the batch itself is counted in walletlock_http_requests_total, its items are not).",
+);
 
 // The lease (`crate::lease`).
 pub const LEASE_ACQUISITIONS: Metric =
@@ -264,6 +270,7 @@ pub const ALL: &[Metric] = &[
     HTTP_REQUESTS,
     HTTP_REQUEST_DURATION,
     REQUESTS_SHED,
+    BATCH_ITEMS,
     LEASE_ACQUISITIONS,
     LEASE_ACQUIRE_WAIT,
     LEASE_TIMEOUTS,

@@ -7,6 +7,7 @@ mod support;
 mod access;
 mod api;
 mod batch;
+mod batches;
 mod burst;
 mod citus;
 mod compose;

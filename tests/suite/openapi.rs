@@ -42,6 +42,7 @@ const ROUTES: &[(&str, &str, &[&str])] = &[
     ("get", "/wallets/{id}/limits", GET_STATUSES),
     ("post", "/holds/{id}/capture", POST_STATUSES),
     ("post", "/holds/{id}/void", &["200", "400", "401", "404", "409", "422", "503"]),
+    ("post", "/batches", &["200", "400", "401", "413", "415", "503"]),
     ("get", "/events", GET_STATUSES),
     ("post", "/webhook-endpoints", &["201", "400", "401", "404", "413", "415", "503"]),
     ("get", "/webhook-endpoints", &["200", "401", "503"]),
@@ -152,11 +153,12 @@ async fn the_document_describes_every_route_and_status() {
         }
     }
 
-    // A bearer token on the /wallets, /transfers, /movements, /holds and /events operations only.
+    // A bearer token on the /wallets, /transfers, /movements, /holds, /batches and /events
+    // operations only.
     assert_eq!(doc["components"]["securitySchemes"]["bearer"], json!({ "type": "http", "scheme": "bearer" }));
     for (method, path, _) in ROUTES {
         let security = &operation(&doc, method, path)["security"];
-        if ["/wallets", "/transfers", "/movements", "/holds", "/events", "/webhook-endpoints"]
+        if ["/wallets", "/transfers", "/movements", "/holds", "/batches", "/events", "/webhook-endpoints"]
             .iter()
             .any(|api| path.starts_with(api))
         {
@@ -212,6 +214,11 @@ async fn the_document_describes_every_route_and_status() {
         assert_eq!((&amount["minimum"], &amount["maximum"]), (&json!(1), &json!(1_000_000_000_000_i64)));
     }
     assert_eq!(schema(&doc, "Pay")["properties"]["reference"]["maxLength"], 256);
+    let batch = schema(&doc, "NewBatch");
+    assert_eq!(batch["additionalProperties"], false);
+    let items = &batch["properties"]["items"];
+    assert_eq!((&items["minItems"], &items["maxItems"]), (&json!(1), &json!(1000)));
+    assert_eq!(schema(&doc, "BatchItem")["oneOf"].as_array().map(Vec::len), Some(8), "one schema an op");
 
     // Responses: the entry, the page, the problem.
     let entry = schema(&doc, "Entry");

@@ -88,6 +88,14 @@ pub const SAME_WALLET: ErrorCode = replica(
 );
 pub const MALFORMED_JSON: ErrorCode = replica(S::BAD_REQUEST, "malformed_json", REQUEST_UNREADABLE);
 pub const INVALID_BODY: ErrorCode = replica(S::BAD_REQUEST, "invalid_body", REQUEST_UNREADABLE);
+pub const INVALID_BATCH: ErrorCode = replica(
+    S::BAD_REQUEST,
+    "invalid_batch",
+    "a `POST /batches` that could not be read as a batch (`item` names the item at fault): not 1 to 1,000 \
+     items, an unknown `op`, an item without an `idempotency_key` or with one used twice in the batch, an \
+     item without the id its `op` needs, a field its route does not take or of the wrong type; nothing of \
+     the batch was applied ([batches](batches.md))",
+);
 pub const INVALID_QUERY: ErrorCode = replica(S::BAD_REQUEST, "invalid_query", REQUEST_UNREADABLE);
 pub const INVALID_PATH: ErrorCode = replica(S::BAD_REQUEST, "invalid_path", REQUEST_UNREADABLE);
 pub const BAD_REQUEST: ErrorCode = nginx(
@@ -168,7 +176,8 @@ pub const IDEMPOTENCY_KEY_IN_FLIGHT: ErrorCode = replica(
 pub const PAYLOAD_TOO_LARGE: ErrorCode = both(
     S::PAYLOAD_TOO_LARGE,
     "payload_too_large",
-    "body over 16 KiB; from nginx, before any replica sees it, over 64 KiB",
+    "body over 16 KiB (a `POST /batches` over 1 MiB); from nginx, before any replica sees it, over 64 KiB \
+     (2 MiB for `/batches`)",
 );
 pub const URI_TOO_LONG: ErrorCode = nginx(S::URI_TOO_LONG, "uri_too_long", "a request line over 8 KiB");
 pub const UNSUPPORTED_MEDIA_TYPE: ErrorCode =
@@ -319,6 +328,7 @@ pub const ERROR_CODES: &[&ErrorCode] = &[
     &SAME_WALLET,
     &MALFORMED_JSON,
     &INVALID_BODY,
+    &INVALID_BATCH,
     &INVALID_QUERY,
     &INVALID_PATH,
     &BAD_REQUEST,
