@@ -13,8 +13,9 @@
 //! The items of a batch run concurrently, so they join the replica's rounds with everything else
 //! (group commit across wallets): up to [`MAX_CONCURRENT_ITEMS`] at once, each holding one of the
 //! replica's `MAX_IN_FLIGHT` permits as a request would (the batch itself holds one, taken at its
-//! arrival; it takes more for its items only from those free, never waiting, and never sheds its
-//! own items for want of them: it runs them in a smaller window instead). An item that has not
+//! arrival; it takes more for its items only from those free, at most half of them so that the
+//! next arrival finds room, never waiting, and never sheds its own items for want of them: it runs
+//! them in a smaller window instead). An item that has not
 //! started by the batch's deadline is answered `503 overloaded` (nothing applied); one still running
 //! then, `503 request_timeout` (retry with its key to learn its outcome), as a single request would.
 //!
@@ -347,18 +348,10 @@ async fn batch(
     Extension(items): Extension<Items>,
     request: Request,
 ) -> Result<Response, ApiError> {
-    if request.headers().contains_key("idempotency-key") {
-        return Err(ApiError::BadRequest {
-            code: &codes::INVALID_IDEMPOTENCY_KEY,
-            detail: "a batch takes no Idempotency-Key: each item carries its own `idempotency_key`".into(),
-        });
-    }
-    if !super::extract::is_json(request.headers().get(header::CONTENT_TYPE)) {
-        return Err(ApiError::UnsupportedMediaType(
-            "send the body as JSON, with Content-Type: application/json".into(),
-        ));
-    }
+    let keyed = request.headers().contains_key("idempotency-key");
+    let json = super::extract::is_json(request.headers().get(header::CONTENT_TYPE));
     let authorization = request.headers().get(header::AUTHORIZATION).cloned();
+    // The body is read before the headers are judged (see `discard_body`).
     let raw = Bytes::from_request(request, &ctx).await.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::PayloadTooLarge { limit: BATCH_BODY_LIMIT }
@@ -366,9 +359,40 @@ async fn batch(
             ApiError::from(rejection)
         }
     })?;
+    if keyed {
+        return Err(ApiError::BadRequest {
+            code: &codes::INVALID_IDEMPOTENCY_KEY,
+            detail: "a batch takes no Idempotency-Key: each item carries its own `idempotency_key`".into(),
+        });
+    }
+    if !json {
+        return Err(ApiError::UnsupportedMediaType(
+            "send the body as JSON, with Content-Type: application/json".into(),
+        ));
+    }
     let batch = parse(&raw)?;
     let answers = run(&ctx, &items.0, authorization, batch).await;
     Ok(Json(BatchAnswer { items: answers }).into_response())
+}
+
+/// Reads a batch's body to its end, keeping none of it (at most [`BATCH_BODY_LIMIT`] and a
+/// second), before it is refused unread. nginx buffers a body this large in a file and sends it
+/// after the headers: a replica that answered and closed the connection first would make nginx's
+/// write fail, and nginx would answer `502` and take the replica out of rotation for a second
+/// (`max_fails=1`). Read and dropped, it costs the replica no memory.
+pub async fn discard_body(body: Body) {
+    use futures::StreamExt;
+    let mut chunks = body.into_data_stream();
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), async {
+        let mut read = 0;
+        while let Some(Ok(chunk)) = chunks.next().await {
+            read += chunk.len();
+            if read > BATCH_BODY_LIMIT {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 fn invalid(item: Option<usize>, detail: impl Into<String>) -> ApiError {
@@ -625,7 +649,9 @@ async fn run(
     let deadline = Instant::now() + ctx.request_timeout;
     // The batch holds one permit already (taken at its arrival); the rest of its window is what
     // is free now.
-    let extra = free_permits(&ctx.in_flight, items.len().min(MAX_CONCURRENT_ITEMS) - 1);
+    // At most half of what is free, so that the next batch to arrive finds room too.
+    let want = (items.len().min(MAX_CONCURRENT_ITEMS) - 1).min(ctx.in_flight.available_permits() / 2);
+    let extra = free_permits(&ctx.in_flight, want);
     let window = Semaphore::new(1 + extra.as_ref().map_or(0, OwnedSemaphorePermit::num_permits));
     let waits = dependencies(&items);
     let answered: Vec<watch::Sender<bool>> = items.iter().map(|_| watch::channel(false).0).collect();

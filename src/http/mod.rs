@@ -195,6 +195,9 @@ async fn record_request_metrics(request: Request, next: Next) -> Response {
 async fn shed_when_full(State(ctx): State<ApiContext>, request: Request, next: Next) -> Response {
     let Ok(_permit) = ctx.in_flight.clone().try_acquire_owned() else {
         metrics::counter!(REQUESTS_SHED.name, "reason" => "in_flight").increment(1);
+        if request.uri().path() == batches::PATH {
+            batches::discard_body(request.into_body()).await;
+        }
         return ApiError::Overloaded.into_response();
     };
     next.run(request).await

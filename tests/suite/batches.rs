@@ -556,3 +556,39 @@ async fn a_replica_short_of_room_runs_a_batch_in_a_narrower_window_and_answers_i
     );
     audit_ok(&fleet);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_shed_at_its_arrival_is_a_503_and_leaves_its_replica_in_rotation() {
+    let env = TestEnv::new();
+    let fleet = Fleet::start(&env, 1, &[("MAX_IN_FLIGHT", "1")]).await;
+    open_wallets(&fleet, &["shed-busy", "shed-a"], 1_000).await;
+    // A payment stalled on its wallet's row holds the replica's one permit.
+    let row = crate::support::hold_row(&fleet.db, "shed-busy").await;
+    let (client, url) = (fleet.client.clone(), fleet.url("/wallets/shed-busy/pay"));
+    let stalled = tokio::spawn(async move {
+        client.post(url).header("idempotency-key", "stalled").json(&json!({"amount": 1})).send().await
+    });
+    crate::support::eventually("the payment holds the permit", Duration::from_secs(5), || async {
+        let scrape =
+            fleet.client.get(fleet.replicas[0].url("/metrics")).send().await.unwrap().text().await.unwrap();
+        scrape
+            .lines()
+            .any(|line| line.starts_with("walletlock_lease_acquisitions_total") && !line.ends_with(" 0"))
+    })
+    .await;
+    // The batch finds no room: shed whole, nothing of it applied.
+    let items: Vec<Value> = (0..1000).map(|n| pay("shed-a", 1, &format!("shed-{n}"))).collect();
+    let (status, answer) = batch(&fleet, &items).await;
+    assert_eq!((status, answer["code"].as_str()), (503, Some("overloaded")), "{answer}");
+    drop(row);
+    let paid = stalled.await.unwrap().unwrap();
+    assert_eq!(paid.status(), 200);
+    // The replica answered the 503 itself and stays in rotation: the next batch is served.
+    let log = fleet.access_log();
+    let shed = log.iter().find(|line| line["uri"] == "/batches").expect("the batch in nginx's log");
+    assert_eq!(shed["upstream_status"], "503", "{shed}");
+    let answers = batch_items(&fleet, &items[..10]).await;
+    assert!(answers.iter().all(|a| a["status"] == 200), "{answers:?}");
+    assert_eq!(balance(&fleet, "shed-a").await, (990, 11));
+    audit_ok(&fleet);
+}
