@@ -511,8 +511,23 @@ async fn a_batch_that_cannot_be_read_is_refused_whole_and_applies_nothing() {
     let spread: Vec<String> = (0..100).map(|n| format!("whole-{n}")).collect();
     open_wallets(&fleet, &spread.iter().map(String::as_str).collect::<Vec<_>>(), 10).await;
     let most: Vec<Value> = (0..1000).map(|n| pay(&spread[n % 100], 1, &format!("most-{n}"))).collect();
-    let answers = batch_items(&fleet, &most).await;
-    assert!(answers.iter().all(|a| a["status"] == 200), "{:?}", answers.iter().find(|a| a["status"] != 200));
+    // Ten items a wallet take ten turns: on a slow path (Citus, a busy machine) the tail may not
+    // finish within REQUEST_TIMEOUT, and is answered 503 to be retried with its key, as the batch
+    // is here, whole, until every item is paid (each charged once: the balances below).
+    for attempt in 1.. {
+        let answers = batch_items(&fleet, &most).await;
+        let unpaid: Vec<&Value> = answers.iter().filter(|a| a["status"] != 200).collect();
+        if unpaid.is_empty() {
+            break;
+        }
+        for answer in &unpaid {
+            let code = answer["body"]["code"].as_str();
+            let retry =
+                matches!(code, Some("request_timeout" | "overloaded")) && answer["retry_after"].is_number();
+            assert!(retry, "only what a retry settles is left: {answer}");
+        }
+        assert!(attempt < 10, "{} items still unpaid after {attempt} attempts", unpaid.len());
+    }
     for wallet in &spread {
         assert_eq!(balance(&fleet, wallet).await, (0, 11), "{wallet}");
     }
