@@ -1,7 +1,8 @@
 //! `POST /batches`: up to 1,000 movements in one request, through nginx to three replicas. Each
 //! item is answered exactly as its single route answers it (status and body, the same bytes its
 //! key replays), items on one wallet are decided in the batch's order, a batch retried whole (even
-//! after its replica was killed mid-batch) charges every item once, and a batch that cannot be read
+//! after its replica was killed mid-batch, or through a FLUSHALL or a Redis outage) charges every
+//! item once, and a batch that cannot be read
 //! is refused whole with nothing applied. Each ends with the bank check or `walletlock audit`.
 
 use crate::support::TestEnv;
@@ -606,4 +607,68 @@ async fn a_batch_shed_at_its_arrival_is_a_503_and_leaves_its_replica_in_rotation
     assert!(answers.iter().all(|a| a["status"] == 200), "{answers:?}");
     assert_eq!(balance(&fleet, "shed-a").await, (990, 11));
     audit_ok(&fleet);
+}
+
+/// What Redis loses mid-batch.
+enum RedisLoss {
+    /// Every lease, fence counter and note, at once.
+    FlushAll,
+    /// Redis itself: SIGKILL, so the replicas go on under Postgres alone, then a new, empty one.
+    Outage,
+}
+
+/// A batch of 1,000 payments over 50 wallets (20 turns each, so it runs a while) through nginx,
+/// with `loss` striking once its first items are in the ledger; then the batch retried whole until
+/// every item is answered: every item charged exactly once, and the audit clean.
+async fn a_batch_goes_on_through(loss: RedisLoss) {
+    let mut env = TestEnv::with_own_redis();
+    let settings = [("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s")];
+    let fleet = Fleet::start(&env, 3, &settings).await;
+    let wallets: Vec<String> = (0..50).map(|n| format!("lost-{n}")).collect();
+    open_wallets(&fleet, &wallets.iter().map(String::as_str).collect::<Vec<_>>(), 1_000).await;
+    let items: Vec<Value> =
+        (0..1000).map(|n| pay(&wallets[n % 50], 1 + (n / 50) as i64, &format!("lost-item-{n}"))).collect();
+
+    let (client, url, body) = (fleet.client.clone(), fleet.url("/batches"), json!({ "items": items }));
+    let first = tokio::spawn(async move { post(&client, &url, &body).await });
+    let paid = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM ledger_entry WHERE kind = 'pay'")
+            .fetch_one(&fleet.db)
+            .await
+            .unwrap()
+    };
+    while paid().await == 0 {
+        assert!(!first.is_finished(), "the batch answered before any item was in the ledger");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(!first.is_finished(), "Redis is lost mid-batch, not after it");
+    match loss {
+        RedisLoss::FlushAll => env.redis_cmd::<()>(&["FLUSHALL"]).await,
+        RedisLoss::Outage => env.own_redis().kill(),
+    }
+    let (status, answer) = first.await.unwrap();
+    assert!([200, 502, 503, 504].contains(&status), "{status} {answer}");
+    if let RedisLoss::Outage = loss {
+        env.own_redis().start_again();
+    }
+
+    let answers = settle_batch(&fleet, &items).await;
+    for (item, answer) in items.iter().zip(&answers) {
+        assert_eq!(answer["status"], 200, "{item}: {answer}");
+    }
+    for wallet in &wallets {
+        let charged: i64 = (1..=20).sum();
+        assert_eq!(balance(&fleet, wallet).await, (1_000 - charged, 21), "{wallet}: each payment once");
+    }
+    audit_ok(&fleet);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_goes_on_through_a_flushall_mid_batch_and_charges_every_item_once() {
+    a_batch_goes_on_through(RedisLoss::FlushAll).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_goes_on_through_a_redis_outage_mid_batch_and_charges_every_item_once() {
+    a_batch_goes_on_through(RedisLoss::Outage).await;
 }
