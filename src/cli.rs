@@ -136,6 +136,9 @@ pub enum Command {
         #[arg(long)]
         write: bool,
     },
+    /// The load tests' tools (loadtest/README.md), which loadtest/run and loadtest/bench call.
+    #[command(subcommand)]
+    Loadtest(LoadtestCommand),
     /// Print a replica's live figures from its /metrics in one row (`deploy/local status`):
     /// payments accepted, the p99 of its API answers, leases taken and their mean wait, writes the
     /// fence refused, resident memory.
@@ -146,6 +149,20 @@ pub enum Command {
         /// Print the columns' titles instead.
         #[arg(long)]
         header: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum LoadtestCommand {
+    /// Write the table of a `loadtest/bench` run, DIR/bench.md and DIR/bench.json (for
+    /// loadtest/chart.py), from DIR/runs.tsv and each run's files, and print it with the targets.
+    /// Exits 1 if any run that moves money has books that are not OK.
+    Report {
+        /// The run's results (loadtest/results/bench-<time>).
+        dir: std::path::PathBuf,
+        /// The repository, whose commit the table names and to which it puts DIR's path.
+        #[arg(long, default_value = ".")]
+        root: std::path::PathBuf,
     },
 }
 
@@ -409,6 +426,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Metrics { write } => {
             let table = crate::telemetry::metrics::markdown_table();
             print_or_write(&generated_docs::METRICS, &table, write)
+        }
+        Command::Loadtest(LoadtestCommand::Report { dir, root }) => {
+            Ok(if crate::loadtest::report::report(&dir, &root)? {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
         }
         Command::Figures { replica, header } => {
             use crate::telemetry::figures;

@@ -32,6 +32,7 @@
 //!   one replica from its settings.
 //! - [`cli`] holds the `walletlock` subcommands, and [`tutorial`] the tutorial's experiments
 //!   (`walletlock demo`, with their own unguarded SQL), which the product does not import.
+//! - [`loadtest`] holds the load tests' tools (`walletlock loadtest`), which loadtest/ calls.
 //! - [`generated_docs`] prints the tables of `docs/` that come from the code (the settings, the
 //!   error codes), and checks that the pages hold them.
 
@@ -45,6 +46,7 @@ pub mod http;
 pub mod idempotency;
 pub mod lease;
 pub mod ledger;
+pub mod loadtest;
 pub mod telemetry;
 pub mod tutorial;
 pub mod wallet;
