@@ -164,6 +164,46 @@ pub enum LoadtestCommand {
         #[arg(long, default_value = ".")]
         root: std::path::PathBuf,
     },
+    /// What a run cost Postgres and Redis, from their own statistics (loadtest/run's COSTS=1).
+    #[command(subcommand)]
+    Costs(CostsCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CostsCommand {
+    /// CHECKPOINT on every Postgres node, so that none runs beside the measured run.
+    Checkpoint(PgNode),
+    /// Write the cumulative counters of Postgres (summed over a Citus cluster) and of each Redis
+    /// primary into OUT (JSON).
+    Snapshot {
+        out: std::path::PathBuf,
+        #[command(flatten)]
+        pg: PgNode,
+        /// deploy/local's Redis directory (its nodes' node-PORT/redis.pid).
+        #[arg(long)]
+        redis_state: std::path::PathBuf,
+        /// The file of Redis's `admin` password.
+        #[arg(long)]
+        redis_auth: std::path::PathBuf,
+    },
+    /// Write OUT (costs.json): AFTER - BEFORE, less BEFORE's own queries, per accepted payment
+    /// (per request for runs that move no money, as SUMMARY, k6's summary.json, says); print it.
+    Report {
+        before: std::path::PathBuf,
+        after: std::path::PathBuf,
+        summary: std::path::PathBuf,
+        out: std::path::PathBuf,
+    },
+}
+
+/// A Postgres node as deploy/local runs it, reached as the superuser over its socket.
+#[derive(Debug, clap::Args)]
+pub struct PgNode {
+    /// The directory of the node's socket.
+    #[arg(long)]
+    pg_socket: String,
+    #[arg(long)]
+    pg_port: u16,
 }
 
 /// `walletlock probe`: a health check for container runtimes that have no curl.
@@ -433,6 +473,28 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::from(1)
             })
+        }
+        Command::Loadtest(LoadtestCommand::Costs(command)) => {
+            use crate::loadtest::costs;
+            let node = |pg: PgNode| costs::Node { socket: pg.pg_socket, port: pg.pg_port };
+            match command {
+                CostsCommand::Checkpoint(pg) => costs::checkpoint(&node(pg)).await?,
+                CostsCommand::Snapshot { out, pg, redis_state, redis_auth } => {
+                    let snapshot = costs::snapshot(&node(pg), &redis_state, &redis_auth).await?;
+                    std::fs::write(out, serde_json::to_string_pretty(&snapshot)?)?;
+                }
+                CostsCommand::Report { before, after, summary, out } => {
+                    let [before, after, summary] = [before, after, summary].map(|path| {
+                        let text =
+                            std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+                        anyhow::Ok(serde_json::from_str::<serde_json::Value>(&text)?)
+                    });
+                    let (costs, line) = costs::report(&before?, &after?, &summary?);
+                    std::fs::write(out, serde_json::to_string_pretty(&costs)?)?;
+                    println!("{line}");
+                }
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Command::Figures { replica, header } => {
             use crate::telemetry::figures;

@@ -152,7 +152,7 @@ fn num(v: &Value) -> f64 {
 }
 
 /// A number as Python's str() writes it: 3, 3.5, 1e-05.
-fn py(v: &Value) -> String {
+pub(super) fn py(v: &Value) -> String {
     match v {
         Value::Number(n) if n.is_f64() => {
             let x = n.as_f64().unwrap_or(0.0);
