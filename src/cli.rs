@@ -167,6 +167,16 @@ pub enum LoadtestCommand {
     /// What a run cost Postgres and Redis, from their own statistics (loadtest/run's COSTS=1).
     #[command(subcommand)]
     Costs(CostsCommand),
+    /// Until SIGTERM (or until process WHILE ends), sample every second the CPU that processes
+    /// outside the trees of the ROOT pids use; then write into OUT, as JSON, wall_s, other_cpu_s,
+    /// other_pct (of all cores) and the top 5 commands.
+    OtherCpu {
+        out: std::path::PathBuf,
+        #[arg(long = "while", value_name = "PID")]
+        while_pid: u32,
+        #[arg(required = true)]
+        roots: Vec<u32>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -473,6 +483,26 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::from(1)
             })
+        }
+        Command::Loadtest(LoadtestCommand::OtherCpu { out, while_pid, roots }) => {
+            use crate::loadtest::other_cpu::{Sampler, processes, uptime};
+            // SAFETY: sysconf only reads the system's configuration.
+            let (ticks, cores) =
+                unsafe { (libc::sysconf(libc::_SC_CLK_TCK), libc::sysconf(libc::_SC_NPROCESSORS_ONLN)) };
+            let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            let (mut sampler, mut stop) = (Sampler::new(roots), false);
+            loop {
+                sampler.sample(uptime(), &processes(ticks as f64));
+                if stop || !std::path::Path::new(&format!("/proc/{while_pid}")).exists() {
+                    break;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+                    _ = sigterm.recv() => stop = true,
+                }
+            }
+            std::fs::write(out, sampler.json(cores as f64) + "\n")?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Loadtest(LoadtestCommand::Costs(command)) => {
             use crate::loadtest::costs;
