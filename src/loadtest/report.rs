@@ -389,7 +389,8 @@ fn judge(
             };
             let rate = num(&events) / drain / rps;
             let result = format!(
-                "{rate:.2}x ({} events in {drain:.1} s, {} payments/s; the first {:.1} s after the receiver came back)",
+                "{rate:.2}x ({} events in {drain:.1} s, {} payments/s; the first {:.1} s after the \
+                 receiver came back)",
                 count(&events),
                 thousands(rps, 0),
                 w.get("wait_seconds").map_or(0.0, num)
@@ -607,7 +608,8 @@ pub fn report(out: &Path, root: &Path) -> anyhow::Result<bool> {
     let (secs, vus, clients) = (py(&settings["seconds"]), py(&settings["vus"]), py(&settings["clients"]));
     let (commit, cpus, cpu) = (py(&info["walletlock"]), py(&info["cpus"]), py(&info["cpu"]));
     let title = format!(
-        "walletlock {} vs raw Postgres, {cpus} cores ({cpu}), {secs} s per run; pgbench {clients} clients, k6 {vus} VUs via nginx + {replicas} replicas",
+        "walletlock {} vs raw Postgres, {cpus} cores ({cpu}), {secs} s per run; pgbench {clients} clients, \
+         k6 {vus} VUs via nginx + {replicas} replicas",
         commit.split_whitespace().next().unwrap_or("")
     );
     let discarded: Vec<String> = std::fs::read_to_string(out.join("discarded.tsv"))
@@ -623,16 +625,23 @@ pub fn report(out: &Path, root: &Path) -> anyhow::Result<bool> {
     let gogc = std::env::var("GOGC").unwrap_or("400".into());
     let notes = [
         format!(
-            "Every run lasted {secs} s on the same machine, one after the other: {cpus} cores ({cpu}), {} GiB RAM, {}; Postgres, Redis, nginx, the {replicas} replicas and the load generator (pgbench {clients} clients, or k6 {vus} VUs with GOGC={gogc}) all share those cores. What each run measures, and how: loadtest/README.md, `loadtest/bench`.",
+            "Every run lasted {secs} s on the same machine, one after the other: {cpus} cores ({cpu}), {} \
+             GiB RAM, {}; Postgres, Redis, nginx, the {replicas} replicas and the load generator (pgbench \
+             {clients} clients, or k6 {vus} VUs with GOGC={gogc}) all share those cores. What each run \
+             measures, and how: loadtest/README.md, `loadtest/bench`.",
             py(&info["ram_gib"]),
             py(&info["os"])
         ),
         format!(
-            "The machine was idle before each run (whole-machine idle CPU over 3 s: {}). other CPU: the share of the machine's CPU that processes outside the benchmark used during the run (a lower bound).",
+            "The machine was idle before each run (whole-machine idle CPU over 3 s: {}). other CPU: the \
+             share of the machine's CPU that processes outside the benchmark used during the run (a lower \
+             bound).",
             idle.join(", ")
         ),
         format!(
-            "A run in which other processes took more than {}% of the CPU was run again (up to {} attempts), and the attempt that shared the CPU least is the one in the table, whatever its figures. Attempts not kept: {}.",
+            "A run in which other processes took more than {}% of the CPU was run again (up to {} \
+             attempts), and the attempt that shared the CPU least is the one in the table, whatever its \
+             figures. Attempts not kept: {}.",
             settings.get("max_other_pct").map_or("10".to_owned(), py),
             settings.get("tries").map_or("3".to_owned(), py),
             if discarded.is_empty() { "none".to_owned() } else { discarded.join("; ") }
