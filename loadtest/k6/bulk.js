@@ -2,7 +2,7 @@
 // 1,000) to a `POST /batches`, each item with its own key (loadtest/README.md).
 import http from 'k6/http';
 import { sleep } from 'k6';
-import { JSON_HEADERS, anyWallet, cfg, count, finish, iteration, judge, payment, positiveInt, randomInt, scenario } from './lib.js';
+import { JSON_HEADERS, TRANSIENT, anyWallet, cfg, count, finish, iteration, judge, payment, positiveInt, randomInt, scenario } from './lib.js';
 
 export { setup, handleSummary } from './lib.js';
 export const options = scenario('bulk', { wallets: 10000, initial: 1000000000, vus: 8, p95_ms: 3000, p99_ms: 5000 });
@@ -21,6 +21,8 @@ export default iteration((runId) => {
   const items = ops.map((op) => `{"op":"pay","wallet_id":"${op.wallet}","idempotency_key":"${op.key}",${op.body.slice(1)}`);
   const body = `{"items":[${items.join(',')}]}`;
   const outcomes = new Array(BATCH).fill(null);
+  // Items a try left undecided: they may still run, so a TRANSIENT refusal no longer decides them.
+  const unsure = new Array(BATCH).fill(false);
   // The batch, sent whole until every item is decided (the decided ones replay), TRIES at most.
   for (let tries = 0; tries < TRIES && outcomes.includes(null); tries++) {
     if (tries > 0) sleep(0.05 * 2 ** (tries - 1));
@@ -37,7 +39,10 @@ export default iteration((runId) => {
     const whole = answers !== null && answers.length === BATCH;
     // Anything but a 200 with every item's answer: nginx's 502/504 or a 503 leave the items open.
     judge(res, whole || [502, 503, 504].includes(res.status), 'bulk: an answer the API promises', false);
-    if (!whole) continue;
+    if (!whole) {
+      unsure.fill(true);
+      continue;
+    }
     answers.forEach((answer, n) => {
       if (outcomes[n] !== null) return;
       const op = ops[n];
@@ -46,10 +51,13 @@ export default iteration((runId) => {
       if (answer.status === 200 && op.describes(answer.body, op)) {
         outcomes[n] = { decided: 'charged', code: '', entry: answer.body };
       } else if (REFUSED.has(code) && (answer.status !== 503 || answer.retry_after !== undefined)) {
-        outcomes[n] = { decided: 'refused', code };
+        if (!(unsure[n] && TRANSIENT.has(code))) outcomes[n] = { decided: 'refused', code };
       } else if (code === 'idempotency_key_in_flight') {
         count.in_flight.add(1);
-      } else if (!(answer.status === 503 && code === 'request_timeout')) {
+        unsure[n] = true;
+      } else if (answer.status === 503 && code === 'request_timeout') {
+        unsure[n] = true;
+      } else {
         count.unexpected.add(1);
       }
     });

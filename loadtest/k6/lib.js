@@ -285,6 +285,11 @@ const REFUSED = {
   409: ['lease_lost', 'hold_expired'],
 };
 
+// Refusals of the request alone, not stored for its key (shed, lease lost, ...): nothing of this
+// request applied, but an earlier try of the operation that got no answer may still run and apply,
+// so after one such try they decide nothing (the key's replay, or the settling after the run, does).
+export const TRANSIENT = new Set(['lock_timeout', 'overloaded', 'dependency_unavailable', 'rate_limited', 'lease_lost']);
+
 // What one answer says about the operation. decided: 'charged' (applied), 'refused' (nothing
 // applied, the API says so), or null (unknown yet).
 export function classify(res, op) {
@@ -337,16 +342,21 @@ export function send(op) {
 // already received). Returns the deciding outcome, or null.
 export function settle(op, first) {
   let tries = 0;
-  if (first) {
-    const decided = first.filter((o) => o.decided !== null);
-    if (decided.length > 0) return decided[0];
-    tries = first.length;
+  // Whether a try got no deciding answer: it may still run (see TRANSIENT).
+  let unsure = false;
+  const decides = (outcome) => {
+    if (outcome.decided === null) unsure = true;
+    return outcome.decided !== null && !(unsure && TRANSIENT.has(outcome.code));
+  };
+  for (const outcome of first || []) {
+    if (decides(outcome)) return outcome;
+    tries++;
   }
   while (tries < TRIES) {
     if (tries > 0) sleep(0.05 * 2 ** (tries - 1));
     tries++;
     const outcome = classify(send(op), op);
-    if (outcome.decided !== null) return outcome;
+    if (decides(outcome)) return outcome;
   }
   return null;
 }
