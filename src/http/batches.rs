@@ -675,17 +675,7 @@ async fn run(
                 let Ok(Ok(_slot)) = timeout_at(deadline, window.acquire()).await else {
                     return shed(not_started);
                 };
-                let span = tracing::info_span!(
-                    "item",
-                    item = at,
-                    op = item.op.as_str(),
-                    caller = tracing::field::Empty,
-                    wallet_id = tracing::field::Empty,
-                    fence = tracing::field::Empty,
-                    outcome = tracing::field::Empty,
-                    lease_wait_ms = tracing::field::Empty,
-                    db_ms = tracing::field::Empty,
-                );
+                let span = super::movement_span!("item", item = at, op = item.op.as_str(),);
                 let request = synthesize(item, authorization.as_ref());
                 match timeout_at(deadline, router.clone().oneshot(request).instrument(span)).await {
                     Ok(Ok(response)) => answer(response).await,

@@ -48,6 +48,24 @@ use tracing::Level;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 
+/// An info span with `$field`s and the empty fields a movement's handling records on it (caller,
+/// wallet, fence, outcome, lease wait, time in Postgres): a request's, or a batch item's.
+macro_rules! movement_span {
+    ($name:literal, $($field:tt)*) => {
+        tracing::info_span!(
+            $name,
+            $($field)*
+            caller = tracing::field::Empty,
+            wallet_id = tracing::field::Empty,
+            fence = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            lease_wait_ms = tracing::field::Empty,
+            db_ms = tracing::field::Empty,
+        )
+    };
+}
+pub(crate) use movement_span;
+
 /// The largest request body accepted, in bytes.
 pub const BODY_LIMIT: usize = 16 * 1024;
 
@@ -117,18 +135,12 @@ pub fn router(ctx: ApiContext) -> Router {
                             let route = request.extensions().get::<MatchedPath>().map(MatchedPath::as_str);
                             let request_id =
                                 request.headers().get(&X_REQUEST_ID).and_then(|v| v.to_str().ok());
-                            tracing::info_span!(
+                            movement_span!(
                                 "request",
                                 request_id,
                                 replica = &*replica,
                                 method = %request.method(),
                                 route = route.unwrap_or(request.uri().path()),
-                                caller = tracing::field::Empty,
-                                wallet_id = tracing::field::Empty,
-                                fence = tracing::field::Empty,
-                                outcome = tracing::field::Empty,
-                                lease_wait_ms = tracing::field::Empty,
-                                db_ms = tracing::field::Empty,
                             )
                         })
                         .on_request(DefaultOnRequest::new().level(Level::DEBUG))
