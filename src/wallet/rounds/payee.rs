@@ -236,7 +236,9 @@ impl Wallets {
         let (mut payer_leases, unwanted): (Vec<Lease>, Vec<Lease>) = taken
             .into_iter()
             .partition(|payer| names.binary_search_by(|name| name.as_str().cmp(payer.name())).is_ok());
-        self.in_flight.spawn(lease::release_all(unwanted));
+        if !unwanted.is_empty() {
+            self.in_flight.spawn(lease::release_all(unwanted));
+        }
         let mut standing: HashMap<String, Result<bool, WalletError>> =
             payer_leases.iter().map(|payer| (payer.name().to_owned(), Ok(true))).collect();
         names.retain(|name| !standing.contains_key(name));

@@ -313,7 +313,9 @@ impl Wallets {
         if let Ok(Some(lease)) = own {
             return Ok((lease, taken));
         }
-        self.in_flight.spawn(lease::release_all(taken));
+        if !taken.is_empty() {
+            self.in_flight.spawn(lease::release_all(taken));
+        }
         own?;
         self.leases.acquire_until(name, deadline).await.map(|lease| (lease, Vec::new()))
     }
