@@ -282,6 +282,79 @@ async fn a_waiter_is_woken_by_the_release_not_by_its_next_poll() {
     lease.release().await.unwrap();
 }
 
+/// Waiters queued for `name` on `env`'s Redis.
+async fn waiters(env: &TestEnv, name: &str) -> i64 {
+    env.redis_cmd(&["ZCARD", &env.queue_keys(name).0]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_take_a_busy_lease_in_the_order_they_came_whoever_asks_first() {
+    let env = TestEnv::new();
+    // Each waiter a client (a replica) of its own; their polls far apart, so each release wakes
+    // them all at once, and which asks first is up to the scheduler.
+    let holder = env.leases_with(slow_polling(ms(10_000), ms(3_000))).acquire("w").await.unwrap();
+    let (order, mut arrivals) = (std::sync::Arc::new(std::sync::Mutex::new(Vec::new())), Vec::new());
+    for n in 0..4 {
+        let leases = env.leases_with(slow_polling(ms(10_000), ms(3_000)));
+        let order = order.clone();
+        arrivals.push(tokio::spawn(async move {
+            let lease = leases.acquire("w").await.expect("every waiter gets the lease in its turn");
+            order.lock().unwrap().push(n);
+            // Held a moment, so the others are woken by its release, all together again.
+            tokio::time::sleep(ms(20)).await;
+            lease.release().await.unwrap();
+        }));
+        eventually("the waiter takes its place in the queue", ms(5_000), || async {
+            waiters(&env, "w").await == n + 1
+        })
+        .await;
+    }
+    holder.release().await.unwrap();
+    for waiter in arrivals {
+        waiter.await.unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3], "served in the order they came");
+    assert_eq!(waiters(&env, "w").await, 0, "each left the queue as it took the lease");
+}
+
+#[tokio::test]
+async fn a_waiter_that_gives_up_or_is_dropped_leaves_the_queue() {
+    let env = TestEnv::new();
+    let holder = env.leases(ms(10_000), ms(100)).acquire("w").await.unwrap();
+    // One waits its whole wait and gives up; another is dropped while it waits.
+    let timed_out = env.leases(ms(10_000), ms(150)).acquire("w").await;
+    assert!(matches!(timed_out, Err(LeaseError::NotObtained { .. })), "{timed_out:?}");
+    let dropped = {
+        let leases = env.leases(ms(10_000), ms(30_000));
+        tokio::spawn(async move { leases.acquire("w").await })
+    };
+    eventually("the second waiter takes its place", ms(5_000), || async { waiters(&env, "w").await == 1 })
+        .await;
+    dropped.abort();
+    eventually("both places are given up", ms(5_000), || async { waiters(&env, "w").await == 0 }).await;
+    holder.release().await.unwrap();
+    // Nobody is ahead: a caller that does not wait gets the free lease at once.
+    let next = env.leases(ms(10_000), ms(100)).try_acquire("w").await.unwrap().expect("free, no one queued");
+    next.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_waiter_that_vanished_holds_a_free_lease_back_only_until_its_place_lapses() {
+    let env = TestEnv::new();
+    // A waiter of another replica, which crashed: first in the queue, its place kept 300 ms more.
+    let (queue, alive) = env.queue_keys("w");
+    let now: Vec<String> = env.redis_cmd(&["TIME"]).await;
+    let now_ms = now[0].parse::<u64>().unwrap() * 1000 + now[1].parse::<u64>().unwrap() / 1000;
+    let _: () = env.redis_cmd(&["ZADD", &queue, &now_ms.to_string(), "crashed"]).await;
+    let _: () = env.redis_cmd(&["HSET", &alive, "crashed", &(now_ms + 300).to_string()]).await;
+    let leases = env.leases(ms(10_000), ms(5_000));
+    assert!(leases.try_acquire("w").await.unwrap().is_none(), "the free lease is the first waiter's");
+    // A caller that waits gets it once the place lapses, well within its wait.
+    let lease = leases.acquire("w").await.expect("taken once the vanished waiter's place lapsed");
+    assert_eq!(waiters(&env, "w").await, 0, "the lapsed place is gone, and ours with the lease");
+    lease.release().await.unwrap();
+}
+
 #[tokio::test]
 async fn a_lease_that_expires_unreleased_is_taken_at_the_next_poll() {
     let env = TestEnv::new();
