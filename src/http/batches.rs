@@ -657,7 +657,7 @@ async fn run(
     let answered: Vec<watch::Sender<bool>> = items.iter().map(|_| watch::channel(false).0).collect();
     // What every item not started by the deadline is answered, rendered once: a batch at its
     // deadline may have hundreds of them, and should answer them all at once.
-    let not_started = answer(ApiError::Overloaded.into_response()).await;
+    let not_started = answer(item_error(ApiError::Overloaded)).await;
     let not_started = &not_started;
     let runs = items.iter().enumerate().map(|(at, item)| {
         let (window, waits, answered, authorization) = (&window, &waits[at], &answered, &authorization);
@@ -682,7 +682,7 @@ async fn run(
                     Ok(Err(never)) => match never {},
                     // Still running: what a single request past REQUEST_TIMEOUT is answered (the
                     // movement runs on to its end; its key tells its outcome).
-                    Err(_) => answer(ApiError::Timeout(ctx.request_timeout).into_response()).await,
+                    Err(_) => answer(item_error(ApiError::Timeout(ctx.request_timeout))).await,
                 }
             }
             .await;
@@ -702,6 +702,13 @@ async fn run(
 fn shed(overloaded: &ItemAnswer) -> ItemAnswer {
     metrics::counter!(REQUESTS_SHED.name, "reason" => "in_flight").increment(1);
     ItemAnswer { body: overloaded.body.clone(), ..*overloaded }
+}
+
+/// An item's error response, rendered outside the batch's span: rendering records the outcome on
+/// the current span, and the batch's own is its answer's, not each item's (recorded once an item,
+/// the batch's log line grew by a field for each).
+fn item_error(err: ApiError) -> Response {
+    tracing::Span::none().in_scope(|| err.into_response())
 }
 
 /// The item's request, as a client would send it to its single route.
