@@ -43,6 +43,7 @@ use axum::{
 };
 use serde::de::{self, DeserializeOwned, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use std::collections::{HashMap, HashSet};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError, watch};
@@ -299,8 +300,9 @@ pub struct ItemAnswer {
     #[schema(minimum = 200, maximum = 599, example = 200)]
     status: u16,
     /// The body the item's route answered: what it made, or the problem document of its refusal.
+    /// Kept as the route rendered it, not parsed and written again.
     #[schema(value_type = Object)]
-    body: Value,
+    body: Box<RawValue>,
     /// `true` when the answer was replayed for the item's `idempotency_key` (the route's
     /// `Idempotent-Replayed`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -735,8 +737,14 @@ async fn answer(response: Response) -> ItemAnswer {
     let retry_after =
         headers.get(header::RETRY_AFTER).and_then(|value| value.to_str().ok()).and_then(|v| v.parse().ok());
     let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap_or_default();
-    let body = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    // Every route answers JSON; anything else would be listed as a string.
+    let body = String::from_utf8(bytes.to_vec())
+        .ok()
+        .and_then(|text| RawValue::from_string(text).ok())
+        .unwrap_or_else(|| {
+            let text = serde_json::to_string(&String::from_utf8_lossy(&bytes)).expect("a string serializes");
+            RawValue::from_string(text).expect("a JSON string is JSON")
+        });
     ItemAnswer { status, body, replayed, retry_after }
 }
 
