@@ -20,7 +20,9 @@
 //! then, `503 request_timeout` (retry with its key to learn its outcome), as a single request would.
 //!
 //! Items that name the same wallet are decided in the batch's order: an item starts only once every
-//! earlier item naming one of its wallets has been answered. A capture, void or refund named by its
+//! earlier item naming one of its wallets has been answered, or, for a deposit or payment after a
+//! deposit or payment of the same wallet, once the earlier one is in the wallet's queue on this
+//! replica (first come, first served there, and decided together in one round). A capture, void or refund named by its
 //! hold, movement or transfer does not say which wallets it moves, so it waits for every item before
 //! it, and every item after it waits for it.
 //!
@@ -46,7 +48,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use std::collections::{HashMap, HashSet};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError, oneshot, watch};
 use tokio::time::{Instant, timeout_at};
 use tower::ServiceExt;
 use tracing::Instrument;
@@ -598,10 +600,32 @@ fn segment(id: &str) -> String {
     encoded
 }
 
-/// For each item, the earlier items it waits for: the last earlier item naming each of its wallets,
-/// and the last item whose wallets are unknown; an item whose wallets are unknown waits for every
-/// earlier item (through the last of each wallet, and the one before it whose were unknown).
-fn dependencies(items: &[Item]) -> Vec<Vec<usize>> {
+/// How far an item has gone: what a later item of the same wallet waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Stage {
+    Waiting,
+    /// In its wallet's queue on this replica (a deposit or payment).
+    Queued,
+    Answered,
+}
+
+impl Item {
+    /// The one wallet whose queue this item joins (`crate::wallet::telling_when_queued`): a
+    /// deposit or a payment.
+    fn queue(&self) -> Option<&str> {
+        match (&self.op, &self.touches) {
+            (Op::Deposit | Op::Pay, Touches::Wallets(wallets)) if wallets.len() == 1 => Some(&wallets[0]),
+            _ => None,
+        }
+    }
+}
+
+/// For each item, the earlier items it waits for, and how far: the last earlier item naming each of
+/// its wallets, and the last item whose wallets are unknown; an item whose wallets are unknown
+/// waits for every earlier item (through the last of each wallet, and the one before it whose were
+/// unknown). Each until answered, but a deposit or payment after one of the same wallet, until that
+/// one is queued.
+fn dependencies(items: &[Item]) -> Vec<Vec<(usize, Stage)>> {
     let mut last: HashMap<&str, usize> = HashMap::new();
     let mut barrier: Option<usize> = None;
     let mut all = Vec::with_capacity(items.len());
@@ -621,7 +645,12 @@ fn dependencies(items: &[Item]) -> Vec<Vec<usize>> {
         }
         deps.sort_unstable();
         deps.dedup();
-        all.push(deps);
+        let same_queue = |earlier: usize| item.queue().is_some() && item.queue() == items[earlier].queue();
+        all.push(
+            deps.into_iter()
+                .map(|earlier| (earlier, if same_queue(earlier) { Stage::Queued } else { Stage::Answered }))
+                .collect(),
+        );
     }
     all
 }
@@ -656,18 +685,18 @@ async fn run(
     let extra = free_permits(&ctx.in_flight, want);
     let window = Semaphore::new(1 + extra.as_ref().map_or(0, OwnedSemaphorePermit::num_permits));
     let waits = dependencies(&items);
-    let answered: Vec<watch::Sender<bool>> = items.iter().map(|_| watch::channel(false).0).collect();
+    let stages: Vec<watch::Sender<Stage>> = items.iter().map(|_| watch::channel(Stage::Waiting).0).collect();
     // What every item not started by the deadline is answered, rendered once: a batch at its
     // deadline may have hundreds of them, and should answer them all at once.
     let not_started = answer(item_error(ApiError::Overloaded)).await;
     let not_started = &not_started;
     let runs = items.iter().enumerate().map(|(at, item)| {
-        let (window, waits, answered, authorization) = (&window, &waits[at], &answered, &authorization);
+        let (window, waits, stages, authorization) = (&window, &waits[at], &stages, &authorization);
         async move {
             let answer = async {
-                for &earlier in waits {
-                    let mut done = answered[earlier].subscribe();
-                    if timeout_at(deadline, done.wait_for(|done| *done)).await.is_err() {
+                for &(earlier, stage) in waits {
+                    let mut reached = stages[earlier].subscribe();
+                    if timeout_at(deadline, reached.wait_for(|reached| *reached >= stage)).await.is_err() {
                         return shed(not_started);
                     }
                 }
@@ -679,7 +708,19 @@ async fn run(
                 };
                 let span = super::movement_span!("item", item = at, op = item.op.as_str(),);
                 let request = synthesize(item, authorization.as_ref());
-                match timeout_at(deadline, router.clone().oneshot(request).instrument(span)).await {
+                let (queued, told) = oneshot::channel();
+                let run = crate::wallet::telling_when_queued(queued, router.clone().oneshot(request));
+                let queued = async {
+                    if told.await.is_ok() {
+                        stages[at].send_if_modified(|stage| *stage < Stage::Queued && { *stage = Stage::Queued; true });
+                    }
+                    std::future::pending().await
+                };
+                let ran = tokio::select! {
+                    ran = timeout_at(deadline, run.instrument(span)) => ran,
+                    never = queued => never,
+                };
+                match ran {
                     Ok(Ok(response)) => answer(response).await,
                     Ok(Err(never)) => match never {},
                     // Still running: what a single request past REQUEST_TIMEOUT is answered (the
@@ -688,7 +729,7 @@ async fn run(
                 }
             }
             .await;
-            answered[at].send_replace(true);
+            stages[at].send_replace(Stage::Answered);
             metrics::counter!(BATCH_ITEMS.name, "op" => item.op.as_str(), "status" => answer.status.to_string())
                 .increment(1);
             answer
@@ -901,7 +942,39 @@ mod tests {
         let unknown = Item { touches: Touches::Unknown, ..on(&[]) };
         let items =
             [on(&["a"]), on(&["b"]), on(&["a", "c"]), on(&["d", "d"]), unknown, on(&["e"]), on(&["a"])];
-        let waits = dependencies(&items);
+        let waits: Vec<Vec<usize>> = dependencies(&items)
+            .into_iter()
+            .map(|deps| deps.into_iter().map(|(at, _)| at).collect())
+            .collect();
         assert_eq!(waits, vec![vec![], vec![], vec![0], vec![], vec![1, 2, 3], vec![4], vec![4]]);
+    }
+
+    #[test]
+    fn a_payment_after_one_of_its_wallet_waits_until_that_one_is_queued_and_others_until_answered() {
+        let item = |op: Op, wallets: &[&str]| Item {
+            op,
+            key: HeaderValue::from_static("k"),
+            path: String::new(),
+            body: None,
+            touches: Touches::Wallets(wallets.iter().map(|w| w.to_string()).collect()),
+        };
+        let items = [
+            item(Op::Pay, &["a"]),
+            item(Op::Deposit, &["a"]),
+            item(Op::Hold, &["a"]),
+            item(Op::Pay, &["a"]),
+            item(Op::Transfer, &["a", "b"]),
+            item(Op::Pay, &["b"]),
+        ];
+        let waits = dependencies(&items);
+        let expected = [
+            vec![],
+            vec![(0, Stage::Queued)],
+            vec![(1, Stage::Answered)],
+            vec![(2, Stage::Answered)],
+            vec![(3, Stage::Answered)],
+            vec![(4, Stage::Answered)],
+        ];
+        assert_eq!(waits, expected);
     }
 }

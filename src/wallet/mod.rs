@@ -58,7 +58,7 @@ pub use error::{SharedError, WalletError};
 pub use events::{EventsAsked, EventsPage, MAX_WAIT, WAIT_TICK};
 pub use instruments::register_metrics;
 pub use outage::RedisOutage;
-pub use rounds::queue::{MAX_BATCH, MAX_HOLD};
+pub use rounds::queue::{MAX_BATCH, MAX_HOLD, telling_when_queued};
 pub use transfer::{Between, MovementRecordOutcome, Refund, RefundOutcome, TransferOutcome};
 pub use tutorial::raise_fence;
 

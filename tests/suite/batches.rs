@@ -272,7 +272,44 @@ async fn items_on_one_wallet_are_decided_in_the_batchs_order() {
     for wallet in wallets {
         assert_eq!(balance(&fleet, wallet).await, last[wallet]);
     }
+
+    // Deposits and payments of one wallet join its queue in the batch's order, each once the one
+    // before it is queued: decided in order, and many in a group commit, not one a turn.
+    open_wallets(&fleet, &["burst"], 0).await;
+    let items: Vec<Value> = (0..60)
+        .map(|n| match n % 3 {
+            0 => json!({"op": "deposit", "wallet_id": "burst", "amount": 2, "idempotency_key": format!("b{n}")}),
+            _ => pay("burst", 1, &format!("b{n}")),
+        })
+        .collect();
+    let commits_before = group_commits(&fleet).await;
+    let answers = batch_items(&fleet, &items).await;
+    let commits = group_commits(&fleet).await - commits_before;
+    for (n, answer) in answers.iter().enumerate() {
+        assert_eq!(
+            answer["status"], 200,
+            "item {n}: every payment is paid for by the deposit before it: {answer}"
+        );
+        assert_eq!(
+            answer["body"]["version"],
+            n as i64 + 2,
+            "item {n} decided in the batch's order: {answer}"
+        );
+    }
+    assert_eq!(balance(&fleet, "burst").await, (0, 61));
+    assert!(commits < 30, "60 movements of one wallet in {commits} group commits");
     audit_ok(&fleet);
+}
+
+/// Group commits of one wallet's movements, summed over the fleet's replicas.
+async fn group_commits(fleet: &Fleet) -> u64 {
+    let mut commits = 0;
+    for replica in &fleet.replicas {
+        let metrics = fleet.client.get(replica.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        let line = metrics.lines().find(|line| line.starts_with("walletlock_batch_movements_count "));
+        commits += line.and_then(|line| line.split(' ').nth(1)?.parse::<u64>().ok()).unwrap_or(0);
+    }
+    commits
 }
 
 /// Resends the batch `items` through nginx until every item's outcome is definite (applied or

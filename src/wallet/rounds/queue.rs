@@ -33,6 +33,20 @@ pub const MAX_BATCH: usize = 64;
 /// The longest a worker keeps the lease while its queue is not empty.
 pub const MAX_HOLD: Duration = Duration::from_millis(100);
 
+tokio::task_local! {
+    /// Told once this task's movement is in its wallet's queue (see [`telling_when_queued`]).
+    static ON_QUEUED: std::cell::Cell<Option<oneshot::Sender<()>>>;
+}
+
+/// Runs `work` (a request that may apply one wallet's movement), telling `queued` once that movement
+/// is in its wallet's queue on this replica: a movement of the same wallet queued after that is
+/// decided after it (a queue is first come, first served). Not told when the movement never
+/// queues (a replayed key, a refusal before it, the tutorial's strategy): then only its answer
+/// orders what follows.
+pub async fn telling_when_queued<F: Future>(queued: oneshot::Sender<()>, work: F) -> F::Output {
+    ON_QUEUED.scope(std::cell::Cell::new(Some(queued)), work).await
+}
+
 /// What a queued request learns: its result, how long it waited for its batch to start, and how
 /// long its batch took in Postgres.
 pub struct Reply {
@@ -226,6 +240,9 @@ impl Wallets {
                     return Reply { result: Err(refused), waited: Duration::ZERO, db: Duration::ZERO };
                 }
             };
+        if let Ok(Some(queued)) = ON_QUEUED.try_with(std::cell::Cell::take) {
+            let _ = queued.send(());
+        }
         if new_worker {
             let (this, id) = (self.clone(), id.clone());
             let span = tracing::info_span!("wallet_worker", wallet_id = %id);
