@@ -2,16 +2,14 @@
 // 1,000) to a `POST /batches`, each item with its own key (loadtest/README.md).
 import http from 'k6/http';
 import { sleep } from 'k6';
-import { JSON_HEADERS, TRANSIENT, anyWallet, cfg, count, finish, iteration, judge, payment, positiveInt, randomInt, scenario } from './lib.js';
+import { JSON_HEADERS, REFUSED, TRANSIENT, TRIES, anyWallet, cfg, count, finish, iteration, json, judge, payment, positiveInt, randomInt,
+  scenario } from './lib.js';
 
 export { setup, handleSummary } from './lib.js';
 export const options = scenario('bulk', { wallets: 10000, initial: 1000000000, vus: 8, p95_ms: 3000, p99_ms: 5000 });
 
 const BATCH = positiveInt('BATCH', 100);
 if (BATCH > 1000) throw new Error(`BATCH is at most 1000, not ${BATCH}`);
-const TRIES = 5;
-// Item refusals that decide an item (nothing applied), as lib.js's REFUSED for single requests.
-const REFUSED = new Set(['insufficient_funds', 'lock_timeout', 'overloaded', 'dependency_unavailable', 'lease_lost']);
 
 export default iteration((runId) => {
   const ops = [];
@@ -28,15 +26,8 @@ export default iteration((runId) => {
     if (tries > 0) sleep(0.05 * 2 ** (tries - 1));
     const res = http.post(`${cfg.baseUrl}/batches`, body, { headers: JSON_HEADERS, tags: { op: 'move', name: 'POST /batches' } });
     if (res.status === 0) count.dropped_connections.add(1);
-    let answers = null;
-    if (res.status === 200) {
-      try {
-        answers = res.json().items;
-      } catch (_) {
-        answers = null;
-      }
-    }
-    const whole = answers !== null && answers.length === BATCH;
+    const answers = res.status === 200 ? (json(res) || {}).items : null;
+    const whole = Array.isArray(answers) && answers.length === BATCH;
     // Anything but a 200 with every item's answer: nginx's 502/504 or a 503 leave the items open.
     judge(res, whole || [502, 503, 504].includes(res.status), 'bulk: an answer the API promises', false);
     if (!whole) {
@@ -50,7 +41,7 @@ export default iteration((runId) => {
       const code = answer.body && typeof answer.body.code === 'string' ? answer.body.code : '';
       if (answer.status === 200 && op.describes(answer.body, op)) {
         outcomes[n] = { decided: 'charged', code: '', entry: answer.body };
-      } else if (REFUSED.has(code) && (answer.status !== 503 || answer.retry_after !== undefined)) {
+      } else if ((REFUSED[answer.status] || []).includes(code) && (answer.status !== 503 || answer.retry_after !== undefined)) {
         if (!(unsure[n] && TRANSIENT.has(code))) outcomes[n] = { decided: 'refused', code };
       } else if (code === 'idempotency_key_in_flight') {
         count.in_flight.add(1);

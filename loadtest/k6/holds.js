@@ -2,7 +2,7 @@
 // fifth placed for 1 s and left to expire, the rest placed for HOLD_EXPIRES_IN (30) s and at once
 // captured in full, captured in part (1 to the amount) or voided, a third each; every placing,
 // capture and void with a key of its own (loadtest/README.md).
-import { ack, anyWallet, cfg, count, finish, iteration, leg, operation, positiveInt, randomInt, scenario, settle } from './lib.js';
+import { ack, anyWallet, cfg, count, finish, isEntry, iteration, leg, operation, positiveInt, randomInt, scenario, settle } from './lib.js';
 
 export { setup, handleSummary } from './lib.js';
 export const options = scenario('holds', { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 2000, p99_ms: 3000 });
@@ -24,9 +24,7 @@ const DESCRIBES = {
   hold: (b, op) => b.wallet_id === op.wallet && b.amount === op.amount && b.status === 'held' && b.captured === 0 &&
     typeof b.id === 'string' && typeof b.expires_at === 'string',
   capture: (b, op) => b.id === op.to && b.wallet_id === op.wallet && b.status === 'captured' && b.captured === op.amount &&
-    b.entry !== null && typeof b.entry === 'object' && b.entry.wallet_id === op.wallet && b.entry.kind === 'pay' &&
-    b.entry.amount === op.amount && b.entry.hold_id === op.to && b.capture_entry === b.entry.id &&
-    Number.isInteger(b.entry.balance) && b.entry.balance >= 0,
+    isEntry(b.entry, op.wallet, 'pay', op.amount) && b.entry.hold_id === op.to && b.capture_entry === b.entry.id,
   void: (b, op) => b.id === op.to && b.wallet_id === op.wallet && b.status === 'voided' && b.captured === 0,
 };
 // What a placing or a capture or void applied: a capture's charge (the hold's own line says the rest).

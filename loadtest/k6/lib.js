@@ -35,17 +35,24 @@ function seconds(text) {
 }
 
 // Tries per operation before it is logged as undecided (and settled after the run).
-const TRIES = 5;
+export const TRIES = 5;
 
 // The run's settings: scenario() fills them in, in the init context of every VU.
 export const cfg = {};
+
+// Refusals by status: nothing applied, and the API says so.
+export const REFUSED = {
+  422: ['insufficient_funds', 'balance_overflow'],
+  503: ['lock_timeout', 'overloaded', 'dependency_unavailable'],
+  429: ['rate_limited'],
+  409: ['lease_lost', 'hold_expired'],
+};
 
 // The counters. Per operation (however many requests it took): accepted (payments, transfers,
 // splits and captures charged; captured counts again), deposited, holds_placed, voided, holds_left,
 // the refusals by code, undecided (unknown after TRIES). Per answer: replayed, in_flight,
 // dropped_connections (no answer), no_retry_after (a 503 or 429 without it), unexpected.
-const REFUSALS = new Set(['insufficient_funds', 'lock_timeout', 'lease_lost', 'dependency_unavailable', 'overloaded',
-  'rate_limited', 'hold_expired']);
+const REFUSALS = new Set(Object.values(REFUSED).flat());
 const COUNTERS = ['operations', 'accepted', 'deposited', 'holds_placed', 'captured', 'voided', 'holds_left',
   ...REFUSALS, 'dropped_connections', 'no_retry_after', 'replayed', 'in_flight', 'undecided', 'unexpected',
   'double_charges'];
@@ -139,7 +146,8 @@ export function keyedHeaders(key) {
     : { 'Content-Type': 'application/json', Authorization: JSON_HEADERS.Authorization, 'Idempotency-Key': key };
 }
 
-function json(res) {
+// An answer's body as JSON, or null.
+export function json(res) {
   try {
     return res.json();
   } catch (_) {
@@ -256,6 +264,8 @@ export function payment(kind, wallet, amount, key, extra) {
     route: `POST /wallets/{id}/${kind}`, describes: describesEntry, acked: ackedEntry });
 }
 
+const describesEntry = (entry, op) => isEntry(entry, op.wallet, op.kind, op.amount);
+
 function ackedEntry(op, entry) {
   return leg(op.wallet, op.kind === 'pay' ? -op.amount : op.amount, entry.id);
 }
@@ -265,25 +275,16 @@ export function leg(wallet, amount, entry) {
   return `{"wallet":"${wallet}","amount":${amount},"entry":${JSON.stringify(entry)}}`;
 }
 
-function describesEntry(body, op) {
-  return body.wallet_id === op.wallet && body.kind === op.kind && body.amount === op.amount &&
-    Number.isInteger(body.balance) && body.balance >= 0 && typeof body.id === 'string';
+// Whether `entry` is a ledger entry of `kind` that moves `amount` in `wallet`.
+export function isEntry(entry, wallet, kind, amount) {
+  return entry !== null && typeof entry === 'object' && entry.wallet_id === wallet && entry.kind === kind &&
+    entry.amount === amount && Number.isInteger(entry.balance) && entry.balance >= 0 && typeof entry.id === 'string';
 }
 
 // Whether `entry` is the leg of movement `id` that moves `amount` (transfer_out or _in) in `wallet`.
 export function isLeg(entry, wallet, kind, amount, id) {
-  return entry !== null && typeof entry === 'object' && entry.wallet_id === wallet && entry.kind === kind &&
-    entry.amount === amount && entry.transfer_id === id && Number.isInteger(entry.balance) && entry.balance >= 0 &&
-    typeof entry.id === 'string';
+  return isEntry(entry, wallet, kind, amount) && entry.transfer_id === id;
 }
-
-// Refusals by status: nothing applied, and the API says so.
-const REFUSED = {
-  422: ['insufficient_funds', 'balance_overflow'],
-  503: ['lock_timeout', 'overloaded', 'dependency_unavailable'],
-  429: ['rate_limited'],
-  409: ['lease_lost', 'hold_expired'],
-};
 
 // Refusals of the request alone, not stored for its key (shed, lease lost, ...): nothing of this
 // request applied, but an earlier try of the operation that got no answer may still run and apply,
@@ -334,10 +335,6 @@ export function judge(res, expected, name, counts = true) {
   check(res, { [name]: () => expected });
 }
 
-export function send(op) {
-  return http.request(op.method, op.url, op.body, op.params);
-}
-
 // Sends OP until an answer decides it, at most TRIES times in all (`first` may hold the answers
 // already received). Returns the deciding outcome, or null.
 export function settle(op, first) {
@@ -355,7 +352,7 @@ export function settle(op, first) {
   while (tries < TRIES) {
     if (tries > 0) sleep(0.05 * 2 ** (tries - 1));
     tries++;
-    const outcome = classify(send(op), op);
+    const outcome = classify(http.request(op.method, op.url, op.body, op.params), op);
     if (decides(outcome)) return outcome;
   }
   return null;

@@ -1,7 +1,7 @@
 // loadtest/k6/read.js: GET /wallets/{id} on wallets picked at random, the read ceiling
 // (loadtest/README.md).
 import http from 'k6/http';
-import { JSON_HEADERS, anyWallet, cfg, iteration, judge, scenario } from './lib.js';
+import { JSON_HEADERS, anyWallet, cfg, iteration, json, judge, scenario } from './lib.js';
 
 export { setup, handleSummary } from './lib.js';
 export const options = scenario('read', { wallets: 10000, initial: 1000000000, vus: 64, p95_ms: 1000, p99_ms: 2000, op: 'read' });
@@ -9,11 +9,6 @@ export const options = scenario('read', { wallets: 10000, initial: 1000000000, v
 export default iteration((runId) => {
   const wallet = anyWallet(runId);
   const res = http.get(`${cfg.baseUrl}/wallets/${wallet}`, { headers: JSON_HEADERS, tags: { op: 'read', name: 'GET /wallets/{id}' } });
-  let body = null;
-  try {
-    body = res.status === 200 ? res.json() : null;
-  } catch (_) {
-    body = null;
-  }
+  const body = res.status === 200 ? json(res) : null;
   judge(res, body !== null && body.id === wallet && Number.isInteger(body.balance) && body.balance >= 0, 'read: the wallet');
 });
