@@ -28,18 +28,15 @@ wl_pg_bindir() {
 
 # wl_install_missing: the servers (Redis, Postgres, nginx) and the tools the stack uses.
 wl_install_missing() {
-  local missing=()
-  command -v redis-server >/dev/null || missing+=(redis-server)
-  command -v redis-cli >/dev/null || missing+=(redis-tools)
-  wl_pg_bindir >/dev/null || missing+=(postgresql)
-  command -v psql >/dev/null || missing+=(postgresql-client)
-  command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing+=(nginx)
-  command -v curl >/dev/null || missing+=(curl)
-  command -v python3 >/dev/null || missing+=(python3)
-  command -v setpriv >/dev/null || missing+=(util-linux)
-  command -v ss >/dev/null || missing+=(iproute2)
-  if [ ${#missing[@]} -gt 0 ]; then wl_apt_install "${missing[@]}"; fi
   export PATH="$PATH:/usr/sbin"
+  local missing=() tool
+  wl_pg_bindir >/dev/null || missing+=(postgresql)
+  # COMMAND:PACKAGE
+  for tool in redis-server:redis-server redis-cli:redis-tools psql:postgresql-client nginx:nginx curl:curl \
+    python3:python3 setpriv:util-linux ss:iproute2; do
+    command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then wl_apt_install "${missing[@]}"; fi
 }
 
 # wl_install_prometheus COMMAND: Debian's prometheus package unless COMMAND (prometheus, promtool)
