@@ -1,9 +1,10 @@
 # shellcheck shell=bash
-# Shared by loadtest/run, loadtest/bench and loadtest/test-books (after deploy/lib.sh): where the
-# local fleet lives, and the tools the load tests need, installed when missing.
+# Shared by loadtest/run, loadtest/bench, loadtest/bench-history and loadtest/test-books, with
+# deploy/lib.sh: where the local fleet lives, and the tools the load tests need, installed when missing.
 
 # shellcheck disable=SC2034 # the lt_* settings are used by the scripts that source this file
 lt_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$lt_root/deploy/lib.sh"
 # The same settings deploy/local reads.
 lt_state=${WALLETLOCK_STATE:-$lt_root/.state/local}
 lt_http_port=${WALLETLOCK_HTTP_PORT:-8080}
