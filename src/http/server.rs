@@ -179,3 +179,21 @@ pub async fn shutdown_signal() {
         () = terminate => {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// nginx closes an idle connection to a replica before the replica would: the `keepalive_timeout`
+    /// of compose's upstream.conf (which deploy/local and the tests run too) is below IDLE_TIMEOUT.
+    #[test]
+    fn nginx_closes_idle_connections_before_the_replica() {
+        let conf = include_str!("../../deploy/compose.d/upstream.conf");
+        let keepalive =
+            conf.lines().find_map(|line| line.trim().strip_prefix("keepalive_timeout ")?.strip_suffix("s;"));
+        let keepalive =
+            keepalive.expect("upstream.conf sets keepalive_timeout in seconds").parse().expect("seconds");
+        assert!(
+            std::time::Duration::from_secs(keepalive) < super::IDLE_TIMEOUT,
+            "keepalive_timeout {keepalive}s"
+        );
+    }
+}

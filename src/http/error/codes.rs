@@ -521,4 +521,31 @@ mod tests {
             assert!(answered.iter().any(|seen| seen == code.code), "nginx.conf never answers {}", code.code);
         }
     }
+
+    /// Each status nginx answers itself (`error_page ... /_problem`) has its body in nginx.conf's
+    /// map: of that status, its `type` ending in its code, with a title and a detail (494, nginx's
+    /// "headers too large", goes out as a 400).
+    #[test]
+    fn each_status_nginx_answers_itself_has_its_problem_body() {
+        let conf = include_str!("../../../nginx.conf");
+        let statuses = conf
+            .lines()
+            .find_map(|line| line.trim().strip_prefix("error_page ")?.strip_suffix(" /_problem;"));
+        for status in statuses.expect("nginx.conf sends its own errors to /_problem").split(' ') {
+            if status == "494" {
+                continue;
+            }
+            let body = conf
+                .lines()
+                .find_map(|line| line.trim().strip_prefix(&format!("{status} '"))?.strip_suffix("';"));
+            let body = body.unwrap_or_else(|| panic!("no problem body for {status} in nginx.conf's map"));
+            let problem: serde_json::Value = serde_json::from_str(body).expect("a problem body is JSON");
+            let code = problem["code"].as_str().unwrap_or_default();
+            assert_eq!(problem["status"].to_string(), status, "{body}");
+            assert_eq!(problem["type"], format!("urn:walletlock:problem:{code}"), "{body}");
+            for field in ["title", "detail"] {
+                assert!(problem[field].as_str().is_some_and(|text| !text.is_empty()), "{field} of {body}");
+            }
+        }
+    }
 }
