@@ -315,15 +315,8 @@ wl_nginx_prepare() {
       "ssl_certificate_key $certs/nginx.key;" "include tls.conf;" >>"$dir/listen.conf"
   fi
   printf 'listen 127.0.0.1:%s;\n' "${WALLETLOCK_NGINX_STATUS_PORT:-8090}" >"$dir/status_listen.conf"
-  awk -v ports="$*" -v max_conns="${WALLETLOCK_NGINX_MAX_CONNS:-512}" '
-    /^[[:space:]]*resolver[[:space:]]/ { next }
-    $1 == "server" && / resolve[ ;]/ {
-      sub(/ resolve/, ""); sub(/max_conns=[0-9]+/, "max_conns=" max_conns)
-      n = split(ports, port, " ")
-      for (i = 1; i <= n; i++) { line = $0; sub(/app:8080/, "127.0.0.1:" port[i], line); print line }
-      next
-    }
-    { print }' "$root/deploy/compose.d/upstream.conf" >"$dir/upstream.conf"
+  awk -v servers="$(printf '127.0.0.1:%s ' "$@")" -v max_conns="${WALLETLOCK_NGINX_MAX_CONNS:-512}" \
+    -f "$root/deploy/compose.d/standins/nginx-upstream.awk" "$root/deploy/compose.d/upstream.conf" >"$dir/upstream.conf"
 }
 
 # wl_nginx_command DIR: the command that runs nginx from DIR in the foreground, errors to stderr.

@@ -18,20 +18,7 @@ name=${target%:*}
 resolve() { getent ahostsv4 "$name" | awk '{ print $1 }' | sort -u | paste -sd' ' -; }
 
 # render ADDRESSES: the mounted upstream.conf for nginx 1.22, with those addresses.
-render() {
-  awk -v addresses="$1" '
-    /^[[:space:]]*resolver[[:space:]]/ { next }
-    $1 == "server" && / resolve[ ;]/ {
-      indent = substr($0, 1, match($0, /[^[:space:]]/) - 1)
-      port = $2; sub(/^.*:/, "", port)
-      params = ""
-      for (i = 3; i <= NF; i++) { p = $i; sub(/;$/, "", p); if (p != "resolve" && p != "") params = params " " p }
-      n = split(addresses, address, " ")
-      for (i = 1; i <= n; i++) printf "%sserver %s:%s%s;\n", indent, address[i], port, params
-      next
-    }
-    { print }' "$mounted/upstream.conf"
-}
+render() { awk -v servers="$1" -f /usr/local/lib/nginx-upstream.awk "$mounted/upstream.conf"; }
 
 mkdir -p "$conf"
 for file in nginx.conf listen.conf status_listen.conf; do cp "$mounted/$file" "$conf/$file"; done

@@ -9,6 +9,7 @@ RUN apt-get update -qq \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx >/dev/null \
     && rm -rf /var/lib/apt/lists/* /etc/nginx/sites-enabled/* /etc/nginx/conf.d/*
 COPY nginx-follow-dns.sh /usr/local/bin/docker-entrypoint.sh
+COPY nginx-upstream.awk /usr/local/lib/nginx-upstream.awk
 ENTRYPOINT ["docker-entrypoint.sh"]
 EXPOSE 8080
 # As the official image: SIGQUIT, nginx's graceful stop (the entrypoint passes it on).
