@@ -164,6 +164,22 @@ pub enum LoadtestCommand {
         #[arg(long, default_value = ".")]
         root: std::path::PathBuf,
     },
+    /// Write the page of a `loadtest/bench-history` run: DIR/summary.md, its reads (DIR/reads.tsv,
+    /// k6's), first statements (rollup.tsv) and export (export.tsv) beside their targets, printed,
+    /// and with the run's settings, ROOT/loadtest/bench-history.md.
+    HistoryReport {
+        /// The run's results (loadtest/results/bench-history-<time>).
+        dir: std::path::PathBuf,
+        /// The users of each read.
+        #[arg(long)]
+        vus: u64,
+        /// How long the reads ran.
+        #[arg(long)]
+        seconds: u64,
+        /// The repository, whose commit the page names.
+        #[arg(long, default_value = ".")]
+        root: std::path::PathBuf,
+    },
     /// What a run cost Postgres and Redis, from their own statistics (loadtest/run's COSTS=1).
     #[command(subcommand)]
     Costs(CostsCommand),
@@ -483,6 +499,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::from(1)
             })
+        }
+        Command::Loadtest(LoadtestCommand::HistoryReport { dir, vus, seconds, root }) => {
+            let mut git = std::process::Command::new("git");
+            let commit = git.arg("-C").arg(&root).args(["rev-parse", "--short", "HEAD"]).output()?.stdout;
+            let commit = String::from_utf8(commit)?;
+            let date = chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string();
+            let cores = std::thread::available_parallelism()?.get();
+            let run =
+                crate::loadtest::history::Run { date: &date, cores, commit: commit.trim(), vus, seconds };
+            print!("{}", crate::loadtest::history::report(&dir, &root, &run)?);
+            Ok(ExitCode::SUCCESS)
         }
         Command::Loadtest(LoadtestCommand::OtherCpu { out, while_pid, roots }) => {
             use crate::loadtest::other_cpu::{Sampler, processes, uptime};
