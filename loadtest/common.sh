@@ -48,16 +48,3 @@ lt_replica_pids() {
     [ ! -s "$file" ] || echo "$(basename "$(dirname "$file")") $(head -n 1 "$file")"
   done | sort -V
 }
-
-# lt_peak_rss FILE: writes "NAME PID VmHWM_kB VmRSS_kB UPTIME_S" per replica (VmHWM: the peak
-# resident memory since the process started, UPTIME_S seconds ago).
-lt_peak_rss() {
-  local name pid up
-  lt_replica_pids | while read -r name pid; do
-    if [ -r "/proc/$pid/status" ]; then
-      up=$(ps -o etimes= -p "$pid" | tr -d ' ')
-      awk -v name="$name" -v pid="$pid" -v up="$up" '/^VmHWM:/ {hwm = $2} /^VmRSS:/ {rss = $2}
-        END {print name, pid, hwm, rss, up}' "/proc/$pid/status"
-    fi
-  done >"$1"
-}

@@ -180,6 +180,10 @@ pub enum LoadtestCommand {
         #[arg(long, default_value = ".")]
         root: std::path::PathBuf,
     },
+    /// Print a line per replica deploy/local runs under STATE (replica-N/walletlock.pid): NAME PID
+    /// VmHWM_kB VmRSS_kB UPTIME_S, its peak and present resident memory and its seconds up (what
+    /// loadtest/run keeps as rss.txt, and `report` reads).
+    Rss { state: std::path::PathBuf },
     /// What a run cost Postgres and Redis, from their own statistics (loadtest/run's COSTS=1).
     #[command(subcommand)]
     Costs(CostsCommand),
@@ -509,6 +513,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let run =
                 crate::loadtest::history::Run { date: &date, cores, commit: commit.trim(), vus, seconds };
             print!("{}", crate::loadtest::history::report(&dir, &root, &run)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Loadtest(LoadtestCommand::Rss { state }) => {
+            // SAFETY: sysconf only reads the system's configuration.
+            print!(
+                "{}",
+                crate::loadtest::rss::rss(&state, unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64)
+            );
             Ok(ExitCode::SUCCESS)
         }
         Command::Loadtest(LoadtestCommand::OtherCpu { out, while_pid, roots }) => {
