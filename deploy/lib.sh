@@ -194,13 +194,16 @@ wl_postgres_tls_settings() {
     ssl_min_protocol_version=TLSv1.2 "hba_file=$dir/tls/pg_hba.conf"
 }
 
-# wl_free_ports [N]: the first of N (1) consecutive ports, in 20000-59999, that no TCP socket uses
-# now (free when checked: whoever binds first gets it); wl_free_port: one.
+# wl_free_ports [N]: the first of N (1) consecutive ports, from 20000 up to the ephemeral ones, that
+# no TCP socket uses now (free when checked: whoever binds first gets it); wl_free_port: one.
 wl_free_ports() {
-  local n=${1:-1} used base port
+  local n=${1:-1} used base port top
   used=" $(ss -Htan | awk '{ sub(/.*:/, "", $4); printf "%s ", $4 }')"
+  # Below the kernel's ephemeral ports: one of those could go to an outgoing connection before the
+  # server that was handed it binds it.
+  top=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
   for _ in $(seq 200); do
-    base=$((20000 + ((RANDOM << 15) | RANDOM) % (40000 - n)))
+    base=$((20000 + ((RANDOM << 15) | RANDOM) % (top - 20000 - n)))
     for ((port = base; port < base + n; port++)); do [[ $used == *" $port "* ]] && continue 2; done
     echo "$base" && return
   done

@@ -13,20 +13,40 @@ use tempfile::TempDir;
 
 use super::tls::TestCa;
 
-/// A port nothing listens on right now.
+/// The first port of the kernel's ephemeral range (`ip_local_port_range`): the ports it hands
+/// out to outgoing connections.
+fn ephemeral_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
+}
+
+/// A port nothing listens on right now, in `range`, below the ephemeral ports: a port from that
+/// range (what binding port 0 gives) could be taken by any outgoing connection (a client, a
+/// replica's pool, k6) between this check and the server's bind, and the server would fail to
+/// start, now and then.
+fn free_port_in(range: std::ops::Range<u16>) -> u16 {
+    for _ in 0..10_000 {
+        let port = rand::random_range(range.clone());
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {range:?}");
+}
+
+/// A port nothing listens on right now (below the ephemeral ports).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+    free_port_in(20_000..ephemeral_start().max(21_000))
 }
 
 /// A free port for a Redis Cluster node, whose cluster bus listens 10,000 above it: that one must
-/// exist (a node on a port above 55535 exits at start, after it briefly listened) and be free
-/// too. Any free port would do otherwise, and the kernel hands out ports up to 60999.
+/// be free too, and below the ephemeral ports as well.
 pub fn free_cluster_port() -> u16 {
     loop {
-        let port = free_port();
-        let bus_free =
-            port.checked_add(10_000).is_some_and(|bus| TcpListener::bind(("127.0.0.1", bus)).is_ok());
-        if bus_free {
+        let port = free_port_in(12_000..ephemeral_start().saturating_sub(10_000).max(13_000));
+        if TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
             return port;
         }
     }
