@@ -273,7 +273,14 @@ impl Fleet {
         ));
         let command: Vec<String> =
             lib_sh(&format!("wl_nginx_command {}", nginx_dir.display())).lines().map(str::to_owned).collect();
-        let nginx_log = std::fs::File::create(dir.path().join("nginx.log")).expect("nginx log");
+        // Appended to by every write: nginx's workers open its access log (/dev/stdout) anew, with
+        // an offset of their own, while its errors go to the stderr it inherits; without O_APPEND
+        // each error line overwrote access-log lines written since (a flood lost up to one in eight).
+        let nginx_log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.path().join("nginx.log"))
+            .expect("nginx log");
         let nginx = Command::new(&command[0])
             .args(&command[1..])
             .stdout(nginx_log.try_clone().expect("log"))
