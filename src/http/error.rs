@@ -600,6 +600,11 @@ impl std::fmt::Display for SourceChain<'_> {
     }
 }
 
+/// Marks a response as a request shed (`503 overloaded`): the request's trace logs it at debug
+/// level, not as a finished request and a failed one (two lines a shed request, in a flood).
+#[derive(Debug, Clone, Copy)]
+pub struct Shed;
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let problem = self.problem();
@@ -620,6 +625,10 @@ impl IntoResponse for ApiError {
         }
         tracing::Span::current().record("outcome", problem.code);
         let mut response = rendered.into_response();
+        if problem.code == codes::OVERLOADED.code {
+            // So the request's trace logs it at debug level too (`super::ShedOrServerError`).
+            response.extensions_mut().insert(Shed);
+        }
         if problem.retry_after {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
         }

@@ -41,8 +41,12 @@ use tokio::sync::Semaphore;
 use tower::ServiceBuilder;
 use tower_http::{
     catch_panic::CatchPanicLayer,
+    classify::{
+        ClassifiedResponse, ClassifyResponse, NeverClassifyEos, ServerErrorsAsFailures,
+        ServerErrorsFailureClass, SharedClassifier,
+    },
     request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer},
-    trace::{DefaultOnRequest, DefaultOnResponse, TraceLayer},
+    trace::{DefaultOnRequest, DefaultOnResponse, OnResponse, TraceLayer},
 };
 use tracing::Level;
 use utoipa::OpenApi;
@@ -108,8 +112,7 @@ pub fn router(ctx: ApiContext) -> Router {
                 .merge(monitors::router())
                 .merge(limits::router())
                 .merge(batches::router(items))
-                .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token))
-                .route_layer(middleware::from_fn_with_state(ctx.clone(), shed_when_full)),
+                .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token)),
         )
         // A reader of the feed may wait: it holds none of the permits movements are shed by.
         .merge(events::router().route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token)))
@@ -128,9 +131,20 @@ pub fn router(ctx: ApiContext) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
         .layer(
             ServiceBuilder::new()
+                .layer(middleware::from_fn(move |request: Request, next: Next| {
+                    let served_by = served_by.clone();
+                    async move {
+                        let mut response = next.run(request).await;
+                        response.headers_mut().insert(X_SERVED_BY.clone(), served_by);
+                        response
+                    }
+                }))
+                // Before anything that allocates, logs or waits: a request shed costs this replica
+                // a permit's check and a fixed answer (`shed_when_full`).
+                .layer(middleware::from_fn_with_state(ctx.clone(), shed_when_full))
                 .layer(SetRequestIdLayer::new(X_REQUEST_ID.clone(), MakeRequestUuid))
                 .layer(
-                    TraceLayer::new_for_http()
+                    TraceLayer::new(SharedClassifier::new(ShedOrServerError))
                         .make_span_with(move |request: &Request| {
                             let route = request.extensions().get::<MatchedPath>().map(MatchedPath::as_str);
                             let request_id =
@@ -144,17 +158,9 @@ pub fn router(ctx: ApiContext) -> Router {
                             )
                         })
                         .on_request(DefaultOnRequest::new().level(Level::DEBUG))
-                        .on_response(DefaultOnResponse::new().level(Level::INFO)),
+                        .on_response(LogResponse),
                 )
                 .layer(PropagateRequestIdLayer::new(X_REQUEST_ID.clone()))
-                .layer(middleware::from_fn(move |request: Request, next: Next| {
-                    let served_by = served_by.clone();
-                    async move {
-                        let mut response = next.run(request).await;
-                        response.headers_mut().insert(X_SERVED_BY.clone(), served_by);
-                        response
-                    }
-                }))
                 .layer(CatchPanicLayer::custom(|_panic| ApiError::Panic.into_response())),
         )
         .with_state(ctx)
@@ -200,19 +206,75 @@ async fn record_request_metrics(request: Request, next: Next) -> Response {
     response
 }
 
+/// The paths whose requests take one of the `MAX_IN_FLIGHT` permits: the movements, the wallets
+/// and their reads, batches (not the change feed, webhooks, health or the document).
+fn takes_a_permit(path: &str) -> bool {
+    ["/wallets", "/transfers", "/movements", "/holds", batches::PATH]
+        .iter()
+        .any(|prefix| path.strip_prefix(prefix).is_some_and(|rest| rest.is_empty() || rest.starts_with('/')))
+}
+
 /// Sheds a `/wallets` request when the replica already handles `MAX_IN_FLIGHT`: a 503
-/// `overloaded` with Retry-After, before the token is checked or the body read, so a flood costs
-/// this replica a bounded amount of memory and no work beyond the answer. The permit is held until
-/// the response is ready (a movement whose client left runs on to its end outside it).
+/// `overloaded` with Retry-After, as the replica's first step (inside only `X-Served-By`): before
+/// a request id is made, a span opened or a line logged, a metric labelled, a timer set, the token
+/// checked or the body read. So a flood costs this replica a bounded amount of memory and, for
+/// each request shed, a permit's check and a fixed answer, and it waits for nothing. The permit is
+/// held until the response is ready (a movement whose client left runs on to its end outside it).
 async fn shed_when_full(State(ctx): State<ApiContext>, request: Request, next: Next) -> Response {
+    if !takes_a_permit(request.uri().path()) {
+        return next.run(request).await;
+    }
     let Ok(_permit) = ctx.in_flight.clone().try_acquire_owned() else {
         metrics::counter!(REQUESTS_SHED.name, "reason" => "in_flight").increment(1);
+        let request_id = request.headers().get(&X_REQUEST_ID).cloned();
         if request.uri().path() == batches::PATH {
             batches::discard_body(request.into_body()).await;
         }
-        return ApiError::Overloaded.into_response();
+        let mut response = ApiError::Overloaded.into_response();
+        if let Some(request_id) = request_id {
+            response.headers_mut().insert(X_REQUEST_ID.clone(), request_id);
+        }
+        return response;
     };
     next.run(request).await
+}
+
+/// What a request's trace counts as a failure (logged at error level): a 5xx, but not a request
+/// shed ([`error::Shed`]), which is an answer a flood gets by design, counted by
+/// `walletlock_requests_shed_total`, not a failure to log a line for each.
+#[derive(Debug, Clone, Copy)]
+struct ShedOrServerError;
+
+impl ClassifyResponse for ShedOrServerError {
+    type FailureClass = ServerErrorsFailureClass;
+    type ClassifyEos = NeverClassifyEos<ServerErrorsFailureClass>;
+
+    fn classify_response<B>(
+        self,
+        response: &Response<B>,
+    ) -> ClassifiedResponse<Self::FailureClass, Self::ClassifyEos> {
+        if response.extensions().get::<error::Shed>().is_some() {
+            return ClassifiedResponse::Ready(Ok(()));
+        }
+        ServerErrorsAsFailures::new().classify_response(response)
+    }
+
+    fn classify_error<E: std::fmt::Display + 'static>(self, error: &E) -> Self::FailureClass {
+        ServerErrorsAsFailures::new().classify_error(error)
+    }
+}
+
+/// Logs each response at info level ("finished processing request", with its status and latency),
+/// a request shed at debug level only.
+#[derive(Debug, Clone, Copy)]
+struct LogResponse;
+
+impl<B> OnResponse<B> for LogResponse {
+    fn on_response(self, response: &Response<B>, latency: Duration, span: &tracing::Span) {
+        let level =
+            if response.extensions().get::<error::Shed>().is_some() { Level::DEBUG } else { Level::INFO };
+        DefaultOnResponse::new().level(level).on_response(response, latency, span);
+    }
 }
 
 /// Bounds each request in time, and during shutdown asks the client (nginx) to close the
