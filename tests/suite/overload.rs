@@ -6,6 +6,13 @@
 //! The replicas' bounds are lowered by their settings (`MAX_IN_FLIGHT`, `WALLET_QUEUE_LIMIT`), so
 //! a flood this test client can send at once is shed the way 10,000 clients are at the defaults
 //! (`loadtest/run flood` sends those).
+//!
+//! How fast a request is shed is read from nginx's access log, not from the client's clock: on a
+//! busy machine this test's own 3,000 clients wait for a core (measured: answers nginx had sent
+//! within 1.7 s sat unread in the clients' sockets for more than 8 s, and requests the clients
+//! "sent" reached nginx up to 6 s later, with nginx's accept queue empty), so their clock says how
+//! busy the client was. nginx's `request_time` runs from its reading the request to its sending
+//! the answer: the servers' time alone.
 
 use crate::support::TestEnv;
 use crate::support::fleet::Fleet;
@@ -32,16 +39,15 @@ struct Answer {
     attempt: Attempt,
 }
 
-/// One payment of 1 with its own key, on a connection of its own; `Err` is a connection that gave
-/// no answer.
-async fn pay_once(url: String, wallet: &'static str) -> Result<Answer, String> {
-    // A client per payment: a connection per payment, as from 3,000 separate clients.
-    let client = crate::support::api_client();
+/// One payment of 1 with its own key (also its `X-Request-Id`, which nginx logs), by `client` on a
+/// connection of its own; `Err` is a connection that gave no answer.
+async fn pay_once(client: reqwest::Client, url: String, wallet: &'static str) -> Result<Answer, String> {
     let key = uuid::Uuid::new_v4().to_string();
     let sent = Instant::now();
     let response = client
         .post(format!("{url}/wallets/{wallet}/pay"))
         .header("idempotency-key", &key)
+        .header("x-request-id", &key)
         .json(&json!({ "amount": 1 }))
         // Only bounds a hung test: a dropped connection is an error at once, and on a machine
         // busy with other work this client's own tasks may wait long for a core.
@@ -60,6 +66,55 @@ async fn pay_once(url: String, wallet: &'static str) -> Result<Answer, String> {
     };
     let attempt = Attempt { wallet: wallet.into(), amount: 1, key, outcome, sent, took: sent.elapsed() };
     Ok(Answer { status, code, retry_after, from_replica, attempt })
+}
+
+/// What nginx's access log says of one request.
+#[derive(Debug)]
+struct Served {
+    status: u16,
+    /// From nginx reading the request to its sending the answer, in seconds (`$request_time`:
+    /// nginx counts in milliseconds, on the clock it reads once each time its event loop wakes).
+    seconds: f64,
+    /// When nginx sent the answer, in seconds since the epoch (`$msec`).
+    answered: f64,
+    /// No replica was tried: every one was at its `max_conns` (`$upstream_addr` is then the
+    /// upstream group's name).
+    by_nginx: bool,
+}
+
+impl Served {
+    /// Its time at the servers while the replicas ran: from nginx reading it, or from `thawed` (in
+    /// seconds since the epoch) if it came while they were frozen, to its answer.
+    fn since(&self, thawed: f64) -> f64 {
+        (self.answered - (self.answered - self.seconds).max(thawed)).max(0.0)
+    }
+}
+
+/// nginx's access-log line for each request of `uri`, by request id.
+fn served(fleet: &Fleet, uri: &str) -> BTreeMap<String, Served> {
+    let mut served = BTreeMap::new();
+    for line in fleet.access_log().into_iter().filter(|line| line["uri"] == uri) {
+        let id = line["request_id"].as_str().expect("a request id").to_owned();
+        let status = line["status"].as_u64().expect("a status") as u16;
+        let seconds = line["request_time"].as_f64().expect("a request_time");
+        let answered = line["msec"].as_f64().expect("an msec");
+        served.insert(
+            id,
+            Served { status, seconds, answered, by_nginx: line["upstream_addr"] == "walletlock" },
+        );
+    }
+    served
+}
+
+/// The median and the largest of `seconds`, for a message.
+fn spread(mut seconds: Vec<f64>) -> String {
+    seconds.sort_by(f64::total_cmp);
+    match (seconds.get(seconds.len() / 2), seconds.last()) {
+        (Some(median), Some(max)) => {
+            format!("{} requests, median {median:.3} s, max {max:.3} s", seconds.len())
+        }
+        _ => "none".into(),
+    }
 }
 
 /// A line of /proc/<pid>/status, in KiB (VmHWM: the peak resident memory; VmRSS: now).
@@ -95,6 +150,11 @@ async fn a_flood_on_one_wallet_is_answered_whole_shed_early_and_within_memory() 
     open_wallets(&fleet, &["flooded"], OPENING).await;
     let idle: Vec<u64> = fleet.replicas.iter().map(|r| proc_status_kib(r.pid(), "VmRSS")).collect();
 
+    // A client per payment: a connection per payment, as from 3,000 separate clients. Made before
+    // the flood, which then spends no time on them (a client costs this debug build about a
+    // millisecond of a core: 3,000 made in the flood spread its start over 2 to 6 s).
+    let clients: Vec<reqwest::Client> = (0..FLOOD).map(|_| crate::support::api_client()).collect();
+
     // The replicas are frozen while the flood arrives, so the connections nginx opens to them stay
     // busy and every bound is met for sure: nginx's `max_conns` for what comes next, then, once
     // they run again, each replica's requests in flight and the wallet's queue. (Replicas that
@@ -104,11 +164,14 @@ async fn a_flood_on_one_wallet_is_answered_whole_shed_early_and_within_memory() 
         replica.signal(Signal::SIGSTOP);
     }
     let started = Instant::now();
-    let flood: Vec<_> = (0..FLOOD).map(|_| tokio::spawn(pay_once(fleet.url(""), "flooded"))).collect();
+    let flood: Vec<_> =
+        clients.into_iter().map(|client| tokio::spawn(pay_once(client, fleet.url(""), "flooded"))).collect();
     tokio::time::sleep(Duration::from_millis(500)).await;
     for replica in &fleet.replicas {
         replica.signal(Signal::SIGCONT);
     }
+    let thawed =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_secs_f64();
     let mut answers = Vec::new();
     let mut dropped = Vec::new();
     for client in flood {
@@ -142,6 +205,52 @@ async fn a_flood_on_one_wallet_is_answered_whole_shed_early_and_within_memory() 
     let applied = answers.iter().filter(|a| a.status == 200).count();
     let shed_by_replicas = answers.iter().filter(|a| a.code == "overloaded" && a.from_replica).count();
     assert!(applied > 0, "payments went through during the flood");
+
+    // Shed at once, whatever the machine's load, by the servers' own clock (nginx's log): nginx
+    // answers for full replicas in the same pass of its event loop that read the request (its
+    // `request_time` is 0.000 then, however long that pass waited for a core), and no
+    // request a replica shed was held as long as the slowest payment it admitted (which waits for
+    // its place in the wallet's queue, the lease and a commit): a shed request waits behind none
+    // of them. Both are counted from the thaw for what came while the replicas were frozen.
+    let served = served(&fleet, "/wallets/flooded/pay");
+    let (mut admitted, mut nginx_sheds, mut replica_sheds) = (Vec::new(), Vec::new(), Vec::new());
+    for answer in &answers {
+        let key = &answer.attempt.key;
+        let at_nginx = served.get(key).unwrap_or_else(|| panic!("{key} is not in nginx's access log"));
+        assert_eq!(at_nginx.status, answer.status, "{key}: nginx logged another status than the client got");
+        match (answer.status, answer.code.as_str()) {
+            (200, _) => admitted.push(at_nginx.since(thawed)),
+            (503, "overloaded") if answer.from_replica => replica_sheds.push(at_nginx.since(thawed)),
+            (503, "overloaded") => {
+                assert!(
+                    at_nginx.by_nginx,
+                    "{key}: an overloaded without X-Served-By that nginx sent to a replica"
+                );
+                nginx_sheds.push(at_nginx.seconds);
+            }
+            _ => {}
+        }
+    }
+    let took_clients: Vec<f64> = answers.iter().map(|a| a.attempt.took.as_secs_f64()).collect();
+    eprintln!(
+        "at nginx: admitted {}; shed by nginx {}; shed by the replicas {}; at the clients: {}",
+        spread(admitted.clone()),
+        spread(nginx_sheds.clone()),
+        spread(replica_sheds.clone()),
+        spread(took_clients),
+    );
+    assert!(
+        nginx_sheds.iter().all(|seconds| *seconds == 0.0),
+        "nginx held a request it shed itself: {}",
+        spread(nginx_sheds)
+    );
+    let slowest_admitted = admitted.iter().copied().fold(0.0, f64::max);
+    assert!(
+        replica_sheds.iter().all(|seconds| *seconds < slowest_admitted),
+        "a request shed by a replica was held as long as the payments it admitted: shed {}, admitted {}",
+        spread(replica_sheds),
+        spread(admitted)
+    );
 
     // Shed at every bound: nginx's connections per replica, each replica's requests in flight, and
     // the wallet's queue on each replica; each shed request counted by the replica that shed it.
