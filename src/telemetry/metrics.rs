@@ -59,7 +59,7 @@ pub const HTTP_REQUESTS: Metric = metric(
     "walletlock_http_requests_total",
     Counter,
     &["method", "route", "status"],
-    "HTTP requests answered, by route and status.",
+    "HTTP requests answered, by route and status; not those a replica shed for want of room (MAX_IN_FLIGHT), answered before they are routed and counted by walletlock_requests_shed_total (reason in_flight) alone.",
 );
 pub const HTTP_REQUEST_DURATION: Metric = seconds(
     "walletlock_http_request_duration_seconds",
