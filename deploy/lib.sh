@@ -97,7 +97,7 @@ wl_redis_acl() {
     {
       echo "user default off"
       echo "user admin on >$admin ~* &* +@all"
-      echo "user walletlock on >$app ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +fcall +function|list +get +set +del +exists +incr +pexpire +pttl +time +zadd +zrem +zrange +hget +hset +hdel +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
+      echo "user walletlock on >$app ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +fcall +function|list +get +set +del +exists +incr +pexpire +pttl +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
     } >"$file"
   )
 }

@@ -51,7 +51,7 @@ sha256() { printf '%s' "$1" | sha256sum | cut -d' ' -f1; }
   echo "user default off"
   echo "user admin on #$(sha256 "$WALLETLOCK_REDIS_ADMIN_PASSWORD") ~* &* +@all"
   # As wl_redis_acl in deploy/lib.sh (deploy/checks.py compares the two).
-  echo "user walletlock on #$(sha256 "$WALLETLOCK_REDIS_PASSWORD") ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +fcall +function|list +get +set +del +exists +incr +pexpire +pttl +time +zadd +zrem +zrange +hget +hset +hdel +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
+  echo "user walletlock on #$(sha256 "$WALLETLOCK_REDIS_PASSWORD") ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +fcall +function|list +get +set +del +exists +incr +pexpire +pttl +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
 } >"$dir/redis-users.acl.new"
 install_file "$dir/redis-users.acl.new" "$dir/redis-users.acl" "$redis_uid"
 echo "secrets: wrote the Redis ACL (users admin and walletlock, keys {$prefix:*)"

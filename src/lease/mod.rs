@@ -24,12 +24,10 @@
 //! went backwards and [`Lease::advance_fence`] lifts it above what the store has seen.
 //!
 //! # Waiting
-//! A waiter that finds the lease busy marks it contended (`{P:N}:contended`, for one TTL), takes a
-//! place in the name's queue and, when the client has [`Wakeups`], subscribes to `{P:N}:released`;
-//! releasing a contended lease publishes there, so the waiters ask again at once rather than after
-//! a blind pause, and the first of them in the queue gets it: waiters are served in the order they
-//! came, not by who asks fastest. Without wake-ups (or when one is lost) waiters poll with
-//! randomized backoff, never in lockstep.
+//! A waiter that finds the lease busy marks it contended (`{P:N}:contended`, for one TTL) and,
+//! when the client has [`Wakeups`], subscribes to `{P:N}:released`; releasing a contended lease
+//! publishes there, so the waiter retries at once rather than after a blind pause. Without
+//! wake-ups (or when one is lost) waiters poll with randomized backoff, never in lockstep.
 //! [`Lease::release`] reports whether anyone was waiting, and [`LeaseClient::acquire_after_others`]
 //! lets a holder that just released step back for them: leases pass around instead of staying with
 //! whoever is fastest to ask again.
@@ -47,10 +45,8 @@
 //!
 //! # Keys
 //! For prefix `P` and name `N`, `{P:N}:lease` holds the holder's token, `{P:N}:fence` the fence
-//! counter, `{P:N}:contended` the waiters' mark, `{P:N}:note` the note, and `{P:N}:queue` and
-//! `{P:N}:queue-alive` the waiters in their order and how long each keeps its place. The braces are
-//! a Redis Cluster hash tag: all live in one slot, so every script that touches several runs on one
-//! node.
+//! counter, `{P:N}:contended` the waiters' mark and `{P:N}:note` the note. The braces are a Redis Cluster hash tag: all
+//! live in one slot, so every script that touches several runs on one node.
 
 mod scripts;
 mod settings;
@@ -339,11 +335,6 @@ impl LeaseClient {
         let started = Instant::now();
         let keys = LeaseKeys::new(&self.prefix, name);
         let token = Token::random();
-        // A caller that will wait takes a place in the name's queue (see `scripts::ACQUIRE`); it
-        // is given up when this call ends without the lease, returned or dropped.
-        let keep_place_ms = if deadline > started { self.place_kept_ms() } else { 0 };
-        let mut place =
-            Place { client: self.clone(), keys: keys.clone(), token: token.clone(), taken: false };
         // Subscribed once this call first has to wait; then each busy answer waits for a release.
         let mut watch = None;
         if yield_first {
@@ -355,8 +346,8 @@ impl LeaseClient {
             let outcome = self
                 .run::<scripts::Acquired>(
                     &scripts::ACQUIRE,
-                    &[&keys.lease, &keys.fence, &keys.contended, &keys.note, &keys.queue, &keys.alive],
-                    (&token.0, self.settings.ttl.as_millis(), FENCE_RETENTION_MS, keep_place_ms),
+                    &[&keys.lease, &keys.fence, &keys.contended, &keys.note],
+                    (&token.0, self.settings.ttl.as_millis(), FENCE_RETENTION_MS),
                 )
                 .await;
             let last_error = match outcome {
@@ -376,8 +367,6 @@ impl LeaseClient {
                     );
                     metrics::counter!(LEASE_ACQUISITIONS.name).increment(1);
                     metrics::histogram!(LEASE_ACQUIRE_WAIT.name).record(started.elapsed());
-                    // Taking the lease took this caller out of the queue.
-                    place.taken = true;
                     return Ok(Lease {
                         client: self.clone(),
                         name: name.to_owned(),
@@ -414,17 +403,6 @@ impl LeaseClient {
             }
             self.pause(watch.as_ref(), deadline).await;
         }
-    }
-
-    /// How long a waiter's place in the queue lasts without it asking again: two of its longest
-    /// pauses between asks and one slow answer, so a live waiter never loses its place, and a lost
-    /// one holds the lease back no longer.
-    fn place_kept_ms(&self) -> u64 {
-        let pause = match &self.wakeups {
-            Some(_) => self.settings.poll_fallback.max(self.settings.backoff.longest()),
-            None => self.settings.backoff.longest(),
-        };
-        u64::try_from((2 * pause + self.settings.op_timeout).as_millis()).unwrap_or(u64::MAX).max(1)
     }
 
     /// Subscribes to the lease's release channel, if this client has wake-ups.
@@ -581,8 +559,7 @@ impl LeaseClient {
         token: &Token,
         note: Option<&str>,
     ) -> Result<Released, LeaseError> {
-        let keys_touched =
-            [keys.lease.as_str(), keys.contended.as_str(), keys.note.as_str(), keys.queue.as_str()];
+        let keys_touched = [keys.lease.as_str(), keys.contended.as_str(), keys.note.as_str()];
         let retention = self.note_retention_ms();
         let note = if retention.is_some() { note.unwrap_or_default() } else { "" };
         let args = (&token.0, &keys.channel, note, retention.unwrap_or(0));
@@ -607,31 +584,6 @@ impl LeaseClient {
     }
 }
 
-/// A waiter's place in a name's queue, given up (in the background) when its wait ends without the
-/// lease: a deadline passed, an error, or the waiting future dropped.
-struct Place {
-    client: LeaseClient,
-    keys: LeaseKeys,
-    token: Token,
-    taken: bool,
-}
-
-impl Drop for Place {
-    fn drop(&mut self) {
-        if self.taken {
-            return;
-        }
-        // Without a runtime (the process is exiting) the place lapses on its own.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let (client, keys, token) = (self.client.clone(), self.keys.clone(), self.token.clone());
-            runtime.spawn(async move {
-                let touched = [keys.lease.as_str(), keys.queue.as_str(), keys.alive.as_str()];
-                let _ = client.run::<i64>(&scripts::WITHDRAW, &touched, (&token.0, &keys.channel)).await;
-            });
-        }
-    }
-}
-
 /// The keys and the channel of one name; see the module doc for their layout.
 #[derive(Debug, Clone)]
 struct LeaseKeys {
@@ -639,8 +591,6 @@ struct LeaseKeys {
     fence: String,
     contended: String,
     note: String,
-    queue: String,
-    alive: String,
     channel: String,
 }
 
@@ -652,8 +602,6 @@ impl LeaseKeys {
             fence: format!("{tag}:fence"),
             contended: format!("{tag}:contended"),
             note: format!("{tag}:note"),
-            queue: format!("{tag}:queue"),
-            alive: format!("{tag}:queue-alive"),
             channel: format!("{tag}:released"),
         }
     }

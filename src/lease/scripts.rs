@@ -55,24 +55,6 @@ local function next_fence(key, retention)
   redis.call('PEXPIRE', key, retention)
   return redis.call('GET', key), restarted
 end
-
--- The first live waiter in the queue at `queue` (members by arrival, their deadlines in
--- milliseconds in the hash at `alive`), or false when none waits. Entries past their deadline are
--- dropped on the way, a few at a time: the rest go on a later call.
-local function first_waiter(queue, alive, now_ms)
-  for _ = 1, 8 do
-    local first = redis.call('ZRANGE', queue, 0, 0)[1]
-    if not first then
-      return false
-    end
-    if tonumber(redis.call('HGET', alive, first) or '0') > now_ms then
-      return first
-    end
-    redis.call('ZREM', queue, first)
-    redis.call('HDEL', alive, first)
-  end
-  return redis.call('ZRANGE', queue, 0, 0)[1] or false
-end
 "#;
 
 /// A Lua script with its SHA1 and its function's name in [`LIBRARY`].
@@ -242,22 +224,11 @@ pub(super) async fn loaded_library(conn: &mut impl ConnectionLike) -> redis::Red
 /// Takes the lease if it is free and issues the next fencing token, and hands over the note its
 /// last holder left, in one round trip.
 ///
-/// KEYS: lease, fence counter, contended flag, note, queue, queue's liveness. ARGV: token, ttl in
-/// ms (at least 1: `Ttl` guarantees it, so the key always expires), fence retention in ms, and how
-/// long a waiter keeps its place in the queue without asking again, in ms (0: it does not wait).
-/// Returns `{1, fence, note}` when taken (`{2, fence, note}` when the counter could not grow and
-/// started over: see `next_fence`), `{0, pttl, nil}` when another holder has it or waiters are
-/// ahead; then the lease is marked contended for one TTL, so its holder publishes a wake-up when it
-/// releases.
-///
-/// Waiters take the lease in the order they first found it busy: a caller that will wait takes a
-/// place in the queue (a sorted set by arrival, its entry kept alive by each ask), and a free lease
-/// goes only to the queue's first live entry, or to anyone when the queue is empty. Without the
-/// queue, every release woke all waiters to race for the lease, and one could lose race after race
-/// while others won: the tail of the wait grew with the number of contenders. An entry not renewed
-/// in its time (its waiter crashed, or gave up without being heard) is passed over, so a lost
-/// waiter holds the lease back for at most that time. A caller of the build before the queue passes
-/// four keys and neither queues nor is held back.
+/// KEYS: lease, fence counter, contended flag, note. ARGV: token, ttl in ms (at least 1: `Ttl`
+/// guarantees it, so the key always expires), fence retention in ms. Returns `{1, fence, note}`
+/// when taken (`{2, fence, note}` when the counter could not grow and started over: see
+/// `next_fence`), `{0, pttl, nil}` when another holder has it; then the lease is marked contended
+/// for one TTL, so its holder publishes a wake-up when it releases.
 ///
 /// The note is deleted as it is handed over: a holder that takes the lease and never releases it
 /// (it crashed, or lost the lease) leaves no note, so the next holder reads the store instead. A
@@ -267,28 +238,15 @@ pub(super) async fn loaded_library(conn: &mut impl ConnectionLike) -> redis::Red
 /// hold Redis memory forever; a counter that restarts from zero is the same case as a counter lost
 /// to a flush, and is caught and lifted the same way (`ADVANCE_FENCE`).
 ///
-/// The branch for a lease already ours covers an earlier attempt of ours whose reply was lost (a
-/// timeout or a dropped connection after Redis applied the SET): the lease is already ours, so it
-/// is renewed and its fence returned rather than waiting for our own lease to expire. Nobody else
-/// can have moved the counter since, because only the lease holder increments it.
+/// The second branch covers an earlier attempt of ours whose reply was lost (a timeout or a dropped
+/// connection after Redis applied the SET): the lease is already ours, so it is renewed and its
+/// fence returned rather than waiting for our own lease to expire. Nobody else can have moved the
+/// counter since, because only the lease holder increments it.
 pub(super) static ACQUIRE: LazyLock<LeaseScript> = LazyLock::new(|| {
     LeaseScript::new(
         "walletlock_acquire",
         r#"
-local queued = KEYS[6] ~= nil
-local now_ms = 0
-local first = false
-if queued then
-  -- Milliseconds: a Lua number above 10^14 would reach Redis in exponent form (see the top).
-  local now = redis.call('TIME')
-  now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-  first = first_waiter(KEYS[5], KEYS[6], now_ms)
-end
-if (not first or first == ARGV[1]) and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  if first then
-    redis.call('ZREM', KEYS[5], ARGV[1])
-    redis.call('HDEL', KEYS[6], ARGV[1])
-  end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local fence, restarted = next_fence(KEYS[2], ARGV[3])
   local note = false
   if KEYS[4] then
@@ -302,13 +260,6 @@ end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, redis.call('GET', KEYS[2]) or '0', false}
-end
-local keep = tonumber(ARGV[4] or '0')
-if queued and keep > 0 then
-  redis.call('ZADD', KEYS[5], 'NX', now_ms, ARGV[1])
-  redis.call('HSET', KEYS[6], ARGV[1], now_ms + keep)
-  redis.call('PEXPIRE', KEYS[5], keep)
-  redis.call('PEXPIRE', KEYS[6], keep)
 end
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
 return {0, redis.call('PTTL', KEYS[1]), false}
@@ -346,8 +297,8 @@ impl FromRedisValue for Acquired {
 }
 
 /// Deletes the lease only if it still holds our token, leaves the holder's note for the next one,
-/// and wakes the waiters if there are any. KEYS: lease, contended flag, note, queue. ARGV: token,
-/// release channel, note (empty: none), note retention in ms. Returns `{1, contended}` if deleted
+/// and wakes the waiters if there are any. KEYS: lease, contended flag, note. ARGV: token, release
+/// channel, note (empty: none), note retention in ms. Returns `{1, contended}` if deleted
 /// (`contended` is 1 when someone was waiting, and then a wake-up was published), `{0, 0}` if the
 /// lease had expired or belongs to someone else (then nothing is deleted and no note is left: only
 /// the holder may leave one).
@@ -361,33 +312,12 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
     redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
   end
   local contended = redis.call('DEL', KEYS[2])
-  if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then
-    contended = 1
-  end
   if contended == 1 then
     redis.call('PUBLISH', ARGV[2], '1')
   end
   return {1, contended}
 end
 return {0, 0}
-"#,
-    )
-});
-
-/// Takes a waiter that gives up out of the queue, so the next in line need not wait for its entry
-/// to lapse, and wakes the others if the lease is free. KEYS: lease, queue, queue's liveness. ARGV:
-/// token, release channel. Returns 1.
-pub(super) static WITHDRAW: LazyLock<LeaseScript> = LazyLock::new(|| {
-    LeaseScript::new(
-        "walletlock_withdraw",
-        r#"
-if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[2]) == 1 then
-    redis.call('PUBLISH', ARGV[2], '1')
-  end
-end
-return 1
 "#,
     )
 });
@@ -441,7 +371,7 @@ return {1, redis.call('GET', KEYS[2])}
 /// it does under `EVAL`.
 pub static LIBRARY: LazyLock<String> = LazyLock::new(|| {
     let mut library = format!("#!lua name={LIBRARY_NAME}\n{HELPERS}");
-    for script in [&*ACQUIRE, &*RELEASE, &*WITHDRAW, &*REFRESH, &*ADVANCE_FENCE] {
+    for script in [&*ACQUIRE, &*RELEASE, &*REFRESH, &*ADVANCE_FENCE] {
         library.push_str(&format!(
             "\nredis.register_function('{}', function(KEYS, ARGV)\n{}\nend)\n",
             script.function, script.body

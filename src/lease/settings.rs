@@ -64,14 +64,6 @@ impl Backoff {
     pub const TUTORIAL: Backoff =
         Backoff::Jittered { min: Duration::from_millis(5), max: Duration::from_millis(15) };
 
-    /// The longest pause [`Backoff::pause`] draws.
-    pub fn longest(&self) -> Duration {
-        match *self {
-            Backoff::Fixed(pause) => pause,
-            Backoff::Jittered { min, max } => min.max(max),
-        }
-    }
-
     /// The pause before the next retry.
     pub fn pause(&self) -> Duration {
         match *self {

@@ -5,8 +5,7 @@
 //! subscribes to the lease's release channel; a holder that releases a contended lease publishes on
 //! that channel (the release script does that, in the same round trip). One Redis Pub/Sub
 //! connection per [`super::LeaseClient`] carries every subscription of the process; a background
-//! task reads it and wakes every waiter of each channel (the first of them in the lease's queue
-//! takes it). Subscriptions are counted, so a channel is
+//! task reads it and wakes the waiter of each channel. Subscriptions are counted, so a channel is
 //! subscribed while anyone here waits on it.
 //!
 //! A lost notification (the Pub/Sub connection dropped, a message raced a subscription) costs at
@@ -17,7 +16,6 @@ use super::topology::WakeSource;
 use deadpool_redis::redis::aio::PubSubSink;
 use futures::StreamExt;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -42,7 +40,7 @@ struct State {
     /// The subscribing half of the current connection; `None` while (re)connecting.
     sink: Option<PubSubSink>,
     /// Channel → (number of waiters, how to wake them).
-    channels: HashMap<String, (usize, Arc<Releases>)>,
+    channels: HashMap<String, (usize, Arc<Notify>)>,
     /// Whether the listener task runs.
     listening: bool,
 }
@@ -64,15 +62,16 @@ impl Wakeups {
         // Made before the state is read, so a subscription the listener completes after that read
         // still reaches us.
         let listener_subscribed = self.subscribed.notified();
-        let (releases, subscribe_with, start_listener, connected) = {
+        let (notify, subscribe_with, start_listener, connected) = {
             let mut state = self.state.lock().expect("wakeups lock");
             let connected = state.sink.is_some();
             let start_listener = !std::mem::replace(&mut state.listening, true);
-            let entry = state.channels.entry(channel.to_owned()).or_default();
+            let entry =
+                state.channels.entry(channel.to_owned()).or_insert_with(|| (0, Arc::new(Notify::new())));
             entry.0 += 1;
             let first = entry.0 == 1;
-            let releases = entry.1.clone();
-            (releases, if first { state.sink.clone() } else { None }, start_listener, connected)
+            let notify = entry.1.clone();
+            (notify, if first { state.sink.clone() } else { None }, start_listener, connected)
         };
         if start_listener {
             tokio::spawn(self.clone().listen());
@@ -88,8 +87,7 @@ impl Wakeups {
             // do not wait for it: their poll covers them.)
             let _ = tokio::time::timeout(SUBSCRIBE_WAIT, listener_subscribed).await;
         }
-        let seen = AtomicU64::new(releases.count.load(Ordering::Acquire));
-        Watch { wakeups: self.clone(), channel: channel.to_owned(), releases, seen }
+        Watch { wakeups: self.clone(), channel: channel.to_owned(), notify }
     }
 
     fn unwatch(self: &Arc<Self>, channel: &str) {
@@ -146,7 +144,8 @@ impl Wakeups {
                             state.channels.get(message.get_channel_name()).map(|(_, notify)| notify.clone())
                         };
                         if let Some(notify) = notify {
-                            notify.publish();
+                            // A stored permit if the waiter is between polls: it will not miss this.
+                            notify.notify_one();
                         }
                     }
                     self.state.lock().expect("wakeups lock").sink = None;
@@ -162,45 +161,17 @@ impl Wakeups {
     }
 }
 
-/// The releases heard on one channel: every waiter of this process on it is woken by each, since
-/// only the first of them in the lease's queue may take it (`scripts::ACQUIRE`), whichever asks
-/// first.
-#[derive(Default)]
-struct Releases {
-    /// How many were heard: a waiter that was between asks when one came sees it moved.
-    count: AtomicU64,
-    notify: Notify,
-}
-
-impl Releases {
-    fn publish(&self) {
-        self.count.fetch_add(1, Ordering::AcqRel);
-        self.notify.notify_waiters();
-    }
-}
-
 /// Interest in one release channel; unsubscribes (when it was the last) on drop.
 pub struct Watch {
     wakeups: Arc<Wakeups>,
     channel: String,
-    releases: Arc<Releases>,
-    /// The releases this waiter has seen.
-    seen: AtomicU64,
+    notify: Arc<Notify>,
 }
 
 impl Watch {
-    /// Completes when a release is published on the channel (or was, since this waiter last
-    /// looked), or after `fallback`.
+    /// Completes when a release is published on the channel, or after `fallback`.
     pub async fn released_or(&self, fallback: Duration) {
-        let notified = self.releases.notify.notified();
-        tokio::pin!(notified);
-        // Registered before the count is read, so a release between the two still wakes it.
-        notified.as_mut().enable();
-        let heard = self.releases.count.load(Ordering::Acquire);
-        if heard == self.seen.swap(heard, Ordering::AcqRel) {
-            let _ = tokio::time::timeout(fallback, notified).await;
-            self.seen.store(self.releases.count.load(Ordering::Acquire), Ordering::Release);
-        }
+        let _ = tokio::time::timeout(fallback, self.notify.notified()).await;
     }
 }
 

@@ -282,11 +282,6 @@ impl TestEnv {
     pub fn note_key(&self, name: &str) -> String {
         format!("{{{}:{name}}}:note", self.prefix)
     }
-
-    /// The Redis keys of the waiters for `name`: their order, and how long each keeps its place.
-    pub fn queue_keys(&self, name: &str) -> (String, String) {
-        (format!("{{{}:{name}}}:queue", self.prefix), format!("{{{}:{name}}}:queue-alive", self.prefix))
-    }
 }
 
 /// Polls `check` every few milliseconds until it holds, or panics with `what` after `limit`.
