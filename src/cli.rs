@@ -505,42 +505,16 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             })
         }
         Command::Loadtest(LoadtestCommand::HistoryReport { dir, vus, seconds, root }) => {
-            let mut git = std::process::Command::new("git");
-            let commit = git.arg("-C").arg(&root).args(["rev-parse", "--short", "HEAD"]).output()?.stdout;
-            let commit = String::from_utf8(commit)?;
-            let date = chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string();
-            let cores = std::thread::available_parallelism()?.get();
-            let run =
-                crate::loadtest::history::Run { date: &date, cores, commit: commit.trim(), vus, seconds };
+            let run = crate::loadtest::history::Run::now(&root, vus, seconds)?;
             print!("{}", crate::loadtest::history::report(&dir, &root, &run)?);
             Ok(ExitCode::SUCCESS)
         }
         Command::Loadtest(LoadtestCommand::Rss { state }) => {
-            // SAFETY: sysconf only reads the system's configuration.
-            print!(
-                "{}",
-                crate::loadtest::rss::rss(&state, unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64)
-            );
+            print!("{}", crate::loadtest::rss::rss(&state, crate::loadtest::clock_ticks()));
             Ok(ExitCode::SUCCESS)
         }
         Command::Loadtest(LoadtestCommand::OtherCpu { out, while_pid, roots }) => {
-            use crate::loadtest::other_cpu::{Sampler, processes, uptime};
-            // SAFETY: sysconf only reads the system's configuration.
-            let (ticks, cores) =
-                unsafe { (libc::sysconf(libc::_SC_CLK_TCK), libc::sysconf(libc::_SC_NPROCESSORS_ONLN)) };
-            let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-            let (mut sampler, mut stop) = (Sampler::new(roots), false);
-            loop {
-                sampler.sample(uptime(), &processes(ticks as f64));
-                if stop || !std::path::Path::new(&format!("/proc/{while_pid}")).exists() {
-                    break;
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
-                    _ = sigterm.recv() => stop = true,
-                }
-            }
-            std::fs::write(out, sampler.json(cores as f64) + "\n")?;
+            crate::loadtest::other_cpu::run(&out, while_pid, roots).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Loadtest(LoadtestCommand::Costs(command)) => {

@@ -22,9 +22,9 @@
 //! Items that name the same wallet are decided in the batch's order: an item starts only once every
 //! earlier item naming one of its wallets has been answered, or, for a deposit or payment after a
 //! deposit or payment of the same wallet, once the earlier one is in the wallet's queue on this
-//! replica (first come, first served there, and decided together in one round). A capture, void or refund named by its
-//! hold, movement or transfer does not say which wallets it moves, so it waits for every item before
-//! it, and every item after it waits for it.
+//! replica (first come, first served there, and decided together in one round). A capture, void or
+//! refund named by its hold, movement or transfer does not say which wallets it moves, so it waits
+//! for every item before it, and every item after it waits for it.
 //!
 //! What is refused whole (`400 invalid_batch`, with `item`, or `malformed_json`; nothing applied) is
 //! what cannot be read as a batch of requests: see [`parse`] and `docs/api/batches.md`.
@@ -712,7 +712,8 @@ async fn run(
                 let run = crate::wallet::telling_when_queued(queued, router.clone().oneshot(request));
                 let queued = async {
                     if told.await.is_ok() {
-                        stages[at].send_if_modified(|stage| *stage < Stage::Queued && { *stage = Stage::Queued; true });
+                        // Before its answer: the stage moves on to Answered only once `run` is done.
+                        stages[at].send_replace(Stage::Queued);
                     }
                     std::future::pending().await
                 };

@@ -6,12 +6,27 @@ use std::collections::HashMap;
 use std::path::Path;
 
 /// The page's settings line: when, on how many cores, at which commit, with what load.
-pub struct Run<'a> {
-    pub date: &'a str,
+pub struct Run {
+    pub date: String,
     pub cores: usize,
-    pub commit: &'a str,
+    pub commit: String,
     pub vus: u64,
     pub seconds: u64,
+}
+
+impl Run {
+    /// A run of `vus` users for `seconds`, now, on this machine, at ROOT's checked-out commit.
+    pub fn now(root: &Path, vus: u64, seconds: u64) -> anyhow::Result<Self> {
+        let mut git = std::process::Command::new("git");
+        let commit = git.arg("-C").arg(root).args(["rev-parse", "--short", "HEAD"]).output()?.stdout;
+        Ok(Run {
+            date: chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string(),
+            cores: std::thread::available_parallelism()?.get(),
+            commit: String::from_utf8(commit)?.trim().to_owned(),
+            vus,
+            seconds,
+        })
+    }
 }
 
 /// Writes DIR/summary.md from DIR's reads.tsv (k6's), rollup.tsv and export.tsv, and ROOT's

@@ -6,3 +6,9 @@ pub mod history;
 pub mod other_cpu;
 pub mod report;
 pub mod rss;
+
+/// The kernel's clock ticks a second, the unit of /proc/PID/stat's times.
+pub fn clock_ticks() -> f64 {
+    // SAFETY: sysconf only reads the system's configuration.
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) as f64 }
+}

@@ -5,6 +5,30 @@
 //! samples is missed: a lower bound.
 
 use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+/// Samples every second until SIGTERM, or until process `while_pid` ends, then writes into `out`
+/// what the processes outside the trees of `roots` used ([`Sampler::json`]).
+pub async fn run(out: &Path, while_pid: u32, roots: Vec<u32>) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    // SAFETY: sysconf only reads the system's configuration.
+    let cores = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) } as f64;
+    let ticks = super::clock_ticks();
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let (mut sampler, mut stop) = (Sampler::new(roots), false);
+    loop {
+        sampler.sample(uptime(), &processes(ticks));
+        if stop || !Path::new(&format!("/proc/{while_pid}")).exists() {
+            break;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+            _ = sigterm.recv() => stop = true,
+        }
+    }
+    std::fs::write(out, sampler.json(cores) + "\n")?;
+    Ok(())
+}
 
 /// A process as one sample saw it.
 pub struct Process {
