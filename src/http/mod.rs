@@ -104,14 +104,7 @@ pub fn router(ctx: ApiContext) -> Router {
     // Merged in the order the document lists the paths (routing does not depend on it).
     let (routes, api) = OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
         .merge(
-            wallets::router()
-                .merge(history::router())
-                .merge(transfers::router())
-                .merge(movements::router())
-                .merge(holds::router())
-                .merge(monitors::router())
-                .merge(limits::router())
-                .merge(batches::router(items))
+            permitted_routes(items)
                 .route_layer(middleware::from_fn_with_state(ctx.clone(), auth::require_token)),
         )
         // A reader of the feed may wait: it holds none of the permits movements are shed by.
@@ -206,8 +199,21 @@ async fn record_request_metrics(request: Request, next: Next) -> Response {
     response
 }
 
-/// The paths whose requests take one of the `MAX_IN_FLIGHT` permits: the movements, the wallets
+/// The routes whose requests take one of the `MAX_IN_FLIGHT` permits: the movements, the wallets
 /// and their reads, batches (not the change feed, webhooks, health or the document).
+fn permitted_routes(items: batches::Items) -> OpenApiRouter<ApiContext> {
+    wallets::router()
+        .merge(history::router())
+        .merge(transfers::router())
+        .merge(movements::router())
+        .merge(holds::router())
+        .merge(monitors::router())
+        .merge(limits::router())
+        .merge(batches::router(items))
+}
+
+/// Whether a request's path is one of [`permitted_routes`]': told by the path, since a request is
+/// shed before it is routed (`tests::the_paths_that_take_a_permit_are_the_permitted_routes`).
 fn takes_a_permit(path: &str) -> bool {
     ["/wallets", "/transfers", "/movements", "/holds", batches::PATH]
         .iter()
@@ -298,4 +304,26 @@ async fn bounded_and_draining(State(ctx): State<ApiContext>, request: Request, n
         response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_paths_that_take_a_permit_are_the_permitted_routes() {
+        let paths = |routes: OpenApiRouter<ApiContext>| -> Vec<String> {
+            routes.split_for_parts().1.paths.paths.into_keys().collect()
+        };
+        let permitted = paths(permitted_routes(batches::Items(Router::new())));
+        assert!(permitted.len() > 10, "{permitted:?}");
+        for path in permitted {
+            assert!(takes_a_permit(&path), "{path} is shed by the in-flight bound");
+        }
+        for routes in [events::router(), webhooks::router(), health::router(), openapi::router()] {
+            for path in paths(routes) {
+                assert!(!takes_a_permit(&path), "{path} takes no permit");
+            }
+        }
+    }
 }
