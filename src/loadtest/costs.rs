@@ -2,7 +2,7 @@
 //! statistics (`COSTS=1` of loadtest/run; loadtest/README.md says what each figure counts).
 //!
 //! A snapshot holds the cumulative counters: pg_stat_wal and pg_stat_database summed over a Citus
-//! cluster's nodes, pg_stat_statements' calls on the coordinator, and each Redis primary's INFO
+//! cluster's nodes, pg_stat_statements' calls summed over the nodes that loaded it, and each Redis primary's INFO
 //! commandstats. The report is AFTER - BEFORE (less BEFORE's own queries) per accepted payment
 //! (read, health: per request).
 
@@ -70,6 +70,10 @@ async fn pg_counters(node: &Node) -> anyhow::Result<Map<String, Value>> {
     Ok(serde_json::from_str(&text)?)
 }
 
+/// The statements a node ran in the walletlock database, so far.
+const STATEMENTS: &str = "select coalesce(sum(calls), 0)::text from stats.pg_stat_statements s, pg_database d \
+                          where s.dbid = d.oid and d.datname = 'walletlock'";
+
 async fn pg_snapshot(coordinator: &Node) -> anyhow::Result<Value> {
     let preload =
         query(coordinator, "postgres", "select current_setting('shared_preload_libraries')").await?.concat();
@@ -86,9 +90,7 @@ async fn pg_snapshot(coordinator: &Node) -> anyhow::Result<Value> {
     );
     if preload.contains("pg_stat_statements") {
         (note, own) = (None, own + 1);
-        let sql = "select coalesce(sum(calls), 0)::text from stats.pg_stat_statements s, pg_database d \
-                   where s.dbid = d.oid and d.datname = 'walletlock'";
-        match query(coordinator, "walletlock", sql).await {
+        match query(coordinator, "walletlock", STATEMENTS).await {
             Ok(calls) => values["statements"] = json!(calls.concat().parse::<i64>()?),
             // Loaded, but the extension is missing from the walletlock database.
             Err(err) => note = Some(format!("pg_stat_statements: {err:#}")),
@@ -97,6 +99,14 @@ async fn pg_snapshot(coordinator: &Node) -> anyhow::Result<Value> {
     for worker in &workers {
         for (field, value) in pg_counters(worker).await? {
             values[&field] = json!(values[&field].as_i64().unwrap_or(0) + value.as_i64().unwrap_or(0));
+        }
+        // The statements each worker ran (the coordinator's, routed, and its own of Citus's
+        // upkeep), where the worker loaded pg_stat_statements too.
+        if let (Some(sum), Ok(calls)) =
+            (values["statements"].as_i64(), query(worker, "walletlock", STATEMENTS).await)
+        {
+            values["statements"] = json!(sum + calls.concat().parse::<i64>()?);
+            own += 2;
         }
     }
     values.insert("statements_note".into(), json!(note));

@@ -13,6 +13,7 @@ const T: &str = "walletlock: transfer";
 const BULK: &str = "walletlock: bulk";
 const NO_EVENTS: &str = "walletlock: spread, events off";
 const HOOKS: &str = "walletlock: spread, webhooks";
+const CITUS: &str = "Citus: spread";
 
 /// What a target compares: its runs' rows by label, the first `a`, the second `b`.
 #[derive(Clone, Copy, PartialEq)]
@@ -49,12 +50,6 @@ const TARGETS: &[(Kind, &str, &[&str], Option<f64>)] = &[
     (Kind::Rss, "every replica's peak RSS < 50 MB (single requests)", &[], Some(50e6)),
     (Kind::Ratio, "hot: under Postgres alone ÷ on leases (stated)", &["Redis gone: hot", H], None),
     (Kind::Ratio, "spread: under Postgres alone ÷ on leases (stated)", &["Redis gone: spread", S], None),
-    (
-        Kind::Ratio,
-        "spread: on Citus (coordinator + 2 workers, these cores) ÷ on one Postgres (stated)",
-        &["Citus: spread", S],
-        None,
-    ),
     (Kind::PerUnit("statements"), "spread: statements per payment ≤ 2", &[S], Some(2.0)),
     (Kind::PerUnit("wal_flushes"), "spread: WAL flushes per payment ≤ 0.25", &[S], Some(0.25)),
     // Issue 33 (one movement model): transfers and splits against spread payments.
@@ -73,6 +68,11 @@ const TARGETS: &[(Kind, &str, &[&str], Option<f64>)] = &[
         Some(0.3),
     ),
     (Kind::P99, "a batch of 1,000's p99 ≤ 500 ms", &["walletlock: bulk of 1,000"], Some(500.0)),
+    // ... and rounds that stay batched on Citus (a coordinator and two workers on these cores),
+    // their costs summed over the three nodes.
+    (Kind::Ratio, "spread: on Citus ÷ on one Postgres ≥ 0.5", &[CITUS, S], Some(0.5)),
+    (Kind::PerUnit("wal_flushes"), "Citus spread: WAL flushes per payment ≤ 0.35", &[CITUS], Some(0.35)),
+    (Kind::PerUnit("statements"), "Citus spread: statements per payment ≤ 1", &[CITUS], Some(1.0)),
     (
         Kind::Ratio,
         "spread with metadata ÷ spread payments/s ≥ 0.9",
@@ -753,10 +753,7 @@ mod tests {
         // Listed in runs.tsv but unreadable: not measured; left out by BENCH_ONLY: not run.
         assert_eq!(goal("hot p99 ≤ 30 ms").1, "not measured");
         assert_eq!(goal("hot payments/s ÷ pgbench hot tps ≥ 1.5").1, "not run");
-        assert_eq!(
-            goal("spread: on Citus (coordinator + 2 workers, these cores) ÷ on one Postgres (stated)").2,
-            Met::Stated
-        );
+        assert_eq!(goal("spread: under Postgres alone ÷ on leases (stated)").2, Met::Stated);
         assert_eq!(
             goal("every replica's peak RSS < 50 MB (single requests)"),
             (
