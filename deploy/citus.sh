@@ -49,11 +49,12 @@ wl_citus_install() {
 }
 
 # wl_citus_settings: every node's settings (for wl_start_postgres): two-phase commit, logical WAL
-# for rebalancing, no TLS over the sockets the nodes use (Citus would self-sign), and 2PC recovery
-# every second, not every minute (docs/operating/citus.md).
+# for rebalancing, no TLS over the sockets the nodes use (Citus would self-sign), 2PC recovery
+# every second, not every minute, and two shards a worker of the two, not 32: a round writes one
+# statement a shard (docs/operating/citus.md).
 wl_citus_settings() {
   printf '%s\n' shared_preload_libraries=citus max_prepared_transactions=200 wal_level=logical \
-    citus.node_conninfo=sslmode=disable citus.recover_2pc_interval=1s
+    citus.node_conninfo=sslmode=disable citus.recover_2pc_interval=1s citus.shard_count=4
 }
 
 # wl_citus_join DATABASE COORDINATOR WORKER...: makes DATABASE a Citus cluster, each node DIR:PORT

@@ -1,6 +1,7 @@
 //! The group commit across wallets: the statements a replica runs per round of movements, two at
 //! most, whatever the number of wallets and movements in the round (under Citus, where a round is
-//! one wallet, the write is a short transaction instead: see [`commit`]).
+//! the wallets of one node, the write is a transaction of a few statements a shard instead: see
+//! [`commit`]).
 //!
 //! 1. [`read`] reads the balance, version and fence of the wallets whose lease was just taken, and
 //!    looks up the round's idempotency keys, in one statement that writes nothing (a key past its
@@ -37,6 +38,7 @@
 use super::event::{EventColumns, EventWrite};
 use super::hold::Hold;
 use super::idempotency::{KeyRef, ResponseRow};
+use super::shards::{ShardKey, ShardMap};
 use super::storage::Storage;
 use super::transfer::{MovementRecord, Transfer};
 use super::{Entry, StoreError, WalletRead};
@@ -122,10 +124,41 @@ impl HoldsToRead<'_> {
 
 /// Reads `wallets`, looks up `keys` (deleting those past their retention: they behave as new) and
 /// reads `holds`, in one statement. Wallets, keys and holds are looked up among those of the
-/// round's wallets (`round`) only, so under Citus a round of one wallet is one statement on that
-/// wallet's node (Citus routes a statement by the wallets it names, in every table it reads; an
+/// round's wallets (`round`) only, so under Citus the wallets of one shard are one statement on
+/// that shard's node (Citus routes a statement by the wallets it names, in every table it reads; an
 /// empty list would name none): a capture naming another wallet's hold finds no hold.
+///
+/// Under Citus, with `shards` known, a round whose wallets are on several shards reads each
+/// shard's in a statement of its own: a statement naming two shards would delete their expired
+/// keys in two phases.
 pub async fn read(
+    conn: &mut PgConnection,
+    shards: Option<&ShardMap>,
+    wallets: &[ToRead<'_>],
+    round: &[&str],
+    keys: &[KeyRef<'_>],
+    holds: HoldsToRead<'_>,
+) -> Result<Found, StoreError> {
+    let Some(shards) = shards.filter(|_| round.len() > 1) else {
+        return read_statement(conn, wallets, round, keys, holds).await;
+    };
+    let mut found = Found::default();
+    for (shard, round) in by_shard(round.iter().copied(), |&id| ShardMap::key(Some(shards), id)) {
+        let of_shard = |id: &str| ShardMap::key(Some(shards), id) == shard;
+        let wallets: Vec<ToRead<'_>> = wallets.iter().copied().filter(|w| of_shard(w.id)).collect();
+        let keys: Vec<KeyRef<'_>> = keys.iter().copied().filter(|k| of_shard(k.wallet)).collect();
+        let expired_of: Vec<&str> = holds.expired_of.iter().copied().filter(|&id| of_shard(id)).collect();
+        let holds = HoldsToRead { expired_of: &expired_of, ..holds };
+        let read = Box::pin(read_statement(&mut *conn, &wallets, &round, &keys, holds)).await?;
+        found.wallets.extend(read.wallets);
+        found.keys.extend(read.keys);
+        found.holds.extend(read.holds);
+    }
+    Ok(found)
+}
+
+/// [`read`] in one statement.
+async fn read_statement(
     conn: &mut PgConnection,
     wallets: &[ToRead<'_>],
     round: &[&str],
@@ -615,12 +648,13 @@ static COMMITS: LazyLock<[String; 4]> = LazyLock::new(|| {
 pub async fn commit(
     conn: &mut PgConnection,
     storage: Storage,
+    shards: Option<&ShardMap>,
     write: &GroupWrite<'_>,
     created_at: DateTime<Utc>,
     retention: Duration,
 ) -> Result<Committed, StoreError> {
     if storage == Storage::Citus {
-        return Box::pin(commit_routed(conn, write, created_at, retention)).await;
+        return Box::pin(commit_routed(conn, shards, write, created_at, retention)).await;
     }
     assert_eq!(write.read_rules.len(), write.wallets.len(), "each wallet's rules as read, beside it");
     let with_holds = !(write.placed.is_empty() && write.settled.is_empty());
@@ -721,46 +755,52 @@ impl StoreError {
     }
 }
 
-/// [`commit`] under Citus: the same writes, as a transaction of statements each of which Citus
-/// routes to the node holding the wallet (a round there is one job, see `crate::wallet::group`),
-/// so a wallet's write commits on that node alone, without two-phase commit. The one-statement
-/// commit would not do: Citus plans its writable CTEs apart and ships their results to every node.
+/// [`commit`] under Citus: the same writes, as one transaction whose every statement Citus routes
+/// to one shard (the wallets of a round are on one node, see `crate::wallet::rounds`), so the
+/// round commits on that node alone, without two-phase commit. The one-statement commit would not
+/// do: Citus plans its writable CTEs apart and ships their results to every node, and a statement
+/// that names two shards commits in two phases. So each table's rows go in one statement per
+/// shard ([`ShardMap::key`]: one per wallet where the map does not know its shard).
 /// Each wallet's row is locked (`SKIP LOCKED`: a busy row is left out, as in [`commit`]) and
 /// written with the same compare-and-set ([`MATCHES_AS_READ`]); the entries, holds and keys follow
-/// once every wallet of the job matched, and a key stored meanwhile fails the transaction whole,
-/// as it fails [`commit`]'s statement. A wallet that did not match leaves the job unwritten: the
-/// transaction is rolled back, so the legs of a movement are written all or none here too.
+/// for the wallets that matched, and a key stored meanwhile fails the transaction whole, as it
+/// fails [`commit`]'s statement. A group (a movement's wallets) with a wallet that did not match
+/// leaves the transaction rolled back, nothing written, so the legs of a movement are written all
+/// or none here too.
 async fn commit_routed(
     conn: &mut PgConnection,
+    shards: Option<&ShardMap>,
     write: &GroupWrite<'_>,
     created_at: DateTime<Utc>,
     retention: Duration,
 ) -> Result<Committed, StoreError> {
-    static WRITE_ONE: LazyLock<String> = LazyLock::new(|| {
+    static WRITE_WALLETS: LazyLock<String> = LazyLock::new(|| {
         // language=PostgreSQL
         format!(
             r#"with locked as (
                    select id, fence, version, balance, held, owner, rules from wallet
-                   where id = $1 for update skip locked
+                   where id = any($1::text[]) order by id for update skip locked
                ),
                b as (
-                   select * from (values ($2::int8, $3::int8, $4::int8, $5::int8, $6::int8, $7::text,
-                                          $8::int8, $9::int8, $10::int8, $14::jsonb))
-                       as b(fence, read_fence, read_version, read_balance, read_held, owner,
-                            balance, held, version, read_rules)
+                   select * from unnest($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::int8[],
+                                        $6::int8[], $7::text[], $8::int8[], $9::int8[], $10::int8[],
+                                        $11::int8[], $12::jsonb[], $13::jsonb[])
+                       as b(id, fence, read_fence, read_version, read_balance, read_held, owner,
+                            balance, held, version, events, rules, read_rules)
                ),
                moved as (
                    update wallet w set balance = b.balance, version = b.version, fence = b.fence,
                                        held = b.held, updated_at = now(),
-                                       rules = coalesce($13::jsonb, w.rules),
-                                       event_seq = w.event_seq + $11,
-                                       event_position = greatest(w.event_position, $12::text::xid8)
+                                       rules = coalesce(b.rules, w.rules),
+                                       event_seq = w.event_seq + b.events,
+                                       event_position = greatest(w.event_position, $14::text::xid8)
                    from locked l, b
-                   where w.id = l.id and w.id = $1 and {MATCHES_AS_READ}
+                   where w.id = l.id and w.id = b.id and w.id = any($1::text[]) and {MATCHES_AS_READ}
                    returning w.id, w.event_seq, w.event_position::text::int8 as event_position
                )
-               select exists (select from locked) as locked, exists (select from moved) as moved,
-                      (select event_seq from moved), (select event_position from moved)"#
+               select b.id, exists (select from locked l where l.id = b.id) as locked,
+                      m.id is not null as moved, m.event_seq, m.event_position
+               from b left join moved m on m.id = b.id"#
         )
     });
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
@@ -768,50 +808,62 @@ async fn commit_routed(
     let mut committed = Committed::default();
     // Each moved wallet's last event number before this write, and the position of its events.
     let mut numbered: HashMap<&str, (i64, i64)> = HashMap::new();
-    for (n, w) in write.wallets.iter().enumerate() {
-        let events = write.events.iter().filter(|e| e.wallet_id == w.id).count() as i64;
-        let row = sqlx::query(sqlx::AssertSqlSafe(WRITE_ONE.as_str()))
-            .bind(w.id)
-            .bind(w.fence)
-            .bind(w.read_fence)
-            .bind(w.read_version)
-            .bind(w.read_balance)
-            .bind(w.read_held)
-            .bind(w.owner)
-            .bind(w.balance)
-            .bind(w.held)
-            .bind(w.version)
-            .bind(events)
+    let wallets: Vec<(&WalletWrite, &Rules)> =
+        write.wallets.iter().zip(write.read_rules.iter().copied()).collect();
+    for (_, wallets) in by_shard(wallets, |(w, _)| ShardMap::key(shards, w.id)) {
+        let events = |id: &str| write.events.iter().filter(|e| e.wallet_id == id).count() as i64;
+        let column =
+            |field: fn(&WalletWrite) -> i64| wallets.iter().map(|(w, _)| field(w)).collect::<Vec<_>>();
+        let rows = sqlx::query(sqlx::AssertSqlSafe(WRITE_WALLETS.as_str()))
+            .bind(wallets.iter().map(|(w, _)| w.id).collect::<Vec<_>>())
+            .bind(column(|w| w.fence))
+            .bind(column(|w| w.read_fence))
+            .bind(column(|w| w.read_version))
+            .bind(column(|w| w.read_balance))
+            .bind(column(|w| w.read_held))
+            .bind(wallets.iter().map(|(w, _)| w.owner).collect::<Vec<_>>())
+            .bind(column(|w| w.balance))
+            .bind(column(|w| w.held))
+            .bind(column(|w| w.version))
+            .bind(wallets.iter().map(|(w, _)| events(w.id)).collect::<Vec<_>>())
+            .bind(
+                wallets
+                    .iter()
+                    .map(|(w, _)| {
+                        write.rules.iter().find(|(id, _)| *id == w.id).map(|(_, rules)| Json(*rules))
+                    })
+                    .collect::<Vec<_>>(),
+            )
+            .bind(wallets.iter().map(|(_, read_rules)| Json(*read_rules)).collect::<Vec<_>>())
             .bind(position.to_string())
-            .bind(write.rules.iter().find(|(id, _)| *id == w.id).map(|(_, rules)| Json(*rules)))
-            .bind(Json(write.read_rules[n]))
-            .fetch_one(&mut *tx)
+            .fetch_all(&mut *tx)
             .await?;
-        if row.try_get("moved")? {
-            let last: i64 = row.try_get("event_seq")?;
-            numbered.insert(w.id, (last - events, row.try_get("event_position")?));
-            committed.moved.insert(w.id.to_owned());
-        } else if !row.try_get::<bool, _>("locked")? {
-            committed.busy.insert(w.id.to_owned());
+        for row in rows {
+            let id: &str = row.try_get("id")?;
+            let Some(&(w, _)) = wallets.iter().find(|(w, _)| w.id == id) else { continue };
+            if row.try_get("moved")? {
+                let last: i64 = row.try_get("event_seq")?;
+                numbered.insert(w.id, (last - events(w.id), row.try_get("event_position")?));
+                committed.moved.insert(w.id.to_owned());
+            } else if !row.try_get::<bool, _>("locked")? {
+                committed.busy.insert(w.id.to_owned());
+            }
         }
     }
-    if committed.moved.len() < write.wallets.len() {
-        // A wallet that did not match leaves its whole group unwritten (a job's wallets are one
-        // group or each their own; a job of one wallet is the common case).
-        let unmatched: HashSet<i32> =
-            write.wallets.iter().filter(|w| !committed.moved.contains(w.id)).map(|w| w.group).collect();
-        if write.wallets.iter().any(|w| committed.moved.contains(w.id) && unmatched.contains(&w.group)) {
-            tx.rollback().await?;
-            committed.moved.clear();
-            return Ok(committed);
-        }
+    let unmatched: HashSet<i32> =
+        write.wallets.iter().filter(|w| !committed.moved.contains(w.id)).map(|w| w.group).collect();
+    if write.wallets.iter().any(|w| committed.moved.contains(w.id) && unmatched.contains(&w.group)) {
+        // A group written in part: nothing of the round is written, and every wallet is tried again.
+        tx.rollback().await?;
+        committed.moved.clear();
+        return Ok(committed);
     }
     let moved = |wallet: &str| committed.moved.contains(wallet);
-    // Rows go in as a multi-row VALUES: Citus routes that to the wallet's node, where an
+    // Rows go in as a multi-row VALUES: Citus routes that to the wallet's shard, where an
     // INSERT ... SELECT would go through the coordinator as a COPY, which Citus always commits in
     // two phases.
-    let entries: Vec<&Entry> = write.entries.iter().copied().filter(|e| moved(&e.wallet_id)).collect();
-    if !entries.is_empty() {
+    let entries = write.entries.iter().copied().filter(|e| moved(&e.wallet_id));
+    for (_, entries) in by_shard(entries, |e| ShardMap::key(shards, &e.wallet_id)) {
         let mut insert = QueryBuilder::new(
             "insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence, reference, \
              hold_id, transfer_id, refund_of, created_at, metadata) ",
@@ -824,8 +876,8 @@ async fn commit_routed(
         });
         insert.build().execute(&mut *tx).await?;
     }
-    let placed: Vec<&Hold> = write.placed.iter().copied().filter(|h| moved(&h.wallet_id)).collect();
-    if !placed.is_empty() {
+    let placed = write.placed.iter().copied().filter(|h| moved(&h.wallet_id));
+    for (_, placed) in by_shard(placed, |h| ShardMap::key(shards, &h.wallet_id)) {
         let mut insert = QueryBuilder::new(
             "insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at, movement_id, \
              metadata) ",
@@ -837,9 +889,9 @@ async fn commit_routed(
         });
         insert.build().execute(&mut *tx).await?;
     }
-    let settled: Vec<&Settlement> = write.settled.iter().filter(|s| moved(s.wallet_id)).collect();
-    if !settled.is_empty() {
-        let wallets: Vec<&str> = committed.moved.iter().map(String::as_str).collect();
+    let settled = write.settled.iter().filter(|s| moved(s.wallet_id));
+    for (_, settled) in by_shard(settled, |s| ShardMap::key(shards, s.wallet_id)) {
+        let wallets: Vec<&str> = settled.iter().map(|s| s.wallet_id).collect();
         sqlx::query(
             // language=PostgreSQL
             r#"update hold h set status = s.status, captured = s.captured,
@@ -858,8 +910,8 @@ async fn commit_routed(
         .execute(&mut *tx)
         .await?;
     }
-    let transfers: Vec<&Transfer> = write.transfers.iter().copied().filter(|t| moved(&t.from)).collect();
-    if !transfers.is_empty() {
+    let transfers = write.transfers.iter().copied().filter(|t| moved(&t.from));
+    for (_, transfers) in by_shard(transfers, |t| ShardMap::key(shards, &t.from)) {
         let mut insert = QueryBuilder::new(
             "insert into transfer (id, from_wallet, to_wallet, amount, reference, refund_of, created_at, \
              metadata) ",
@@ -871,13 +923,12 @@ async fn commit_routed(
         });
         insert.build().execute(&mut *tx).await?;
     }
-    let movements: Vec<(MovementWriteRow<'_>, &Metadata)> = write
+    let movements = write
         .movements
         .iter()
         .map(|&m| (MovementWriteRow::from(m), &m.metadata))
-        .filter(|(m, _)| moved(m.wallet_id))
-        .collect();
-    if !movements.is_empty() {
+        .filter(|(m, _)| moved(m.wallet_id));
+    for (_, movements) in by_shard(movements, |(m, _)| ShardMap::key(shards, m.wallet_id)) {
         let mut insert = QueryBuilder::new(
             "insert into movement (id, wallet_id, legs, reference, created_at, expires_at, leg_wallets, \
              leg_amounts, refund_of, metadata) ",
@@ -898,7 +949,7 @@ async fn commit_routed(
             Some((event, *last, *position))
         })
         .collect();
-    if !events.is_empty() {
+    for (_, events) in by_shard(events.iter(), |(event, _, _)| ShardMap::key(shards, &event.wallet_id)) {
         let mut insert = QueryBuilder::new(
             "insert into event (wallet_id, seq, position, type, entry_id, hold_id, monitor, created_at) ",
         );
@@ -910,8 +961,8 @@ async fn commit_routed(
         });
         insert.build().execute(&mut *tx).await?;
     }
-    let keys: Vec<&KeyWrite> = write.keys.iter().filter(|k| moved(k.wallet_id)).collect();
-    if !keys.is_empty() {
+    let keys = write.keys.iter().filter(|k| moved(k.wallet_id));
+    for (_, keys) in by_shard(keys, |k| ShardMap::key(shards, k.at.wallet)) {
         let mut insert = QueryBuilder::new(
             "insert into idempotency_key (wallet_id, caller, scope, key, fingerprint, status, content_type, \
              body, entry_id, expires_at) ",
@@ -930,4 +981,16 @@ async fn commit_routed(
     tx.commit().await?;
     super::event::count_written(events.iter().map(|(event, _, _)| *event));
     Ok(committed)
+}
+
+/// `rows` by the shard each goes to, each shard's in their order.
+fn by_shard<'k, T>(
+    rows: impl IntoIterator<Item = T>,
+    key: impl Fn(&T) -> ShardKey<'k>,
+) -> BTreeMap<ShardKey<'k>, Vec<T>> {
+    let mut by_shard: BTreeMap<ShardKey<'k>, Vec<T>> = BTreeMap::new();
+    for row in rows {
+        by_shard.entry(key(&row)).or_default().push(row);
+    }
+    by_shard
 }

@@ -32,6 +32,7 @@ pub mod history;
 pub mod hold;
 pub mod idempotency;
 pub mod schema;
+pub mod shards;
 pub mod storage;
 pub mod transfer;
 pub mod webhook;

@@ -1,8 +1,8 @@
 //! Where the tables live: one Postgres, or spread over a Citus cluster by wallet
 //! (docs/operating/citus.md). The statements are the same SQL either way except where a statement would touch several
 //! wallets at once: on one Postgres a round writes many wallets in one statement, one WAL flush;
-//! under Citus that would be a transaction on several nodes, so there a round is one wallet, on the
-//! node holding it (see [`super::group`]).
+//! under Citus that would be a transaction on several nodes, so there a round is the wallets of one
+//! node, written one statement a shard ([`super::shards`], [`super::group`]).
 
 use super::StoreError;
 use sqlx::{Executor, PgConnection, PgPool};

@@ -4,6 +4,7 @@
 //! payment and applies none twice; a worker added under load takes its share of the wallets
 //! while they keep being paid.
 
+use crate::group::{first_writes, payment, wallet_with};
 use crate::support::fleet::Fleet;
 use crate::support::load::{Load, check_books, open_wallets, settle, tally, time_to_recover};
 use crate::support::servers::{CitusCluster, RemoteCommand};
@@ -11,6 +12,11 @@ use crate::support::transfers::{self, TransferLoad};
 use crate::support::{TestEnv, eventually};
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
+use walletlock::ledger::Entry;
+use walletlock::ledger::group::{self, GroupWrite, HoldsToRead, ReadOutcome, ToRead};
+use walletlock::ledger::shards::ShardMap;
+use walletlock::ledger::storage::Storage;
+use walletlock::wallet::WalletId;
 
 const WALLETS: [&str; 8] = ["c1", "c2", "c3", "c4", "c5", "c6", "c7", "c8"];
 /// More wallets, for a rebalance to move some of them.
@@ -22,41 +28,69 @@ const OPENING: i64 = 1_000_000;
 /// A short lease and claim staleness, so wallets whose worker died are taken up again quickly.
 const SETTINGS: [(&str, &str); 2] = [("LEASE_TTL", "1s"), ("IDEMPOTENCY_STALE_AFTER", "2s")];
 
-/// The nodes each distributed transaction of `commands` touched (a statement the coordinator sent
-/// outside a transaction block counts as one), and whether any committed in two phases.
-fn transactions_of(commands: &HashMap<u32, Vec<RemoteCommand>>) -> (Vec<BTreeSet<String>>, bool) {
+/// A distributed transaction as the coordinator sent it (a statement sent outside a transaction
+/// block counts as one): the nodes it touched, and its commands.
+#[derive(Debug, Default)]
+struct Transaction<'c> {
+    nodes: BTreeSet<String>,
+    commands: Vec<&'c str>,
+}
+
+impl Transaction<'_> {
+    /// How many of `wallets` its writes of the `wallet` table name.
+    fn wallets_written(&self, wallets: &[&str]) -> usize {
+        let writes: Vec<&&str> = self.commands.iter().filter(|sql| sql.contains("UPDATE ")).collect();
+        let named = |wallet: &&&str| {
+            writes.iter().any(|sql| {
+                [
+                    format!("{{{wallet},"),
+                    format!(",{wallet},"),
+                    format!(",{wallet}}}"),
+                    format!("{{{wallet}}}"),
+                ]
+                .iter()
+                .any(|literal| sql.contains(literal))
+            })
+        };
+        wallets.iter().filter(named).count()
+    }
+}
+
+/// Each distributed transaction of `commands`, and whether any committed in two phases.
+fn transactions_of(commands: &HashMap<u32, Vec<RemoteCommand>>) -> (Vec<Transaction<'_>>, bool) {
     let mut done = Vec::new();
     let mut two_phase = false;
     for issued in commands.values() {
-        // The transaction open on this backend: its distributed id, its nodes, and whether it is
+        // The transaction open on this backend: its distributed id, itself, and whether it is
         // committing (its COMMITs go out one per node).
-        let mut open: Option<(String, BTreeSet<String>, bool)> = None;
+        let mut open: Option<(String, Transaction, bool)> = None;
         for command in issued {
             let sql = command.sql.as_str();
             two_phase |= sql.starts_with("PREPARE TRANSACTION") || sql.starts_with("COMMIT PREPARED");
             if let Some(id) = sql.split("assign_distributed_transaction_id(").nth(1) {
                 let id = id.split(", '").next().unwrap_or_default().to_owned();
                 if open.as_ref().is_none_or(|(current, _, _)| *current != id) {
-                    done.extend(open.take().map(|(_, nodes, _)| nodes));
-                    open = Some((id, BTreeSet::new(), false));
+                    done.extend(open.take().map(|(_, transaction, _)| transaction));
+                    open = Some((id, Transaction::default(), false));
                 }
-                open.as_mut().expect("opened").1.insert(command.node.clone());
-            } else if let Some((_, nodes, committing)) =
+                open.as_mut().expect("opened").1.nodes.insert(command.node.clone());
+            } else if let Some((_, transaction, committing)) =
                 open.as_mut().filter(|(_, _, committing)| !committing)
             {
-                nodes.insert(command.node.clone());
+                transaction.nodes.insert(command.node.clone());
+                transaction.commands.push(sql);
                 *committing =
                     ["COMMIT", "ROLLBACK", "PREPARE TRANSACTION"].iter().any(|end| sql.starts_with(end));
-            } else if let Some((_, nodes, _)) =
+            } else if let Some((_, transaction, _)) =
                 open.as_mut().filter(|_| sql.starts_with("COMMIT") || sql.starts_with("ROLLBACK"))
             {
-                nodes.insert(command.node.clone());
+                transaction.nodes.insert(command.node.clone());
             } else {
-                done.extend(open.take().map(|(_, nodes, _)| nodes));
-                done.push(BTreeSet::from([command.node.clone()]));
+                done.extend(open.take().map(|(_, transaction, _)| transaction));
+                done.push(Transaction { nodes: BTreeSet::from([command.node.clone()]), commands: vec![sql] });
             }
         }
-        done.extend(open.map(|(_, nodes, _)| nodes));
+        done.extend(open.map(|(_, transaction, _)| transaction));
     }
     (done, two_phase)
 }
@@ -130,11 +164,14 @@ async fn under_citus_each_payment_is_one_transaction_on_the_worker_holding_its_w
         })
         .await;
     let (transactions, two_phase) = transactions_of(&commands);
-    assert!(transactions.len() >= 200, "{} transactions logged", transactions.len());
-    let spread: Vec<&BTreeSet<String>> = transactions.iter().filter(|nodes| nodes.len() > 1).collect();
+    let writes: Vec<usize> =
+        transactions.iter().map(|t| t.wallets_written(&WALLETS)).filter(|&n| n > 0).collect();
+    assert!(writes.len() >= 50, "{} transactions wrote wallets", writes.len());
+    let spread: Vec<&BTreeSet<String>> =
+        transactions.iter().map(|t| &t.nodes).filter(|nodes| nodes.len() > 1).collect();
     assert!(spread.is_empty(), "transactions on more than one node: {spread:?}");
     assert!(!two_phase, "a payment committed in two phases");
-    let nodes: BTreeSet<&String> = transactions.iter().flatten().collect();
+    let nodes: BTreeSet<&String> = transactions.iter().flat_map(|t| &t.nodes).collect();
     assert_eq!(nodes.len(), 2, "the payments ran on both workers: {nodes:?}");
 
     // A wallet's reads go to its worker alone, one command each, not one per shard: the wallet
@@ -202,11 +239,89 @@ async fn under_citus_each_payment_is_one_transaction_on_the_worker_holding_its_w
         })
         .await;
     let (across, two_phase) = transactions_of(&across);
-    assert!(two_phase && across.iter().any(|nodes| nodes.len() == 2), "{across:?}");
+    assert!(two_phase && across.iter().any(|t| t.nodes.len() == 2), "{across:?}");
 
     settle(&fleet, &mut attempts).await;
     let opening: Vec<(&str, i64)> = WALLETS.iter().map(|w| (*w, OPENING)).collect();
     check_books(&fleet, &opening, &attempts).await;
+}
+
+/// A replica's rounds group the wallets of one worker (src/wallet/rounds/group.rs): the map of
+/// shards it keeps places every wallet where Citus does, and a round of several wallets on several
+/// shards of one worker is read one statement a shard, and written in one transaction on that
+/// worker alone, one statement a shard for each table, without two-phase commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_citus_a_round_of_one_workers_wallets_commits_there_in_one_phase_a_statement_a_shard() {
+    let citus = tokio::task::block_in_place(CitusCluster::start);
+    let env = TestEnv::with_citus(&citus);
+    let (schema, db) = env.database(2).await;
+    let mut conn = db.acquire().await.unwrap();
+    let map = ShardMap::load(&mut conn).await.unwrap().expect("the wallets' shards");
+    // Wallets, until one worker holds some on two shards.
+    let mut by_node: HashMap<i32, Vec<(WalletId, i64)>> = HashMap::new();
+    let two_shards = |wallets: &Vec<(WalletId, i64)>| wallets.iter().any(|(_, shard)| *shard != wallets[0].1);
+    for _ in 0..200 {
+        let id = wallet_with(&db, 100).await;
+        let (shard, node): (i64, i32) = sqlx::query_as(
+            "select s, (select groupid from pg_dist_placement where shardid = s)
+             from get_shard_id_for_distribution_column('wallet', $1::text) s",
+        )
+        .bind(id.as_str())
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        assert_eq!(map.place(id.as_str()), Some((shard, node)), "{id} is where Citus placed it");
+        let of_node = by_node.entry(node).or_default();
+        of_node.push((id, shard));
+        if of_node.len() >= 8 && two_shards(of_node) {
+            break;
+        }
+    }
+    let round = by_node.into_values().find(two_shards).expect("a worker with wallets on two shards");
+    let shards: BTreeSet<i64> = round.iter().map(|(_, shard)| *shard).collect();
+    let round: Vec<WalletId> = round.into_iter().map(|(id, _)| id).collect();
+
+    let reads: Vec<ToRead> =
+        round.iter().map(|id| ToRead { id: id.as_str(), fence: 5, written: false }).collect();
+    let names: Vec<&str> = round.iter().map(WalletId::as_str).collect();
+    let entries: Vec<Entry> = round.iter().map(|id| payment(id, 5, 2, 10, 90)).collect();
+    let write = GroupWrite { entries: entries.iter().collect(), ..GroupWrite::of(first_writes(&round, 5)) };
+    let (conn, map, write, names, reads) = (&mut conn, &map, &write, &names, &reads);
+    let commands = citus
+        .remote_commands(|| async move {
+            let found = group::read(conn, Some(map), reads, names, &[], HoldsToRead::none()).await.unwrap();
+            for name in names {
+                assert!(matches!(found.wallets[*name], ReadOutcome::Ready { .. }), "{name}: {found:?}");
+            }
+            let now = chrono::Utc::now();
+            let committed =
+                group::commit(conn, Storage::Citus, Some(map), write, now, Duration::from_secs(60))
+                    .await
+                    .unwrap();
+            assert_eq!(committed.moved.len(), names.len(), "{committed:?}");
+        })
+        .await;
+    let (transactions, two_phase) = transactions_of(&commands);
+    assert!(!two_phase, "the round committed in two phases");
+    let of_table = |t: &Transaction, table: &str| {
+        let shard = format!("{}.{table}_", schema.name());
+        t.commands.iter().filter(|sql| sql.contains(&shard)).count()
+    };
+    let (writes, reads): (Vec<&Transaction>, Vec<&Transaction>) =
+        transactions.iter().filter(|t| of_table(t, "wallet") > 0).partition(|t| t.wallets_written(names) > 0);
+    assert_eq!(reads.len(), shards.len(), "one read a shard: {reads:?}");
+    assert_eq!(writes.len(), 1, "one transaction writes the round: {writes:?}");
+    assert_eq!(writes[0].nodes.len(), 1, "on one worker: {:?}", writes[0].nodes);
+    assert_eq!(writes[0].wallets_written(names), names.len());
+    for table in ["wallet", "ledger_entry"] {
+        assert_eq!(of_table(writes[0], table), shards.len(), "a statement a shard writes `{table}`");
+    }
+    let balances: Vec<i64> = sqlx::query_scalar("select balance from wallet where id = any($1)")
+        .bind(names)
+        .fetch_all(&db)
+        .await
+        .unwrap();
+    assert_eq!(balances, vec![90; names.len()]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

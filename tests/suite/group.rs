@@ -13,7 +13,7 @@ use walletlock::ledger::storage::Storage;
 use walletlock::ledger::{self, Entry};
 use walletlock::wallet::{Moved, WalletError, WalletId, lease_name};
 
-async fn wallet_with(db: &sqlx::PgPool, balance: i64) -> WalletId {
+pub(crate) async fn wallet_with(db: &sqlx::PgPool, balance: i64) -> WalletId {
     let id = WalletId::generate();
     let mut tx = db.begin().await.unwrap();
     ledger::create_wallet(&mut tx, id.as_str(), CALLER, balance, true).await.unwrap();
@@ -21,7 +21,7 @@ async fn wallet_with(db: &sqlx::PgPool, balance: i64) -> WalletId {
     id
 }
 
-fn payment(id: &WalletId, fence: i64, version: i64, amount: i64, balance: i64) -> Entry {
+pub(crate) fn payment(id: &WalletId, fence: i64, version: i64, amount: i64, balance: i64) -> Entry {
     Entry {
         id: uuid::Uuid::new_v4(),
         wallet_id: id.as_str().to_owned(),
@@ -41,7 +41,7 @@ fn payment(id: &WalletId, fence: i64, version: i64, amount: i64, balance: i64) -
 
 /// The first write of each of `ids` (opened with 100, never written) under the lease holding
 /// `fence`: a payment of 10.
-fn first_writes(ids: &[WalletId], fence: i64) -> Vec<WalletWrite<'_>> {
+pub(crate) fn first_writes(ids: &[WalletId], fence: i64) -> Vec<WalletWrite<'_>> {
     ids.iter()
         .enumerate()
         .map(|(n, id)| WalletWrite {
@@ -73,7 +73,8 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
     let mut conn = db.acquire().await.unwrap();
     let reads: Vec<ToRead> =
         ids.iter().map(|id| ToRead { id: id.as_str(), fence: 5, written: false }).collect();
-    let found = group::read(&mut conn, &reads, &round_of(&reads), &[], HoldsToRead::none()).await.unwrap();
+    let found =
+        group::read(&mut conn, None, &reads, &round_of(&reads), &[], HoldsToRead::none()).await.unwrap();
     for id in &ids {
         assert!(
             matches!(found.wallets[id.as_str()], ReadOutcome::Ready { fence: 0, .. }),
@@ -84,8 +85,10 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
     // The second wallet's lease passes to a newer holder, which reads and writes it first.
     let newer = [ToRead { id: ids[1].as_str(), fence: 6, written: false }];
     assert!(matches!(
-        group::read(&mut conn, &newer, &round_of(&newer), &[], HoldsToRead::none()).await.unwrap().wallets
-            [ids[1].as_str()],
+        group::read(&mut conn, None, &newer, &round_of(&newer), &[], HoldsToRead::none())
+            .await
+            .unwrap()
+            .wallets[ids[1].as_str()],
         ReadOutcome::Ready { .. }
     ));
     let newer_entry = payment(&ids[1], 6, 2, 10, 90);
@@ -94,10 +97,16 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
         keys: Vec::new(),
         ..GroupWrite::of(first_writes(&ids[1..2], 6))
     };
-    let committed =
-        group::commit(&mut conn, Storage::OnePostgres, &write, chrono::Utc::now(), Duration::from_secs(60))
-            .await
-            .unwrap();
+    let committed = group::commit(
+        &mut conn,
+        Storage::OnePostgres,
+        None,
+        &write,
+        chrono::Utc::now(),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
     assert!(committed.moved.contains(ids[1].as_str()), "{committed:?}");
 
     let entries: Vec<Entry> = ids.iter().map(|id| payment(id, 5, 2, 10, 90)).collect();
@@ -106,10 +115,16 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
         keys: Vec::new(),
         ..GroupWrite::of(first_writes(&ids, 5))
     };
-    let committed =
-        group::commit(&mut conn, Storage::OnePostgres, &write, chrono::Utc::now(), Duration::from_secs(60))
-            .await
-            .unwrap();
+    let committed = group::commit(
+        &mut conn,
+        Storage::OnePostgres,
+        None,
+        &write,
+        chrono::Utc::now(),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
 
     let moved = &committed.moved;
     assert!(moved.contains(ids[0].as_str()) && moved.contains(ids[2].as_str()), "{committed:?}");
@@ -121,13 +136,15 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
     }
     // The stale holder can read no more: the row has seen a higher fence than its lease's.
     let stale = [ToRead { id: ids[1].as_str(), fence: 5, written: false }];
-    let found = group::read(&mut conn, &stale, &round_of(&stale), &[], HoldsToRead::none()).await.unwrap();
+    let found =
+        group::read(&mut conn, None, &stale, &round_of(&stale), &[], HoldsToRead::none()).await.unwrap();
     assert_eq!(found.wallets[ids[1].as_str()], ReadOutcome::FenceBehind { seen: 6 });
     // The newer holder reads the row at its own fence: ready if it says it wrote with that fence
     // (a holder keeping its lease across rounds), behind if not (the same fence issued twice).
     for (written, ready) in [(true, true), (false, false)] {
         let own = [ToRead { id: ids[1].as_str(), fence: 6, written }];
-        let found = group::read(&mut conn, &own, &round_of(&own), &[], HoldsToRead::none()).await.unwrap();
+        let found =
+            group::read(&mut conn, None, &own, &round_of(&own), &[], HoldsToRead::none()).await.unwrap();
         let outcome = &found.wallets[ids[1].as_str()];
         assert_eq!(
             matches!(outcome, ReadOutcome::Ready { fence: 6, .. }),
@@ -147,7 +164,7 @@ async fn the_wallets_of_one_group_are_written_all_or_none() {
     let newer_entry = payment(&ids[1], 6, 2, 10, 90);
     let newer = GroupWrite { entries: vec![&newer_entry], ..GroupWrite::of(first_writes(&ids[1..2], 6)) };
     let now = chrono::Utc::now();
-    group::commit(&mut conn, Storage::OnePostgres, &newer, now, Duration::from_secs(60)).await.unwrap();
+    group::commit(&mut conn, Storage::OnePostgres, None, &newer, now, Duration::from_secs(60)).await.unwrap();
 
     // The first two wallets are the legs of one movement, the third a group of its own: the stale
     // second leg leaves the first unwritten too, and the third is written.
@@ -156,7 +173,9 @@ async fn the_wallets_of_one_group_are_written_all_or_none() {
     wallets[1].group = wallets[0].group;
     let write = GroupWrite { entries: entries.iter().collect(), ..GroupWrite::of(wallets) };
     let committed =
-        group::commit(&mut conn, Storage::OnePostgres, &write, now, Duration::from_secs(60)).await.unwrap();
+        group::commit(&mut conn, Storage::OnePostgres, None, &write, now, Duration::from_secs(60))
+            .await
+            .unwrap();
     assert_eq!(committed.moved, [ids[2].as_str().to_owned()].into(), "{committed:?}");
     assert!(committed.busy.is_empty(), "{committed:?}");
     let pays: Vec<i64> = futures::future::join_all(ids.iter().map(|id| books(&db, id.as_str())))
@@ -196,10 +215,16 @@ async fn a_round_leaves_out_a_wallet_whose_row_another_statement_holds_and_write
         .collect();
     let write = GroupWrite { entries: entries.iter().collect(), keys: Vec::new(), ..GroupWrite::of(wallets) };
     let started = Instant::now();
-    let committed =
-        group::commit(&mut conn, Storage::OnePostgres, &write, chrono::Utc::now(), Duration::from_secs(60))
-            .await
-            .unwrap();
+    let committed = group::commit(
+        &mut conn,
+        Storage::OnePostgres,
+        None,
+        &write,
+        chrono::Utc::now(),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
     assert!(started.elapsed() < Duration::from_secs(1), "the round did not wait for the row");
     assert!(
         committed.busy.contains(ids[0].as_str()) && !committed.moved.contains(ids[0].as_str()),
@@ -310,9 +335,10 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                     fence += 4;
                     let reads: Vec<ToRead> =
                         ids.iter().map(|id| ToRead { id: id.as_str(), fence, written: false }).collect();
-                    let found = group::read(&mut conn, &reads, &round_of(&reads), &[], HoldsToRead::none())
-                        .await
-                        .expect("no deadlock at the read");
+                    let found =
+                        group::read(&mut conn, None, &reads, &round_of(&reads), &[], HoldsToRead::none())
+                            .await
+                            .expect("no deadlock at the read");
                     let mut entries = Vec::new();
                     let mut wallets = Vec::new();
                     for id in &ids {
@@ -343,6 +369,7 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                     group::commit(
                         &mut conn,
                         Storage::OnePostgres,
+                        None,
                         &write,
                         chrono::Utc::now(),
                         Duration::from_secs(60),

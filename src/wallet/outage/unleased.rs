@@ -219,7 +219,7 @@ async fn decide_write_commit(
     }
     settings.events_of(&mut write);
     if !write.wallets.is_empty() {
-        match Box::pin(store::commit(&mut tx, storage, &write, now, settings.retention)).await {
+        match Box::pin(store::commit(&mut tx, storage, None, &write, now, settings.retention)).await {
             Ok(committed) if committed.moved.len() == write.wallets.len() => {}
             // Every row written is locked by this transaction: nobody else can have moved it.
             Ok(_) => return Err(WalletError::internal("a row locked for a write did not match it").into()),
@@ -260,7 +260,7 @@ async fn decide_all(
         let found = if keys.is_empty() && holds.is_empty() {
             store::Found::default()
         } else {
-            Box::pin(store::read(conn, &[], &round, &keys, holds)).await?
+            Box::pin(store::read(conn, None, &[], &round, &keys, holds)).await?
         };
         let refunded = decision::Refunds::new();
         let known = Known {

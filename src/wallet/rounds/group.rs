@@ -18,14 +18,18 @@
 //! whose note was stale matches nothing; its job comes back ([`JobOutcome::Stale`]) to be read
 //! and run again, and the others commit.
 //!
-//! Under Citus ([`crate::ledger::storage`]) a round is one wallet, so that it runs on the one node
-//! holding it, and up to `CITUS_CONCURRENT_ROUNDS` rounds run at once.
+//! Under Citus ([`crate::ledger::storage`]) a round is the wallets of one node, so that it commits
+//! on that node alone, in one phase: the replica knows each wallet's shard and node
+//! ([`crate::ledger::shards`]), a round takes the jobs queued for the node of its first (the others
+//! wait for a round of their node, ahead of what comes later), and its statements go one per shard.
+//! A wallet whose node the replica does not know yet is a round of its own.
 
 use crate::ledger::group::{
     self as store, GroupWrite, HoldsToRead, KeyWrite, ReadOutcome, Settlement, ToRead, WalletWrite,
 };
 use crate::ledger::hold::Hold;
 use crate::ledger::idempotency::KeyRef;
+use crate::ledger::shards::{self, NodeId, ShardMap};
 use crate::ledger::storage::{KnownStorage, Storage};
 use crate::telemetry::metrics::{LEASE_NOTE_STALE, PG_POOL_ACQUIRE_WAIT, ROUND_WALLETS, WALLET_BUSY};
 use crate::wallet::decision::{self, Batch, FoundKeys, Held, Known, LegsOp, LegsPlan, LegsWallet, Op, Plan};
@@ -33,7 +37,8 @@ use crate::wallet::transfer::Done;
 use crate::wallet::{Moved, WalletError, WalletId};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
@@ -44,12 +49,10 @@ pub const MAX_ROUND_OPS: usize = 512;
 /// Rounds in flight at once per replica. One: what arrives while it waits for its WAL flush joins
 /// the next, so a busy replica writes more wallets per statement and per flush. Two rounds at once
 /// measured 4% fewer spread payments a second, at 0.31 WAL flushes and 0.82 statements per
-/// payment instead of 0.24 and 0.53 (`loadtest/bench`, 2 cores).
+/// payment instead of 0.24 and 0.53 (`loadtest/bench`, 2 cores). Under Citus too: rounds side by
+/// side there are rounds of fewer wallets, each a distributed transaction of a few statements a
+/// shard, and eight at once ran at a third of one's rate.
 const CONCURRENT_ROUNDS: usize = 1;
-/// Rounds in flight at once per replica under Citus, where a round is one wallet (see
-/// [`crate::ledger::storage`]): the wallets of different nodes, and of one node, commit side by
-/// side.
-const CITUS_CONCURRENT_ROUNDS: usize = 8;
 
 /// How long a holder that found its wallet's row busy waits before it tries again (while its
 /// lease lasts: a holder that stays busy longer has lost the wallet to the one writing it).
@@ -131,6 +134,15 @@ impl Submitted {
         match self {
             Submitted::Wallet((job, _)) => job.ops.len(),
             Submitted::Legs((job, _)) => job.ops.len(),
+        }
+    }
+
+    /// The node of the job's wallet under Citus; `None` for movements between wallets, which are
+    /// rounds of their own.
+    fn node(&self, shards: &ShardMap) -> Option<NodeId> {
+        match self {
+            Submitted::Wallet((job, _)) => shards.place(job.id.as_str()).map(|(_, node)| node),
+            Submitted::Legs(_) => None,
         }
     }
 
@@ -246,24 +258,28 @@ async fn gather(
     tracker: TaskTracker,
     mut queued: mpsc::UnboundedReceiver<Submitted>,
 ) {
-    let (lane_back, mut lanes) =
-        mpsc::channel::<RoundConnection>(CONCURRENT_ROUNDS.max(CITUS_CONCURRENT_ROUNDS));
+    let (lane_back, mut lanes) = mpsc::channel::<RoundConnection>(CONCURRENT_ROUNDS);
     for _ in 0..CONCURRENT_ROUNDS {
         lane_back.try_send(None).expect("a channel sized for every lane");
     }
-    let mut lanes_for_citus = false;
+    // Under Citus: where the wallets are, and the jobs waiting for a round of their node.
+    let mut shard_map: Option<tokio::sync::watch::Receiver<Option<Arc<ShardMap>>>> = None;
+    let mut waiting: VecDeque<Submitted> = VecDeque::new();
     // A round waits for a lane as a request waits for a pooled connection: no longer than the
     // pool's acquire timeout, then it is answered 503 rather than left to time out.
     let lane_wait = db.options().get_acquire_timeout();
     loop {
-        let first = tokio::select! {
-            next = queued.recv() => match next {
-                Some(first) => first,
-                None => return,
+        let first = match waiting.pop_front() {
+            Some(first) => first,
+            None => tokio::select! {
+                next = queued.recv() => match next {
+                    Some(first) => first,
+                    None => return,
+                },
+                // The replica drained (no worker or round left): the kept connections go back to
+                // the pool, which can then close.
+                () = tracker.wait() => return,
             },
-            // The replica drained (no worker or round left): the kept connections go back to the
-            // pool, which can then close.
-            () = tracker.wait() => return,
         };
         // What the round may gather depends on where the tables live, learnt from the first
         // round's database (a replica starts whether or not Postgres is up).
@@ -274,12 +290,10 @@ async fn gather(
                 continue;
             }
         };
-        if storage == Storage::Citus && !lanes_for_citus {
-            for _ in CONCURRENT_ROUNDS..CITUS_CONCURRENT_ROUNDS {
-                lane_back.try_send(None).expect("a channel sized for every lane");
-            }
-            lanes_for_citus = true;
+        if storage == Storage::Citus && shard_map.is_none() {
+            shard_map = Some(shards::keep(db.clone()));
         }
+        let shards: Option<Arc<ShardMap>> = shard_map.as_ref().and_then(|map| map.borrow().clone());
         let lane = match tokio::time::timeout(lane_wait, lanes.recv()).await {
             Ok(Some(lane)) => lane,
             Ok(None) => return,
@@ -288,18 +302,36 @@ async fn gather(
                 continue;
             }
         };
-        // Everything that queued meanwhile joins this round, on one Postgres; under Citus a round
-        // is one wallet, a transaction on the node holding it.
+        // Everything that queued meanwhile joins this round, on one Postgres; under Citus,
+        // everything of the first job's node.
         let mut ops = first.ops();
+        let node = shards.as_deref().and_then(|map| first.node(map));
         let mut round = vec![first];
-        while ops < MAX_ROUND_OPS && storage == Storage::OnePostgres {
-            let Ok(next) = queued.try_recv() else { break };
-            ops += next.ops();
-            round.push(next);
+        match (storage, shards.as_deref(), node) {
+            (Storage::OnePostgres, _, _) => {
+                while ops < MAX_ROUND_OPS {
+                    let Ok(next) = queued.try_recv() else { break };
+                    ops += next.ops();
+                    round.push(next);
+                }
+            }
+            (Storage::Citus, Some(map), Some(node)) => {
+                let mut others = VecDeque::new();
+                for next in waiting.drain(..).chain(std::iter::from_fn(|| queued.try_recv().ok())) {
+                    if ops < MAX_ROUND_OPS && next.node(map) == Some(node) {
+                        ops += next.ops();
+                        round.push(next);
+                    } else {
+                        others.push_back(next);
+                    }
+                }
+                waiting = others;
+            }
+            (Storage::Citus, _, _) => {}
         }
         let (db, lane_back) = (db.clone(), lane_back.clone());
         tracker.spawn(async move {
-            let lane = run_round(&db, lane, settings, storage, round).await;
+            let lane = run_round(&db, lane, settings, storage, shards, round).await;
             let _ = lane_back.send(lane).await;
         });
     }
@@ -351,6 +383,7 @@ async fn run_round(
     lane: RoundConnection,
     settings: RoundSettings,
     storage: Storage,
+    shards: Option<Arc<ShardMap>>,
     round: Vec<Submitted>,
 ) -> RoundConnection {
     metrics::histogram!(ROUND_WALLETS.name).record(round.len() as f64);
@@ -395,7 +428,7 @@ async fn run_round(
         let expired: Vec<&str> = expired_of.iter().map(String::as_str).collect();
         let holds = HoldsToRead { ids: &hold_ids, expired_of: &expired, now: read_at };
         crate::failpoint::hit("before_round_read");
-        let reading = Box::pin(read(&mut conn, &mut jobs, look_up_keys, holds));
+        let reading = Box::pin(read(&mut conn, shards.as_deref(), &mut jobs, look_up_keys, holds));
         let (mut found, gave_up) = match answered_within(settings.answer_within, reading).await {
             Some(found) => (found, false),
             None => (Err(WalletError::from(unanswered(settings.answer_within))), true),
@@ -409,7 +442,7 @@ async fn run_round(
                 Ok(fresh) => fresh,
                 Err(err) => return answer_all(jobs, &err.into()),
             };
-            found = Box::pin(read(&mut conn, &mut jobs, true, holds)).await;
+            found = Box::pin(read(&mut conn, shards.as_deref(), &mut jobs, true, holds)).await;
         }
         let (keys, held_holds) = match found {
             Ok(found) => found,
@@ -463,7 +496,14 @@ async fn run_round(
             Ok(Default::default())
         } else {
             crate::failpoint::hit("before_commit");
-            let writing = Box::pin(store::commit(&mut conn, storage, &write, now, settings.retention));
+            let writing = Box::pin(store::commit(
+                &mut conn,
+                storage,
+                shards.as_deref(),
+                &write,
+                now,
+                settings.retention,
+            ));
             let written = answered_within(settings.answer_within, writing)
                 .await
                 .unwrap_or_else(|| Err(unanswered(settings.answer_within).into()));
@@ -614,6 +654,7 @@ fn answer_all(jobs: RoundJobs, err: &WalletError) -> RoundConnection {
 /// nothing: the write checks the keys.
 async fn read(
     conn: &mut sqlx::PgConnection,
+    shards: Option<&ShardMap>,
     jobs: &mut RoundJobs,
     look_up_keys: bool,
     holds: HoldsToRead<'_>,
@@ -664,7 +705,7 @@ async fn read(
             .chain(legs_jobs.flat_map(|job| job.wallets.iter().map(|w| w.id.as_str())))
             .chain(keys.iter().map(|key| key.wallet))
             .collect();
-        store::read(conn, &to_read, &round, &keys, holds).await.map_err(WalletError::from)?
+        store::read(conn, shards, &to_read, &round, &keys, holds).await.map_err(WalletError::from)?
     };
     for (job, reply) in jobs.pending.drain(..) {
         let held = match job.held {
