@@ -86,20 +86,12 @@ wl_secret() {
   cat "$file"
 }
 
-# wl_redis_acl FILE PREFIX APP_PASSWORD ADMIN_PASSWORD: no default user, `admin` for operators, and
-# the replicas' `walletlock`: the lease keys and channels under PREFIX, FCALL but no script of its
-# own, and the commands the lease layer sends (docs/operating/redis-access.md).
+# shellcheck source=deploy/compose.d/redis-acl.sh
+source "$(dirname "${BASH_SOURCE[0]}")/compose.d/redis-acl.sh"
+# wl_redis_acl FILE PREFIX APP_PASSWORD ADMIN_PASSWORD: wl_redis_acl_lines into FILE (owner-only).
 wl_redis_acl() {
-  local file=$1 prefix=$2 app=$3 admin=$4
-  mkdir -p "$(dirname "$file")"
-  (
-    umask 077
-    {
-      echo "user default off"
-      echo "user admin on >$admin ~* &* +@all"
-      echo "user walletlock on >$app ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +fcall +function|list +get +set +del +exists +incr +pexpire +pttl +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
-    } >"$file"
-  )
+  mkdir -p "$(dirname "$1")"
+  (umask 077 && wl_redis_acl_lines "$2" ">$3" ">$4" >"$1")
 }
 
 # wl_start_sentinel DIR PORT MASTER PRIMARY_PORT ADMIN_PASSWORD [TLS_DIR]: a Sentinel on

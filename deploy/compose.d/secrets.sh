@@ -3,7 +3,7 @@
 # Redis and the replicas on every `up`, into the `secrets` volume at $SECRETS_DIR:
 #   api-tokens       `local:<64 hex>`, made on the first start only, printed on every run; 0400,
 #                    owned by the replicas' and k6's uid
-#   redis-users.acl  deploy/lib.sh's wl_redis_acl with the passwords' SHA-256; 0400, owned by redis
+#   redis-users.acl  redis-acl.sh's users with the passwords' SHA-256; 0400, owned by redis
 set -eu
 
 dir=${SECRETS_DIR:-/secrets}
@@ -47,11 +47,9 @@ fi
 
 # --- the Redis ACL ----------------------------------------------------------------------------------
 sha256() { printf '%s' "$1" | sha256sum | cut -d' ' -f1; }
-{
-  echo "user default off"
-  echo "user admin on #$(sha256 "$WALLETLOCK_REDIS_ADMIN_PASSWORD") ~* &* +@all"
-  # As wl_redis_acl in deploy/lib.sh (deploy/checks.py compares the two).
-  echo "user walletlock on #$(sha256 "$WALLETLOCK_REDIS_PASSWORD") ~{$prefix:* &{$prefix:* +ping +hello +auth +client|setname +unwatch +fcall +function|list +get +set +del +exists +incr +pexpire +pttl +publish +subscribe +unsubscribe +cluster|slots +cluster|shards +cluster|nodes +cluster|myid +readonly +readwrite +role"
-} >"$dir/redis-users.acl.new"
+# shellcheck source=deploy/compose.d/redis-acl.sh
+. "$(dirname "$0")/redis-acl.sh"
+wl_redis_acl_lines "$prefix" "#$(sha256 "$WALLETLOCK_REDIS_PASSWORD")" "#$(sha256 "$WALLETLOCK_REDIS_ADMIN_PASSWORD")" \
+  >"$dir/redis-users.acl.new"
 install_file "$dir/redis-users.acl.new" "$dir/redis-users.acl" "$redis_uid"
 echo "secrets: wrote the Redis ACL (users admin and walletlock, keys {$prefix:*)"
