@@ -40,11 +40,3 @@ lt_fleet_up() {
   wl_log "the local fleet is not (all) up: deploy/local up"
   "$lt_root/deploy/local" up >&2
 }
-
-# lt_replica_pids: "NAME PID" for each replica deploy/local runs.
-lt_replica_pids() {
-  local file
-  for file in "$lt_state"/replica-*/walletlock.pid; do
-    [ ! -s "$file" ] || echo "$(basename "$(dirname "$file")") $(head -n 1 "$file")"
-  done | sort -V
-}
