@@ -38,7 +38,7 @@
 use super::event::{EventColumns, EventWrite};
 use super::hold::Hold;
 use super::idempotency::{KeyRef, ResponseRow};
-use super::shards::{ShardKey, ShardMap};
+use super::shards::{ShardMap, by_shard};
 use super::storage::Storage;
 use super::transfer::{MovementRecord, Transfer};
 use super::{Entry, StoreError, WalletRead};
@@ -981,16 +981,4 @@ async fn commit_routed(
     tx.commit().await?;
     super::event::count_written(events.iter().map(|(event, _, _)| *event));
     Ok(committed)
-}
-
-/// `rows` by the shard each goes to, each shard's in their order.
-fn by_shard<'k, T>(
-    rows: impl IntoIterator<Item = T>,
-    key: impl Fn(&T) -> ShardKey<'k>,
-) -> BTreeMap<ShardKey<'k>, Vec<T>> {
-    let mut by_shard: BTreeMap<ShardKey<'k>, Vec<T>> = BTreeMap::new();
-    for row in rows {
-        by_shard.entry(key(&row)).or_default().push(row);
-    }
-    by_shard
 }

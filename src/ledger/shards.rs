@@ -11,6 +11,7 @@
 
 use super::StoreError;
 use sqlx::{PgConnection, PgPool};
+use std::collections::BTreeMap;
 use std::num::Wrapping;
 use std::sync::Arc;
 use std::time::Duration;
@@ -81,6 +82,18 @@ impl ShardMap {
     pub fn key<'a>(map: Option<&Self>, wallet: &'a str) -> ShardKey<'a> {
         map.and_then(|map| map.shard_of(wallet)).map_or(ShardKey::Wallet(wallet), ShardKey::Shard)
     }
+}
+
+/// `rows` by the shard each goes to, each shard's in their order.
+pub fn by_shard<'k, T>(
+    rows: impl IntoIterator<Item = T>,
+    key: impl Fn(&T) -> ShardKey<'k>,
+) -> BTreeMap<ShardKey<'k>, Vec<T>> {
+    let mut by_shard: BTreeMap<ShardKey<'k>, Vec<T>> = BTreeMap::new();
+    for row in rows {
+        by_shard.entry(key(&row)).or_default().push(row);
+    }
+    by_shard
 }
 
 /// How often a replica reads the map again: shards move when an operator rebalances, and until

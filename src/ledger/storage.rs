@@ -5,9 +5,10 @@
 //! node, written one statement a shard ([`super::shards`], [`super::group`]).
 
 use super::StoreError;
+use super::shards::ShardMap;
 use sqlx::{Executor, PgConnection, PgPool};
-use std::sync::Arc;
-use tokio::sync::OnceCell;
+use std::sync::{Arc, OnceLock};
+use tokio::sync::{OnceCell, watch};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Storage {
@@ -45,19 +46,37 @@ impl Storage {
 }
 
 /// A database's [`Storage`], learnt from the first connection that answers and kept: a replica
-/// starts whether or not Postgres is up, so it cannot ask at startup. Cheap to clone.
+/// starts whether or not Postgres is up, so it cannot ask at startup. Under Citus, with where each
+/// wallet is ([`KnownStorage::shards`]). Cheap to clone.
 #[derive(Debug, Clone, Default)]
-pub struct KnownStorage(Arc<OnceCell<Storage>>);
+pub struct KnownStorage(Arc<Known>);
+
+#[derive(Debug, Default)]
+struct Known {
+    storage: OnceCell<Storage>,
+    shards: OnceLock<watch::Receiver<Option<Arc<ShardMap>>>>,
+}
 
 impl KnownStorage {
     /// The storage, once learnt.
     pub fn get(&self) -> Option<Storage> {
-        self.0.get().copied()
+        self.0.storage.get().copied()
+    }
+
+    /// Under Citus, the map of the wallets' shards, which a task of its own reads again every few
+    /// seconds ([`super::shards::keep`]), started by the first call; `None` on one Postgres, until
+    /// the storage is learnt, and until the map is read.
+    pub fn shards(&self, db: &PgPool) -> Option<Arc<ShardMap>> {
+        if self.get() != Some(Storage::Citus) {
+            return None;
+        }
+        self.0.shards.get_or_init(|| super::shards::keep(db.clone())).borrow().clone()
     }
 
     /// The storage of `db`, asking it the first time.
     pub async fn of(&self, db: &PgPool) -> Result<Storage, StoreError> {
         self.0
+            .storage
             .get_or_try_init(|| async {
                 let mut conn = db.acquire().await?;
                 Ok::<_, StoreError>(Storage::of(&mut conn).await?)
@@ -70,6 +89,10 @@ impl KnownStorage {
     /// caller holding a transaction, which must never wait for a second connection from the pool
     /// (with the pool full of such callers, each would wait for the others' until it timed out).
     pub async fn on(&self, conn: &mut PgConnection) -> Result<Storage, StoreError> {
-        self.0.get_or_try_init(|| async { Ok::<_, StoreError>(Storage::of(conn).await?) }).await.copied()
+        self.0
+            .storage
+            .get_or_try_init(|| async { Ok::<_, StoreError>(Storage::of(conn).await?) })
+            .await
+            .copied()
     }
 }

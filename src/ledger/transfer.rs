@@ -11,6 +11,7 @@
 
 use super::group::FoundKey;
 use super::idempotency::{KeyRef, ResponseRow};
+use super::shards::{ShardMap, by_shard};
 use super::{Entry, StoreError, entry_columns};
 use crate::domain::{EntryKind, Metadata, MovementStatus, Rules};
 use chrono::{DateTime, Utc};
@@ -78,19 +79,31 @@ pub async fn lock_wallets(
 /// Locks the rows of `ids` that no other transaction holds right now, in id order, until the
 /// transaction ends, without waiting for any (`SKIP LOCKED`). Missing from the answer: wallets
 /// that do not exist, and those another transaction holds.
+///
+/// Under Citus, with `shards` known, the wallets of each shard are locked by a statement of their
+/// own, which Citus routes whole to the shard's node.
 pub async fn lock_free_wallets(
     tx: &mut PgConnection,
+    shards: Option<&ShardMap>,
     ids: &[&str],
 ) -> Result<HashMap<String, LockedWallet>, StoreError> {
-    let rows = sqlx::query(
-        // language=PostgreSQL
-        "select id, balance, held, version, fence, owner, rules from wallet where id = any($1) order by id
-         for update skip locked",
-    )
-    .bind(ids)
-    .fetch_all(&mut *tx)
-    .await?;
-    locked_rows(&rows)
+    let mut locked = HashMap::with_capacity(ids.len());
+    let statements: Vec<Vec<&str>> = match shards {
+        None => vec![ids.to_vec()],
+        Some(map) => by_shard(ids.iter().copied(), |id| ShardMap::key(Some(map), id)).into_values().collect(),
+    };
+    for ids in &statements {
+        let rows = sqlx::query(
+            // language=PostgreSQL
+            "select id, balance, held, version, fence, owner, rules from wallet where id = any($1) order by id
+             for update skip locked",
+        )
+        .bind(ids)
+        .fetch_all(&mut *tx)
+        .await?;
+        locked.extend(locked_rows(&rows)?);
+    }
+    Ok(locked)
 }
 
 fn locked_rows(rows: &[sqlx::postgres::PgRow]) -> Result<HashMap<String, LockedWallet>, StoreError> {

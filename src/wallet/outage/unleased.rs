@@ -12,6 +12,8 @@
 //! - **Rounds across wallets** ([`UnleasedRounds`]): the batches of every wallet waiting on this
 //!   replica go in one transaction, which locks their rows in id order without waiting for any
 //!   (`SKIP LOCKED`): one lock, one read, one write, one WAL flush for the round, as on leases.
+//!   Under Citus a round is the wallets of one worker, each statement a shard's, as on leases
+//!   ([`group::take_round`]).
 //! - **A wallet alone**: a batch whose row another transaction held (another replica writing the
 //!   wallet right then: a hot wallet) waits for it in a transaction of its own, `FOR UPDATE`
 //!   bounded by [`ROW_LOCK_TIMEOUT`] (then `503 lock_timeout`), so contended wallets queue in
@@ -19,17 +21,18 @@
 
 use crate::ledger::group::{self as store, GroupWrite, HoldsToRead};
 use crate::ledger::idempotency::KeyRef;
+use crate::ledger::shards::ShardMap;
 use crate::ledger::storage::{KnownStorage, Storage};
 use crate::ledger::transfer::{lock_free_wallets, lock_wallets};
 use crate::telemetry::metrics::BATCH_SIZE;
 use crate::wallet::decision::{self, Batch, Held, Known, Op, Plan};
 use crate::wallet::outage::{Path, count_path};
-use crate::wallet::rounds::group::{self, MAX_ROUND_OPS, RoundSettings};
+use crate::wallet::rounds::group::{self, RoundSettings, take_round};
 use crate::wallet::rounds::queue::{MAX_BATCH, MAX_HOLD, Reply};
 use crate::wallet::transfer::ROW_LOCK_TIMEOUT;
 use crate::wallet::{Moved, WalletError, WalletId, Wallets};
 use sqlx::{PgConnection, PgPool};
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
@@ -89,19 +92,24 @@ fn failed(ops: usize, err: &WalletError) -> RoundOutcome {
 async fn gather(
     db: PgPool,
     settings: RoundSettings,
-    storage: KnownStorage,
+    known: KnownStorage,
     tracker: TaskTracker,
     mut queued: mpsc::UnboundedReceiver<BatchWithReply>,
 ) {
+    // Under Citus, the batches waiting for a round of their node.
+    let mut waiting = VecDeque::new();
     loop {
-        let first = tokio::select! {
-            next = queued.recv() => match next {
-                Some(first) => first,
-                None => return,
+        let first = match waiting.pop_front() {
+            Some(first) => first,
+            None => tokio::select! {
+                next = queued.recv() => match next {
+                    Some(first) => first,
+                    None => return,
+                },
+                () = tracker.wait() => return,
             },
-            () = tracker.wait() => return,
         };
-        let storage = match Box::pin(storage.of(&db)).await {
+        let storage = match Box::pin(known.of(&db)).await {
             Ok(storage) => storage,
             Err(err) => {
                 let (_, ops, reply) = first;
@@ -109,15 +117,10 @@ async fn gather(
                 continue;
             }
         };
-        // Under Citus a round is one wallet, a transaction on the node holding it.
-        let mut ops = first.1.len();
-        let mut round = vec![first];
-        while ops < MAX_ROUND_OPS && storage == Storage::OnePostgres {
-            let Ok(next) = queued.try_recv() else { break };
-            ops += next.1.len();
-            round.push(next);
-        }
-        Box::pin(run_round(&db, settings, storage, round)).await;
+        let shards = known.shards(&db);
+        let node = |(id, _, _): &BatchWithReply| shards.as_deref()?.place(id.as_str()).map(|(_, node)| node);
+        let round = take_round(first, storage, node, |(_, ops, _)| ops.len(), &mut waiting, &mut queued);
+        Box::pin(run_round(&db, settings, storage, shards.as_deref(), round)).await;
     }
 }
 
@@ -151,7 +154,13 @@ impl Locked {
 
 /// One round: lock the rows no one else holds, read, decide, write, commit; the batches whose rows
 /// were held come back ([`RoundOutcome::NotRun`]).
-async fn run_round(db: &PgPool, settings: RoundSettings, storage: Storage, round: Vec<BatchWithReply>) {
+async fn run_round(
+    db: &PgPool,
+    settings: RoundSettings,
+    storage: Storage,
+    shards: Option<&ShardMap>,
+    round: Vec<BatchWithReply>,
+) {
     let answer_all = |round: Vec<(oneshot::Sender<RoundOutcome>, usize)>, err: &WalletError| {
         for (reply, ops) in round {
             let _ = reply.send(failed(ops, err));
@@ -164,7 +173,7 @@ async fn run_round(db: &PgPool, settings: RoundSettings, storage: Storage, round
         }
     };
     let ids: Vec<&str> = round.iter().map(|(id, _, _)| id.as_str()).collect();
-    let rows = match lock_free_wallets(&mut tx, &ids).await {
+    let rows = match lock_free_wallets(&mut tx, shards, &ids).await {
         Ok(rows) => rows,
         Err(err) => {
             return answer_all(round.into_iter().map(|(_, ops, r)| (r, ops.len())).collect(), &err.into());
@@ -183,7 +192,7 @@ async fn run_round(db: &PgPool, settings: RoundSettings, storage: Storage, round
         return;
     }
     let batches: Vec<Batch<'_>> = locked.iter().map(Locked::batch).collect();
-    let written = decide_write_commit(tx, storage, &batches, settings).await;
+    let written = decide_write_commit(tx, storage, shards, &batches, settings).await;
     drop(batches);
     match written {
         Ok(results) => {
@@ -209,17 +218,18 @@ async fn run_round(db: &PgPool, settings: RoundSettings, storage: Storage, round
 async fn decide_write_commit(
     mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
     storage: Storage,
+    shards: Option<&ShardMap>,
     batches: &[Batch<'_>],
     settings: RoundSettings,
 ) -> Result<Vec<Vec<Result<Moved, WalletError>>>, Failed> {
-    let (now, plans) = decide_all(&mut tx, batches).await?;
+    let (now, plans) = decide_all(&mut tx, shards, batches).await?;
     let mut write = GroupWrite::default();
     for (batch, plan) in batches.iter().zip(&plans).filter(|(_, plan)| plan.runs()) {
         group::add_wallet(&mut write, batch, plan);
     }
     settings.events_of(&mut write);
     if !write.wallets.is_empty() {
-        match Box::pin(store::commit(&mut tx, storage, None, &write, now, settings.retention)).await {
+        match Box::pin(store::commit(&mut tx, storage, shards, &write, now, settings.retention)).await {
             Ok(committed) if committed.moved.len() == write.wallets.len() => {}
             // Every row written is locked by this transaction: nobody else can have moved it.
             Ok(_) => return Err(WalletError::internal("a row locked for a write did not match it").into()),
@@ -243,6 +253,7 @@ async fn decide_write_commit(
 /// left them) and decides the round; its time and each batch's plan.
 async fn decide_all(
     conn: &mut PgConnection,
+    shards: Option<&ShardMap>,
     batches: &[Batch<'_>],
 ) -> Result<(chrono::DateTime<chrono::Utc>, Vec<Plan>), WalletError> {
     let keys: Vec<KeyRef<'_>> = batches
@@ -260,7 +271,7 @@ async fn decide_all(
         let found = if keys.is_empty() && holds.is_empty() {
             store::Found::default()
         } else {
-            Box::pin(store::read(conn, None, &[], &round, &keys, holds)).await?
+            Box::pin(store::read(conn, shards, &[], &round, &keys, holds)).await?
         };
         let refunded = decision::Refunds::new();
         let known = Known {
@@ -338,7 +349,8 @@ impl Wallets {
         let held = Held::of_locked(row);
         let storage = self.storage.on(&mut tx).await?;
         let batch = Batch { id, fence: held.fence, held: &held, ops };
-        let mut results = Box::pin(decide_write_commit(tx, storage, &[batch], self.round_settings)).await?;
+        let mut results =
+            Box::pin(decide_write_commit(tx, storage, None, &[batch], self.round_settings)).await?;
         results.pop().ok_or_else(|| WalletError::internal("a batch decided into nothing").into())
     }
 }

@@ -29,7 +29,7 @@ use crate::ledger::group::{
 };
 use crate::ledger::hold::Hold;
 use crate::ledger::idempotency::KeyRef;
-use crate::ledger::shards::{self, NodeId, ShardMap};
+use crate::ledger::shards::{NodeId, ShardMap};
 use crate::ledger::storage::{KnownStorage, Storage};
 use crate::telemetry::metrics::{LEASE_NOTE_STALE, PG_POOL_ACQUIRE_WAIT, ROUND_WALLETS, WALLET_BUSY};
 use crate::wallet::decision::{self, Batch, FoundKeys, Held, Known, LegsOp, LegsPlan, LegsWallet, Op, Plan};
@@ -254,7 +254,7 @@ const LANE_FRESH: Duration = Duration::from_millis(10);
 async fn gather(
     db: PgPool,
     settings: RoundSettings,
-    storage: KnownStorage,
+    known: KnownStorage,
     tracker: TaskTracker,
     mut queued: mpsc::UnboundedReceiver<Submitted>,
 ) {
@@ -262,8 +262,7 @@ async fn gather(
     for _ in 0..CONCURRENT_ROUNDS {
         lane_back.try_send(None).expect("a channel sized for every lane");
     }
-    // Under Citus: where the wallets are, and the jobs waiting for a round of their node.
-    let mut shard_map: Option<tokio::sync::watch::Receiver<Option<Arc<ShardMap>>>> = None;
+    // Under Citus, the jobs waiting for a round of their node.
     let mut waiting: VecDeque<Submitted> = VecDeque::new();
     // A round waits for a lane as a request waits for a pooled connection: no longer than the
     // pool's acquire timeout, then it is answered 503 rather than left to time out.
@@ -283,17 +282,14 @@ async fn gather(
         };
         // What the round may gather depends on where the tables live, learnt from the first
         // round's database (a replica starts whether or not Postgres is up).
-        let storage = match Box::pin(storage.of(&db)).await {
+        let storage = match Box::pin(known.of(&db)).await {
             Ok(storage) => storage,
             Err(err) => {
                 first.fail(&err.into());
                 continue;
             }
         };
-        if storage == Storage::Citus && shard_map.is_none() {
-            shard_map = Some(shards::keep(db.clone()));
-        }
-        let shards: Option<Arc<ShardMap>> = shard_map.as_ref().and_then(|map| map.borrow().clone());
+        let shards = known.shards(&db);
         let lane = match tokio::time::timeout(lane_wait, lanes.recv()).await {
             Ok(Some(lane)) => lane,
             Ok(None) => return,
@@ -302,39 +298,55 @@ async fn gather(
                 continue;
             }
         };
-        // Everything that queued meanwhile joins this round, on one Postgres; under Citus,
-        // everything of the first job's node.
-        let mut ops = first.ops();
-        let node = shards.as_deref().and_then(|map| first.node(map));
-        let mut round = vec![first];
-        match (storage, shards.as_deref(), node) {
-            (Storage::OnePostgres, _, _) => {
-                while ops < MAX_ROUND_OPS {
-                    let Ok(next) = queued.try_recv() else { break };
-                    ops += next.ops();
-                    round.push(next);
-                }
-            }
-            (Storage::Citus, Some(map), Some(node)) => {
-                let mut others = VecDeque::new();
-                for next in waiting.drain(..).chain(std::iter::from_fn(|| queued.try_recv().ok())) {
-                    if ops < MAX_ROUND_OPS && next.node(map) == Some(node) {
-                        ops += next.ops();
-                        round.push(next);
-                    } else {
-                        others.push_back(next);
-                    }
-                }
-                waiting = others;
-            }
-            (Storage::Citus, _, _) => {}
-        }
+        let node = |job: &Submitted| shards.as_deref().and_then(|map| job.node(map));
+        let round = take_round(first, storage, node, Submitted::ops, &mut waiting, &mut queued);
         let (db, lane_back) = (db.clone(), lane_back.clone());
         tracker.spawn(async move {
             let lane = run_round(&db, lane, settings, storage, shards, round).await;
             let _ = lane_back.send(lane).await;
         });
     }
+}
+
+/// The jobs of the round `first` starts, up to [`MAX_ROUND_OPS`] movements: on one Postgres,
+/// everything queued meanwhile; under Citus, the jobs of `first`'s node (`node`: where the map of
+/// shards knows it; otherwise `first` alone), from those `waiting` and then those `queued`. The
+/// jobs of other nodes wait, and the next round starts with the first of them, ahead of anything
+/// queued later.
+pub(in crate::wallet) fn take_round<T>(
+    first: T,
+    storage: Storage,
+    node: impl Fn(&T) -> Option<NodeId>,
+    ops: impl Fn(&T) -> usize,
+    waiting: &mut VecDeque<T>,
+    queued: &mut mpsc::UnboundedReceiver<T>,
+) -> Vec<T> {
+    let mut count = ops(&first);
+    let round_node = node(&first);
+    let mut round = vec![first];
+    match (storage, round_node) {
+        (Storage::OnePostgres, _) => {
+            while count < MAX_ROUND_OPS {
+                let Ok(next) = queued.try_recv() else { break };
+                count += ops(&next);
+                round.push(next);
+            }
+        }
+        (Storage::Citus, Some(round_node)) => {
+            let mut others = VecDeque::new();
+            for next in waiting.drain(..).chain(std::iter::from_fn(|| queued.try_recv().ok())) {
+                if count < MAX_ROUND_OPS && node(&next) == Some(round_node) {
+                    count += ops(&next);
+                    round.push(next);
+                } else {
+                    others.push_back(next);
+                }
+            }
+            *waiting = others;
+        }
+        (Storage::Citus, None) => {}
+    }
+    round
 }
 
 /// A job in a round, once its wallet is held.
@@ -902,6 +914,39 @@ pub(in crate::wallet) fn add_wallet<'a>(write: &mut GroupWrite<'a>, batch: &Batc
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Jobs as `(node, movements)`, taken into rounds as `gather` takes them.
+    fn rounds_of(storage: Storage, jobs: &[(NodeId, usize)]) -> Vec<Vec<(NodeId, usize)>> {
+        let (queue, mut queued) = mpsc::unbounded_channel();
+        let mut waiting = VecDeque::new();
+        let mut rounds = Vec::new();
+        jobs.iter().for_each(|&job| queue.send(job).expect("open"));
+        while let Some(first) = waiting.pop_front().or_else(|| queued.try_recv().ok()) {
+            let node = |&(node, _): &(NodeId, usize)| (node >= 0).then_some(node);
+            rounds.push(take_round(first, storage, node, |&(_, ops)| ops, &mut waiting, &mut queued));
+        }
+        rounds
+    }
+
+    #[test]
+    fn under_citus_a_round_takes_its_first_jobs_node_and_the_others_wait_their_turn_in_order() {
+        let jobs = [(1, 1), (2, 1), (1, 2), (-1, 1), (2, 3), (1, 1)];
+        assert_eq!(
+            rounds_of(Storage::Citus, &jobs),
+            [vec![(1, 1), (1, 2), (1, 1)], vec![(2, 1), (2, 3)], vec![(-1, 1)]],
+            "a job of no known node is a round of its own"
+        );
+        assert_eq!(rounds_of(Storage::OnePostgres, &jobs), [jobs.to_vec()]);
+    }
+
+    #[test]
+    fn a_round_stops_taking_jobs_at_its_most_movements() {
+        let jobs = [(1, MAX_ROUND_OPS - 1), (1, 1), (1, 1), (2, 1)];
+        assert_eq!(
+            rounds_of(Storage::Citus, &jobs),
+            [vec![(1, MAX_ROUND_OPS - 1), (1, 1)], vec![(1, 1)], vec![(2, 1)]]
+        );
+    }
 
     /// Blocks the runtime's only thread, as a frozen process is blocked.
     fn freeze(for_: Duration) {
