@@ -60,6 +60,23 @@ pub(crate) fn first_writes(ids: &[WalletId], fence: i64) -> Vec<WalletWrite<'_>>
         .collect()
 }
 
+/// Writes `write` on one Postgres, timed `at`, its keys kept a minute.
+async fn commit_at(
+    conn: &mut sqlx::PgConnection,
+    write: &GroupWrite<'_>,
+    at: chrono::DateTime<chrono::Utc>,
+) -> Result<group::Committed, ledger::StoreError> {
+    group::commit(conn, Storage::OnePostgres, None, write, at, Duration::from_secs(60)).await
+}
+
+/// [`commit_at`] now.
+async fn commit_now(
+    conn: &mut sqlx::PgConnection,
+    write: &GroupWrite<'_>,
+) -> Result<group::Committed, ledger::StoreError> {
+    commit_at(conn, write, chrono::Utc::now()).await
+}
+
 /// The wallets a round of `reads` is about (the round's reads look keys and holds up among them).
 fn round_of<'a>(reads: &[ToRead<'a>]) -> Vec<&'a str> {
     reads.iter().map(|read| read.id).collect()
@@ -97,16 +114,7 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
         keys: Vec::new(),
         ..GroupWrite::of(first_writes(&ids[1..2], 6))
     };
-    let committed = group::commit(
-        &mut conn,
-        Storage::OnePostgres,
-        None,
-        &write,
-        chrono::Utc::now(),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap();
+    let committed = commit_now(&mut conn, &write).await.unwrap();
     assert!(committed.moved.contains(ids[1].as_str()), "{committed:?}");
 
     let entries: Vec<Entry> = ids.iter().map(|id| payment(id, 5, 2, 10, 90)).collect();
@@ -115,16 +123,7 @@ async fn a_round_writes_every_wallet_but_the_one_a_newer_holder_wrote_since_its_
         keys: Vec::new(),
         ..GroupWrite::of(first_writes(&ids, 5))
     };
-    let committed = group::commit(
-        &mut conn,
-        Storage::OnePostgres,
-        None,
-        &write,
-        chrono::Utc::now(),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap();
+    let committed = commit_now(&mut conn, &write).await.unwrap();
 
     let moved = &committed.moved;
     assert!(moved.contains(ids[0].as_str()) && moved.contains(ids[2].as_str()), "{committed:?}");
@@ -164,7 +163,7 @@ async fn the_wallets_of_one_group_are_written_all_or_none() {
     let newer_entry = payment(&ids[1], 6, 2, 10, 90);
     let newer = GroupWrite { entries: vec![&newer_entry], ..GroupWrite::of(first_writes(&ids[1..2], 6)) };
     let now = chrono::Utc::now();
-    group::commit(&mut conn, Storage::OnePostgres, None, &newer, now, Duration::from_secs(60)).await.unwrap();
+    commit_at(&mut conn, &newer, now).await.unwrap();
 
     // The first two wallets are the legs of one movement, the third a group of its own: the stale
     // second leg leaves the first unwritten too, and the third is written.
@@ -172,10 +171,7 @@ async fn the_wallets_of_one_group_are_written_all_or_none() {
     let mut wallets = first_writes(&ids, 5);
     wallets[1].group = wallets[0].group;
     let write = GroupWrite { entries: entries.iter().collect(), ..GroupWrite::of(wallets) };
-    let committed =
-        group::commit(&mut conn, Storage::OnePostgres, None, &write, now, Duration::from_secs(60))
-            .await
-            .unwrap();
+    let committed = commit_at(&mut conn, &write, now).await.unwrap();
     assert_eq!(committed.moved, [ids[2].as_str().to_owned()].into(), "{committed:?}");
     assert!(committed.busy.is_empty(), "{committed:?}");
     let pays: Vec<i64> = futures::future::join_all(ids.iter().map(|id| books(&db, id.as_str())))
@@ -215,16 +211,7 @@ async fn a_round_leaves_out_a_wallet_whose_row_another_statement_holds_and_write
         .collect();
     let write = GroupWrite { entries: entries.iter().collect(), keys: Vec::new(), ..GroupWrite::of(wallets) };
     let started = Instant::now();
-    let committed = group::commit(
-        &mut conn,
-        Storage::OnePostgres,
-        None,
-        &write,
-        chrono::Utc::now(),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap();
+    let committed = commit_now(&mut conn, &write).await.unwrap();
     assert!(started.elapsed() < Duration::from_secs(1), "the round did not wait for the row");
     assert!(
         committed.busy.contains(ids[0].as_str()) && !committed.moved.contains(ids[0].as_str()),
@@ -366,16 +353,7 @@ async fn rounds_that_share_wallets_wait_for_each_other_and_never_deadlock() {
                         keys: Vec::new(),
                         ..GroupWrite::of(wallets)
                     };
-                    group::commit(
-                        &mut conn,
-                        Storage::OnePostgres,
-                        None,
-                        &write,
-                        chrono::Utc::now(),
-                        Duration::from_secs(60),
-                    )
-                    .await
-                    .expect("no deadlock at the write");
+                    commit_now(&mut conn, &write).await.expect("no deadlock at the write");
                     rounds += 1;
                 }
                 rounds

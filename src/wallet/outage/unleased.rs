@@ -13,7 +13,7 @@
 //!   replica go in one transaction, which locks their rows in id order without waiting for any
 //!   (`SKIP LOCKED`): one lock, one read, one write, one WAL flush for the round, as on leases.
 //!   Under Citus a round is the wallets of one worker, each statement a shard's, as on leases
-//!   ([`group::take_round`]).
+//!   ([`group::RoundQueue`]).
 //! - **A wallet alone**: a batch whose row another transaction held (another replica writing the
 //!   wallet right then: a hot wallet) waits for it in a transaction of its own, `FOR UPDATE`
 //!   bounded by [`ROW_LOCK_TIMEOUT`] (then `503 lock_timeout`), so contended wallets queue in
@@ -27,12 +27,12 @@ use crate::ledger::transfer::{lock_free_wallets, lock_wallets};
 use crate::telemetry::metrics::BATCH_SIZE;
 use crate::wallet::decision::{self, Batch, Held, Known, Op, Plan};
 use crate::wallet::outage::{Path, count_path};
-use crate::wallet::rounds::group::{self, RoundSettings, take_round};
+use crate::wallet::rounds::group::{self, RoundQueue, RoundSettings};
 use crate::wallet::rounds::queue::{MAX_BATCH, MAX_HOLD, Reply};
 use crate::wallet::transfer::ROW_LOCK_TIMEOUT;
 use crate::wallet::{Moved, WalletError, WalletId, Wallets};
 use sqlx::{PgConnection, PgPool};
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
@@ -94,21 +94,10 @@ async fn gather(
     settings: RoundSettings,
     known: KnownStorage,
     tracker: TaskTracker,
-    mut queued: mpsc::UnboundedReceiver<BatchWithReply>,
+    queued: mpsc::UnboundedReceiver<BatchWithReply>,
 ) {
-    // Under Citus, the batches waiting for a round of their node.
-    let mut waiting = VecDeque::new();
-    loop {
-        let first = match waiting.pop_front() {
-            Some(first) => first,
-            None => tokio::select! {
-                next = queued.recv() => match next {
-                    Some(first) => first,
-                    None => return,
-                },
-                () = tracker.wait() => return,
-            },
-        };
+    let mut queue = RoundQueue::new(queued);
+    while let Some(first) = queue.first(&tracker).await {
         let storage = match Box::pin(known.of(&db)).await {
             Ok(storage) => storage,
             Err(err) => {
@@ -119,7 +108,7 @@ async fn gather(
         };
         let shards = known.shards(&db);
         let node = |(id, _, _): &BatchWithReply| shards.as_deref()?.place(id.as_str()).map(|(_, node)| node);
-        let round = take_round(first, storage, node, |(_, ops, _)| ops.len(), &mut waiting, &mut queued);
+        let round = queue.round(first, storage, node, |(_, ops, _)| ops.len());
         Box::pin(run_round(&db, settings, storage, shards.as_deref(), round)).await;
     }
 }

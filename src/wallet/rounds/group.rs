@@ -256,30 +256,17 @@ async fn gather(
     settings: RoundSettings,
     known: KnownStorage,
     tracker: TaskTracker,
-    mut queued: mpsc::UnboundedReceiver<Submitted>,
+    queued: mpsc::UnboundedReceiver<Submitted>,
 ) {
     let (lane_back, mut lanes) = mpsc::channel::<RoundConnection>(CONCURRENT_ROUNDS);
     for _ in 0..CONCURRENT_ROUNDS {
         lane_back.try_send(None).expect("a channel sized for every lane");
     }
-    // Under Citus, the jobs waiting for a round of their node.
-    let mut waiting: VecDeque<Submitted> = VecDeque::new();
+    let mut queue = RoundQueue::new(queued);
     // A round waits for a lane as a request waits for a pooled connection: no longer than the
     // pool's acquire timeout, then it is answered 503 rather than left to time out.
     let lane_wait = db.options().get_acquire_timeout();
-    loop {
-        let first = match waiting.pop_front() {
-            Some(first) => first,
-            None => tokio::select! {
-                next = queued.recv() => match next {
-                    Some(first) => first,
-                    None => return,
-                },
-                // The replica drained (no worker or round left): the kept connections go back to
-                // the pool, which can then close.
-                () = tracker.wait() => return,
-            },
-        };
+    while let Some(first) = queue.first(&tracker).await {
         // What the round may gather depends on where the tables live, learnt from the first
         // round's database (a replica starts whether or not Postgres is up).
         let storage = match Box::pin(known.of(&db)).await {
@@ -299,7 +286,7 @@ async fn gather(
             }
         };
         let node = |job: &Submitted| shards.as_deref().and_then(|map| job.node(map));
-        let round = take_round(first, storage, node, Submitted::ops, &mut waiting, &mut queued);
+        let round = queue.round(first, storage, node, Submitted::ops);
         let (db, lane_back) = (db.clone(), lane_back.clone());
         tracker.spawn(async move {
             let lane = run_round(&db, lane, settings, storage, shards, round).await;
@@ -308,45 +295,71 @@ async fn gather(
     }
 }
 
-/// The jobs of the round `first` starts, up to [`MAX_ROUND_OPS`] movements: on one Postgres,
-/// everything queued meanwhile; under Citus, the jobs of `first`'s node (`node`: where the map of
-/// shards knows it; otherwise `first` alone), from those `waiting` and then those `queued`. The
-/// jobs of other nodes wait, and the next round starts with the first of them, ahead of anything
-/// queued later.
-pub(in crate::wallet) fn take_round<T>(
-    first: T,
-    storage: Storage,
-    node: impl Fn(&T) -> Option<NodeId>,
-    ops: impl Fn(&T) -> usize,
-    waiting: &mut VecDeque<T>,
-    queued: &mut mpsc::UnboundedReceiver<T>,
-) -> Vec<T> {
-    let mut count = ops(&first);
-    let round_node = node(&first);
-    let mut round = vec![first];
-    match (storage, round_node) {
-        (Storage::OnePostgres, _) => {
-            while count < MAX_ROUND_OPS {
-                let Ok(next) = queued.try_recv() else { break };
-                count += ops(&next);
-                round.push(next);
-            }
+/// What waits for the rounds: the jobs as they were queued, and under Citus those set aside for a
+/// round of their node.
+pub(in crate::wallet) struct RoundQueue<T> {
+    queued: mpsc::UnboundedReceiver<T>,
+    waiting: VecDeque<T>,
+}
+
+impl<T> RoundQueue<T> {
+    pub(in crate::wallet) fn new(queued: mpsc::UnboundedReceiver<T>) -> Self {
+        RoundQueue { queued, waiting: VecDeque::new() }
+    }
+
+    /// The job the next round starts with: the first set aside, or the next queued; `None` once
+    /// the queue is closed or the replica drained (no worker or round left: the rounds' kept
+    /// connections go back to the pool, which can then close).
+    pub(in crate::wallet) async fn first(&mut self, tracker: &TaskTracker) -> Option<T> {
+        if let Some(first) = self.waiting.pop_front() {
+            return Some(first);
         }
-        (Storage::Citus, Some(round_node)) => {
-            let mut others = VecDeque::new();
-            for next in waiting.drain(..).chain(std::iter::from_fn(|| queued.try_recv().ok())) {
-                if count < MAX_ROUND_OPS && node(&next) == Some(round_node) {
+        tokio::select! {
+            next = self.queued.recv() => next,
+            () = tracker.wait() => None,
+        }
+    }
+
+    /// The jobs of the round `first` starts, up to [`MAX_ROUND_OPS`] movements: on one Postgres,
+    /// everything queued meanwhile; under Citus, the jobs of `first`'s node (`node`: where the map
+    /// of shards knows it; otherwise `first` alone), from those set aside and then those queued.
+    /// The jobs of other nodes are set aside, and the next round starts with the first of them,
+    /// ahead of anything queued later.
+    pub(in crate::wallet) fn round(
+        &mut self,
+        first: T,
+        storage: Storage,
+        node: impl Fn(&T) -> Option<NodeId>,
+        ops: impl Fn(&T) -> usize,
+    ) -> Vec<T> {
+        let mut count = ops(&first);
+        let round_node = node(&first);
+        let mut round = vec![first];
+        match (storage, round_node) {
+            (Storage::OnePostgres, _) => {
+                while count < MAX_ROUND_OPS {
+                    let Ok(next) = self.queued.try_recv() else { break };
                     count += ops(&next);
                     round.push(next);
-                } else {
-                    others.push_back(next);
                 }
             }
-            *waiting = others;
+            (Storage::Citus, Some(round_node)) => {
+                let mut others = VecDeque::new();
+                let queued = std::iter::from_fn(|| self.queued.try_recv().ok());
+                for next in self.waiting.drain(..).chain(queued) {
+                    if count < MAX_ROUND_OPS && node(&next) == Some(round_node) {
+                        count += ops(&next);
+                        round.push(next);
+                    } else {
+                        others.push_back(next);
+                    }
+                }
+                self.waiting = others;
+            }
+            (Storage::Citus, None) => {}
         }
-        (Storage::Citus, None) => {}
+        round
     }
-    round
 }
 
 /// A job in a round, once its wallet is held.
@@ -916,34 +929,36 @@ mod tests {
     use super::*;
 
     /// Jobs as `(node, movements)`, taken into rounds as `gather` takes them.
-    fn rounds_of(storage: Storage, jobs: &[(NodeId, usize)]) -> Vec<Vec<(NodeId, usize)>> {
-        let (queue, mut queued) = mpsc::unbounded_channel();
-        let mut waiting = VecDeque::new();
+    async fn rounds_of(storage: Storage, jobs: &[(NodeId, usize)]) -> Vec<Vec<(NodeId, usize)>> {
+        let (send, queued) = mpsc::unbounded_channel();
+        jobs.iter().for_each(|&job| send.send(job).expect("open"));
+        drop(send);
+        let mut queue = RoundQueue::new(queued);
         let mut rounds = Vec::new();
-        jobs.iter().for_each(|&job| queue.send(job).expect("open"));
-        while let Some(first) = waiting.pop_front().or_else(|| queued.try_recv().ok()) {
+        let tracker = TaskTracker::new();
+        while let Some(first) = queue.first(&tracker).await {
             let node = |&(node, _): &(NodeId, usize)| (node >= 0).then_some(node);
-            rounds.push(take_round(first, storage, node, |&(_, ops)| ops, &mut waiting, &mut queued));
+            rounds.push(queue.round(first, storage, node, |&(_, ops)| ops));
         }
         rounds
     }
 
-    #[test]
-    fn under_citus_a_round_takes_its_first_jobs_node_and_the_others_wait_their_turn_in_order() {
+    #[tokio::test]
+    async fn under_citus_a_round_takes_its_first_jobs_node_and_the_others_wait_their_turn_in_order() {
         let jobs = [(1, 1), (2, 1), (1, 2), (-1, 1), (2, 3), (1, 1)];
         assert_eq!(
-            rounds_of(Storage::Citus, &jobs),
+            rounds_of(Storage::Citus, &jobs).await,
             [vec![(1, 1), (1, 2), (1, 1)], vec![(2, 1), (2, 3)], vec![(-1, 1)]],
             "a job of no known node is a round of its own"
         );
-        assert_eq!(rounds_of(Storage::OnePostgres, &jobs), [jobs.to_vec()]);
+        assert_eq!(rounds_of(Storage::OnePostgres, &jobs).await, [jobs.to_vec()]);
     }
 
-    #[test]
-    fn a_round_stops_taking_jobs_at_its_most_movements() {
+    #[tokio::test]
+    async fn a_round_stops_taking_jobs_at_its_most_movements() {
         let jobs = [(1, MAX_ROUND_OPS - 1), (1, 1), (1, 1), (2, 1)];
         assert_eq!(
-            rounds_of(Storage::Citus, &jobs),
+            rounds_of(Storage::Citus, &jobs).await,
             [vec![(1, MAX_ROUND_OPS - 1), (1, 1)], vec![(1, 1)], vec![(2, 1)]]
         );
     }
