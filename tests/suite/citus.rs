@@ -166,7 +166,9 @@ async fn under_citus_each_payment_is_one_transaction_on_the_worker_holding_its_w
     let (transactions, two_phase) = transactions_of(&commands);
     let writes: Vec<usize> =
         transactions.iter().map(|t| t.wallets_written(&WALLETS)).filter(|&n| n > 0).collect();
-    assert!(writes.len() >= 50, "{} transactions wrote wallets", writes.len());
+    // A round writes several wallets, and a wallet several payments: with 8 clients, at most 8 at a
+    // time, 200 payments acknowledged are at least 25 wallet writes.
+    assert!(writes.iter().sum::<usize>() >= 25, "{} transactions wrote {writes:?} wallets", writes.len());
     let spread: Vec<&BTreeSet<String>> =
         transactions.iter().map(|t| &t.nodes).filter(|nodes| nodes.len() > 1).collect();
     assert!(spread.is_empty(), "transactions on more than one node: {spread:?}");
