@@ -38,7 +38,7 @@
 use super::event::{EventColumns, EventWrite};
 use super::hold::Hold;
 use super::idempotency::{KeyRef, ResponseRow};
-use super::shards::{ShardMap, by_shard};
+use super::shards::{self, ShardMap, by_shard};
 use super::storage::Storage;
 use super::transfer::{MovementRecord, Transfer};
 use super::{Entry, StoreError, WalletRead};
@@ -139,17 +139,18 @@ pub async fn read(
     keys: &[KeyRef<'_>],
     holds: HoldsToRead<'_>,
 ) -> Result<Found, StoreError> {
-    let Some(shards) = shards.filter(|_| round.len() > 1) else {
+    let statements = shards::statements(shards, round);
+    if let [round] = statements.as_slice() {
         return read_statement(conn, wallets, round, keys, holds).await;
-    };
+    }
     let mut found = Found::default();
-    for (shard, round) in by_shard(round.iter().copied(), |&id| ShardMap::key(Some(shards), id)) {
-        let of_shard = |id: &str| ShardMap::key(Some(shards), id) == shard;
-        let wallets: Vec<ToRead<'_>> = wallets.iter().copied().filter(|w| of_shard(w.id)).collect();
-        let keys: Vec<KeyRef<'_>> = keys.iter().copied().filter(|k| of_shard(k.wallet)).collect();
-        let expired_of: Vec<&str> = holds.expired_of.iter().copied().filter(|&id| of_shard(id)).collect();
+    for round in &statements {
+        let of_round = |id: &str| round.contains(&id);
+        let wallets: Vec<ToRead<'_>> = wallets.iter().copied().filter(|w| of_round(w.id)).collect();
+        let keys: Vec<KeyRef<'_>> = keys.iter().copied().filter(|k| of_round(k.wallet)).collect();
+        let expired_of: Vec<&str> = holds.expired_of.iter().copied().filter(|&id| of_round(id)).collect();
         let holds = HoldsToRead { expired_of: &expired_of, ..holds };
-        let read = Box::pin(read_statement(&mut *conn, &wallets, &round, &keys, holds)).await?;
+        let read = Box::pin(read_statement(&mut *conn, &wallets, round, &keys, holds)).await?;
         found.wallets.extend(read.wallets);
         found.keys.extend(read.keys);
         found.holds.extend(read.holds);

@@ -74,6 +74,11 @@ impl ShardMap {
         (hash <= max).then_some((shard, node))
     }
 
+    /// The node holding `wallet`.
+    pub fn node(&self, wallet: &str) -> Option<NodeId> {
+        self.place(wallet).map(|(_, node)| node)
+    }
+
     fn shard_of(&self, wallet: &str) -> Option<i64> {
         self.place(wallet).map(|(shard, _)| shard)
     }
@@ -94,6 +99,15 @@ pub fn by_shard<'k, T>(
         by_shard.entry(key(&row)).or_default().push(row);
     }
     by_shard
+}
+
+/// `ids` grouped a statement each: all in one on one Postgres (no map), one a shard under Citus,
+/// so that Citus routes each whole.
+pub fn statements<'a>(map: Option<&ShardMap>, ids: &[&'a str]) -> Vec<Vec<&'a str>> {
+    match map {
+        None => vec![ids.to_vec()],
+        Some(map) => by_shard(ids.iter().copied(), |id| ShardMap::key(Some(map), id)).into_values().collect(),
+    }
 }
 
 /// How often a replica reads the map again: shards move when an operator rebalances, and until
@@ -232,6 +246,14 @@ mod tests {
         assert_eq!(map.place("a"), Some((11, 2)));
         assert_eq!(ShardMap::key(Some(&map), "a"), ShardKey::Shard(11));
         assert_eq!(ShardMap::key(None, "a"), ShardKey::Wallet("a"));
+    }
+
+    #[test]
+    fn ids_go_a_statement_a_shard_under_citus_and_all_in_one_without_a_map() {
+        let map = two_shards();
+        // hashtext('w1') < 0 (shard 10), hashtext('a') > 0 (shard 11).
+        assert_eq!(statements(Some(&map), &["a", "w1", "a"]), [vec!["w1"], vec!["a", "a"]]);
+        assert_eq!(statements(None, &["a", "w1"]), [vec!["a", "w1"]]);
     }
 
     #[test]

@@ -11,7 +11,7 @@
 
 use super::group::FoundKey;
 use super::idempotency::{KeyRef, ResponseRow};
-use super::shards::{ShardMap, by_shard};
+use super::shards::{self, ShardMap};
 use super::{Entry, StoreError, entry_columns};
 use crate::domain::{EntryKind, Metadata, MovementStatus, Rules};
 use chrono::{DateTime, Utc};
@@ -88,11 +88,7 @@ pub async fn lock_free_wallets(
     ids: &[&str],
 ) -> Result<HashMap<String, LockedWallet>, StoreError> {
     let mut locked = HashMap::with_capacity(ids.len());
-    let statements: Vec<Vec<&str>> = match shards {
-        None => vec![ids.to_vec()],
-        Some(map) => by_shard(ids.iter().copied(), |id| ShardMap::key(Some(map), id)).into_values().collect(),
-    };
-    for ids in &statements {
+    for ids in &shards::statements(shards, ids) {
         let rows = sqlx::query(
             // language=PostgreSQL
             "select id, balance, held, version, fence, owner, rules from wallet where id = any($1) order by id

@@ -107,7 +107,7 @@ async fn gather(
             }
         };
         let shards = known.shards(&db);
-        let node = |(id, _, _): &BatchWithReply| shards.as_deref()?.place(id.as_str()).map(|(_, node)| node);
+        let node = |(id, _, _): &BatchWithReply| shards.as_deref()?.node(id.as_str());
         let round = queue.round(first, storage, node, |(_, ops, _)| ops.len());
         Box::pin(run_round(&db, settings, storage, shards.as_deref(), round)).await;
     }

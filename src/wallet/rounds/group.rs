@@ -141,7 +141,7 @@ impl Submitted {
     /// rounds of their own.
     fn node(&self, shards: &ShardMap) -> Option<NodeId> {
         match self {
-            Submitted::Wallet((job, _)) => shards.place(job.id.as_str()).map(|(_, node)| node),
+            Submitted::Wallet((job, _)) => shards.node(job.id.as_str()),
             Submitted::Legs(_) => None,
         }
     }
