@@ -589,6 +589,8 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                from unnest($14::text[], $15::text[], $16::uuid[], $17::uuid[], $18::int8[]) with ordinality
                    as v(wallet_id, type, entry_id, hold_id, monitor, n)
            ),
+           -- Joined, not a subquery a wallet: that scans `ev` once per wallet, quadratic in a round.
+           ev_count as (select wallet_id, count(*) as n from ev group by wallet_id),
            moved as (
                update wallet w set balance = b.balance, version = b.version, fence = b.fence,
                                    held = b.held, updated_at = now(),
@@ -596,10 +598,9 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                                        (select m.rules from unnest($19::text[], $20::jsonb[])
                                             as m(wallet_id, rules) where m.wallet_id = w.id),
                                        w.rules),
-                                   event_seq = w.event_seq + coalesce(
-                                       (select max(ev.of_wallet) from ev where ev.wallet_id = w.id), 0),
+                                   event_seq = w.event_seq + coalesce(c.n, 0),
                                    event_position = greatest(w.event_position, pg_current_xact_id())
-               from b
+               from b left join ev_count c on c.wallet_id = b.id
                where w.id = b.id and b.grp in (select grp from matched)
                returning w.id, w.event_seq, w.event_position
            ),
