@@ -10,7 +10,7 @@ use crate::lease::{
 use crate::ledger::storage::Storage;
 use crate::wallet::{RedisOutage, Strategy};
 use secrecy::ExposeSecret;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -68,11 +68,9 @@ pub fn postgres_pool(database: &DatabaseArgs) -> anyhow::Result<PgPool> {
     if let Some(path) = url_parameter(url, &["sslkey", "ssl-key"]).and_then(file) {
         std::fs::read(&path).map_err(|err| anyhow::anyhow!("DATABASE_URL sslkey {path}: {err}"))?;
     }
-    Ok(PgPoolOptions::new()
+    Ok(Storage::pool_options()
         .max_connections(database.pg_pool_size)
         .acquire_timeout(database.pg_acquire_timeout)
-        // Under Citus, each execution is planned after all (`Storage::prepare_session` says why).
-        .after_connect(|conn, _| Box::pin(Storage::prepare_session(conn)))
         .connect_lazy_with(options))
 }
 

@@ -6,6 +6,7 @@
 
 use super::StoreError;
 use super::shards::ShardMap;
+use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, PgConnection, PgPool};
 use std::sync::{Arc, OnceLock};
 use tokio::sync::{OnceCell, watch};
@@ -27,6 +28,12 @@ impl Storage {
                 .fetch_one(conn)
                 .await?;
         Ok(if citus { Storage::Citus } else { Storage::OnePostgres })
+    }
+
+    /// The options of every pool of connections that move money (a replica's, and the suite's
+    /// replicas in process): each new connection's session set up by [`Storage::prepare_session`].
+    pub fn pool_options() -> PgPoolOptions {
+        PgPoolOptions::new().after_connect(|conn, _| Box::pin(Storage::prepare_session(conn)))
     }
 
     /// Sets up the session of a new connection for where the tables live. Citus routes a statement

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use walletlock::idempotency::{Keyed, Prior};
 use walletlock::lease::{LeaseSettings, Ttl};
 use walletlock::ledger::schema::ScratchSchema;
+use walletlock::ledger::storage::Storage;
 use walletlock::wallet::{
     Amount, HoldLife, Moved, Movement, MovementOutcome, RedisOutage, Refusal, WalletError, WalletId, Wallets,
 };
@@ -233,7 +234,7 @@ async fn a_replica_cut_off_from_redis_pays_under_postgres_alone_beside_replicas_
 /// service's does with that setting. The test's Redis is killed once the wallets are open.
 async fn replica_without_redis(env: &mut TestEnv, schema: &ScratchSchema, ids: &[&WalletId]) -> Wallets {
     let settings = LeaseSettings::new(Ttl::new(Duration::from_secs(1)).unwrap(), Duration::from_secs(2));
-    let db = sqlx::postgres::PgPoolOptions::new().max_connections(8).connect(&schema.url).await.unwrap();
+    let db = Storage::pool_options().max_connections(8).connect(&schema.url).await.unwrap();
     let wallets =
         Wallets::new(db, env.leases_with(settings.failing_fast())).with_redis_outage(RedisOutage::Postgres);
     for id in ids {

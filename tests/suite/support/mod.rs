@@ -25,6 +25,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 use walletlock::lease::{LeaseClient, LeaseSettings, Ttl};
 use walletlock::ledger::schema::ScratchSchema;
+use walletlock::ledger::storage::Storage;
 use walletlock::wallet::Wallets;
 
 /// The API tokens every test replica accepts: the `tester` caller, a second caller `other`, and
@@ -244,7 +245,7 @@ impl TestEnv {
     /// The wallet service as one replica runs it: its own Postgres pool into `schema`, its own
     /// Redis pool.
     pub async fn replica(&self, schema: &ScratchSchema, ttl: Duration, wait: Duration) -> Wallets {
-        let db = sqlx::postgres::PgPoolOptions::new()
+        let db = Storage::pool_options()
             .max_connections(10)
             .acquire_timeout(Duration::from_secs(2))
             .connect(&schema.url)
