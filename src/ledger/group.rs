@@ -584,7 +584,6 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
            ),
            ev as (
                select v.wallet_id, v.type, v.entry_id, v.hold_id, v.monitor,
-                      count(*) over (partition by v.wallet_id) as of_wallet,
                       row_number() over (partition by v.wallet_id order by v.n) as nth
                from unnest($14::text[], $15::text[], $16::uuid[], $17::uuid[], $18::int8[]) with ordinality
                    as v(wallet_id, type, entry_id, hold_id, monitor, n)
@@ -602,11 +601,11 @@ fn commit_statement(with_holds: bool, with_movements: bool) -> String {
                                    event_position = greatest(w.event_position, pg_current_xact_id())
                from b left join ev_count c on c.wallet_id = b.id
                where w.id = b.id and b.grp in (select grp from matched)
-               returning w.id, w.event_seq, w.event_position
+               returning w.id, w.event_seq - coalesce(c.n, 0) as seq_before, w.event_position
            ),
            events as (
                insert into event (wallet_id, seq, position, type, entry_id, hold_id, monitor, created_at)
-               select ev.wallet_id, m.event_seq - ev.of_wallet + ev.nth, m.event_position, ev.type,
+               select ev.wallet_id, m.seq_before + ev.nth, m.event_position, ev.type,
                       ev.entry_id, ev.hold_id, ev.monitor, $6
                from ev join moved m on m.id = ev.wallet_id
            ),{holds}{movements}
