@@ -46,7 +46,7 @@ async fn fifty_pays_on_three_replicas_at_once_accept_exactly_ten() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nginx_keeps_each_wallet_on_one_replica_and_spreads_the_wallets() {
+async fn nginx_keeps_each_wallet_and_the_transfers_into_it_on_one_replica_and_spreads_the_wallets() {
     let env = TestEnv::new();
     let fleet = Fleet::start(&env, 3, &[]).await;
     // Enough wallets that the hash ring (160 points a replica, placed by its random port) leaves
@@ -71,8 +71,23 @@ async fn nginx_keeps_each_wallet_on_one_replica_and_spreads_the_wallets() {
             served.entry(id).or_default().insert(replica);
         }
     }
+    // Transfers into each wallet, from two others: a transfer names its payee in its body, and
+    // goes where its payee's requests go.
+    for (n, payee) in ids.iter().enumerate() {
+        for payer in [ids[(n + 1) % ids.len()], ids[(n + 2) % ids.len()]] {
+            let body = json!({ "from": payer, "to": payee, "amount": 1 });
+            let response = fleet.client.post(fleet.url("/transfers")).json(&body).send().await.unwrap();
+            assert!(response.status().is_success(), "{payer} to {payee}: {}", response.status());
+            let replica = response.headers()["x-served-by"].to_str().unwrap().to_owned();
+            served.entry(payee).or_default().insert(replica);
+        }
+    }
     for (id, replicas) in &served {
-        assert_eq!(replicas.len(), 1, "{id}: every request on one replica, not {replicas:?}");
+        assert_eq!(
+            replicas.len(),
+            1,
+            "{id}: every request and transfer into it on one replica, not {replicas:?}"
+        );
     }
     let used: BTreeSet<&String> = served.values().flatten().collect();
     // A replica nginx took out of rotation (one failed connection does it for 1 s) would also be
