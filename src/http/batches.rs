@@ -86,7 +86,7 @@ pub fn router(items: Items) -> OpenApiRouter<ApiContext> {
 
 /// What an item does, and the single route it runs as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Op {
+enum ItemOp {
     Deposit,
     Pay,
     Transfer,
@@ -97,24 +97,32 @@ enum Op {
     Refund,
 }
 
-impl Op {
-    const ALL: [Op; 8] =
-        [Op::Deposit, Op::Pay, Op::Transfer, Op::Movement, Op::Hold, Op::Capture, Op::Void, Op::Refund];
+impl ItemOp {
+    const ALL: [ItemOp; 8] = [
+        ItemOp::Deposit,
+        ItemOp::Pay,
+        ItemOp::Transfer,
+        ItemOp::Movement,
+        ItemOp::Hold,
+        ItemOp::Capture,
+        ItemOp::Void,
+        ItemOp::Refund,
+    ];
 
     fn as_str(self) -> &'static str {
         match self {
-            Op::Deposit => "deposit",
-            Op::Pay => "pay",
-            Op::Transfer => "transfer",
-            Op::Movement => "movement",
-            Op::Hold => "hold",
-            Op::Capture => "capture",
-            Op::Void => "void",
-            Op::Refund => "refund",
+            ItemOp::Deposit => "deposit",
+            ItemOp::Pay => "pay",
+            ItemOp::Transfer => "transfer",
+            ItemOp::Movement => "movement",
+            ItemOp::Hold => "hold",
+            ItemOp::Capture => "capture",
+            ItemOp::Void => "void",
+            ItemOp::Refund => "refund",
         }
     }
 
-    fn parse(name: &str) -> Option<Op> {
+    fn parse(name: &str) -> Option<ItemOp> {
         Self::ALL.into_iter().find(|op| op.as_str() == name)
     }
 }
@@ -130,7 +138,7 @@ enum Touches {
 /// One item, read: the request it runs as.
 #[derive(Debug)]
 struct Item {
-    op: Op,
+    op: ItemOp,
     key: HeaderValue,
     path: String,
     /// The JSON body; none for a route that takes none (a void), or that may be sent without one
@@ -456,8 +464,8 @@ fn parse_item(item: Value) -> Result<Item, String> {
         return Err("an item is an object: `op`, `idempotency_key` and its route's fields".into());
     };
     let op = match fields.shift_remove("op") {
-        Some(Value::String(name)) => Op::parse(&name).ok_or_else(|| {
-            let known: Vec<&str> = Op::ALL.iter().map(|op| op.as_str()).collect();
+        Some(Value::String(name)) => ItemOp::parse(&name).ok_or_else(|| {
+            let known: Vec<&str> = ItemOp::ALL.iter().map(|op| op.as_str()).collect();
             format!("unknown `op` {name:?}: one of {}", known.join(", "))
         })?,
         Some(_) => return Err("`op` is a string".into()),
@@ -474,32 +482,32 @@ fn parse_item(item: Value) -> Result<Item, String> {
         None => return Err("`idempotency_key` is missing: every item carries its own".into()),
     };
     let (path, body, touches) = match op {
-        Op::Deposit | Op::Pay | Op::Hold => {
+        ItemOp::Deposit | ItemOp::Pay | ItemOp::Hold => {
             let wallet = take_id(&mut fields, "wallet_id")?.ok_or("`wallet_id` is missing")?;
             let route = match op {
-                Op::Deposit => check::<wallets::Deposit>(&fields, "deposit")?,
-                Op::Pay => check::<wallets::Pay>(&fields, "pay")?,
+                ItemOp::Deposit => check::<wallets::Deposit>(&fields, "deposit")?,
+                ItemOp::Pay => check::<wallets::Pay>(&fields, "pay")?,
                 _ => check::<holds::PlaceHold>(&fields, "holds")?,
             };
             (format!("/wallets/{}/{route}", segment(&wallet)), json(&fields), Touches::Wallets(vec![wallet]))
         }
-        Op::Transfer => {
+        ItemOp::Transfer => {
             check::<transfers::NewTransfer>(&fields, "")?;
             let parties = ["from", "to"].iter().filter_map(|name| fields.get(*name)?.as_str());
             let touches = Touches::Wallets(parties.map(str::to_owned).collect());
             ("/transfers".to_owned(), json(&fields), touches)
         }
-        Op::Movement => {
+        ItemOp::Movement => {
             check::<movements::NewMovement>(&fields, "")?;
             let legs = fields.get("legs").and_then(Value::as_array).into_iter().flatten();
             let wallets = legs.filter_map(|leg| leg.get("wallet_id")?.as_str()).map(str::to_owned);
             ("/movements".to_owned(), json(&fields), Touches::Wallets(wallets.collect()))
         }
-        Op::Capture | Op::Void => {
+        ItemOp::Capture | ItemOp::Void => {
             let hold = take_id(&mut fields, "hold_id")?;
             let movement = take_id(&mut fields, "movement_id")?;
             let verb = op.as_str();
-            if op == Op::Void
+            if op == ItemOp::Void
                 && let Some(field) = fields.keys().next()
             {
                 return Err(format!("unknown field `{field}`: a void takes only `hold_id` or `movement_id`"));
@@ -507,7 +515,7 @@ fn parse_item(item: Value) -> Result<Item, String> {
             match (hold, movement) {
                 (Some(hold), None) => {
                     // `POST /holds/{id}/capture` reads a body always; a void, none.
-                    let body = if op == Op::Capture {
+                    let body = if op == ItemOp::Capture {
                         check::<holds::Capture>(&fields, "")?;
                         json(&fields)
                     } else {
@@ -516,7 +524,7 @@ fn parse_item(item: Value) -> Result<Item, String> {
                     (format!("/holds/{}/{verb}", segment(&hold)), body, Touches::Unknown)
                 }
                 (None, Some(movement)) => {
-                    if op == Op::Capture {
+                    if op == ItemOp::Capture {
                         check::<movements::PartOf>(&fields, "")?;
                     }
                     (
@@ -528,7 +536,7 @@ fn parse_item(item: Value) -> Result<Item, String> {
                 _ => return Err(format!("a {verb} names exactly one of `hold_id` and `movement_id`")),
             }
         }
-        Op::Refund => {
+        ItemOp::Refund => {
             let wallet = take_id(&mut fields, "wallet_id")?;
             let transfer = take_id(&mut fields, "transfer_id")?;
             let movement = take_id(&mut fields, "movement_id")?;
@@ -614,7 +622,9 @@ impl Item {
     /// deposit or a payment.
     fn queue(&self) -> Option<&str> {
         match (&self.op, &self.touches) {
-            (Op::Deposit | Op::Pay, Touches::Wallets(wallets)) if wallets.len() == 1 => Some(&wallets[0]),
+            (ItemOp::Deposit | ItemOp::Pay, Touches::Wallets(wallets)) if wallets.len() == 1 => {
+                Some(&wallets[0])
+            }
             _ => None,
         }
     }
@@ -934,7 +944,7 @@ mod tests {
     #[test]
     fn items_wait_for_earlier_items_on_their_wallets_and_for_unknown_ones() {
         let on = |wallets: &[&str]| Item {
-            op: Op::Pay,
+            op: ItemOp::Pay,
             key: HeaderValue::from_static("k"),
             path: String::new(),
             body: None,
@@ -952,7 +962,7 @@ mod tests {
 
     #[test]
     fn a_payment_after_one_of_its_wallet_waits_until_that_one_is_queued_and_others_until_answered() {
-        let item = |op: Op, wallets: &[&str]| Item {
+        let item = |op: ItemOp, wallets: &[&str]| Item {
             op,
             key: HeaderValue::from_static("k"),
             path: String::new(),
@@ -960,12 +970,12 @@ mod tests {
             touches: Touches::Wallets(wallets.iter().map(|w| w.to_string()).collect()),
         };
         let items = [
-            item(Op::Pay, &["a"]),
-            item(Op::Deposit, &["a"]),
-            item(Op::Hold, &["a"]),
-            item(Op::Pay, &["a"]),
-            item(Op::Transfer, &["a", "b"]),
-            item(Op::Pay, &["b"]),
+            item(ItemOp::Pay, &["a"]),
+            item(ItemOp::Deposit, &["a"]),
+            item(ItemOp::Hold, &["a"]),
+            item(ItemOp::Pay, &["a"]),
+            item(ItemOp::Transfer, &["a", "b"]),
+            item(ItemOp::Pay, &["b"]),
         ];
         let waits = dependencies(&items);
         let expected = [

@@ -62,7 +62,7 @@ pub struct Undecided {
 /// What the answer to an undecided operation told its client: its acknowledgement (none for a
 /// void, which moves no money), and what became of the hold it captured or voided.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Settled {
+pub struct Answered {
     pub ack: Option<Ack>,
     pub hold: Option<(Uuid, HoldTold)>,
 }
@@ -70,14 +70,14 @@ pub struct Settled {
 impl Undecided {
     /// What `status` and `body`, the answer to the request sent again with its key, tell: `None`
     /// while they leave it undecided (no answer, in flight, a 5xx that may have applied it).
-    pub fn settled(&self, status: u16, body: &serde_json::Value) -> Option<Settled> {
-        let applied = |legs| Settled {
+    pub fn settled(&self, status: u16, body: &serde_json::Value) -> Option<Answered> {
+        let applied = |legs| Answered {
             ack: Some(Ack::Applied { key: self.key.clone(), movement: None, legs }),
             hold: None,
         };
         let code = body["code"].as_str().unwrap_or("");
         Some(match (self.op.as_str(), status) {
-            ("hold", 201) => Settled {
+            ("hold", 201) => Answered {
                 ack: Some(Ack::Hold {
                     hold: uuid(&body["id"])?,
                     wallet: body["wallet_id"].as_str()?.to_owned(),
@@ -89,9 +89,9 @@ impl Undecided {
             ("capture", 200) => {
                 let leg = leg(&body["entry"])?;
                 let told = HoldTold::Captured { amount: body["captured"].as_i64()?, entry: leg.entry? };
-                Settled { hold: Some((uuid(&body["id"])?, told)), ..applied(vec![leg]) }
+                Answered { hold: Some((uuid(&body["id"])?, told)), ..applied(vec![leg]) }
             }
-            ("void", 200) => Settled { ack: None, hold: Some((uuid(&body["id"])?, HoldTold::Voided)) },
+            ("void", 200) => Answered { ack: None, hold: Some((uuid(&body["id"])?, HoldTold::Voided)) },
             ("transfer", 200) => applied(vec![leg(&body["from_entry"])?, leg(&body["to_entry"])?]),
             ("split", 201) => applied(body["legs"].as_array()?.iter().map(leg).collect::<Option<_>>()?),
             ("pay" | "deposit", 200) => applied(vec![leg(body)?]),
@@ -105,8 +105,8 @@ impl Undecided {
     }
 }
 
-fn refused(key: &str) -> Settled {
-    Settled { ack: Some(Ack::Refused { key: key.to_owned() }), hold: None }
+fn refused(key: &str) -> Answered {
+    Answered { ack: Some(Ack::Refused { key: key.to_owned() }), hold: None }
 }
 
 fn uuid(value: &serde_json::Value) -> Option<Uuid> {
@@ -593,16 +593,16 @@ mod tests {
         let pay = json!({ "id": entry, "wallet_id": "a", "kind": "pay", "amount": 30 });
         let leg = AckLeg { wallet: "a".into(), amount: -30, entry: Some(entry) };
         let applied = Some(Ack::Applied { key: "k".into(), movement: None, legs: vec![leg.clone()] });
-        assert_eq!(op("pay").settled(200, &pay), Some(Settled { ack: applied.clone(), hold: None }));
+        assert_eq!(op("pay").settled(200, &pay), Some(Answered { ack: applied.clone(), hold: None }));
         let captured = json!({ "id": hold, "wallet_id": "a", "captured": 30, "entry": pay });
         let told = HoldTold::Captured { amount: 30, entry };
         assert_eq!(
             op("capture").settled(200, &captured),
-            Some(Settled { ack: applied, hold: Some((hold, told)) })
+            Some(Answered { ack: applied, hold: Some((hold, told)) })
         );
         assert_eq!(
             op("void").settled(200, &json!({ "id": hold })),
-            Some(Settled { ack: None, hold: Some((hold, HoldTold::Voided)) })
+            Some(Answered { ack: None, hold: Some((hold, HoldTold::Voided)) })
         );
         let placed = json!({ "id": hold, "wallet_id": "a", "amount": 5, "status": "held" });
         let expired = Ack::Hold { hold, wallet: "a".into(), amount: 5, told: HoldTold::Expired };
@@ -615,7 +615,7 @@ mod tests {
         };
         assert_eq!(legs.iter().map(|leg| leg.amount).collect::<Vec<_>>(), [-30, 30]);
 
-        let refused = Some(Settled { ack: Some(Ack::Refused { key: "k".into() }), hold: None });
+        let refused = Some(Answered { ack: Some(Ack::Refused { key: "k".into() }), hold: None });
         assert_eq!(op("pay").settled(422, &json!({ "code": "insufficient_funds" })), refused);
         assert_eq!(op("pay").settled(503, &json!({ "code": "lock_timeout" })), refused);
         for (status, code) in

@@ -257,7 +257,7 @@ pub(crate) fn stored_metadata(row: &sqlx::postgres::PgRow, column: &str) -> Resu
 }
 
 /// An entry as the statements that write only `open`, `deposit` and `pay` entries return it.
-struct EntryRow {
+struct WrittenEntry {
     id: Uuid,
     wallet_id: String,
     seq: i64,
@@ -269,10 +269,10 @@ struct EntryRow {
     created_at: DateTime<Utc>,
 }
 
-impl TryFrom<EntryRow> for Entry {
+impl TryFrom<WrittenEntry> for Entry {
     type Error = sqlx::Error;
 
-    fn try_from(row: EntryRow) -> Result<Self, Self::Error> {
+    fn try_from(row: WrittenEntry) -> Result<Self, Self::Error> {
         Ok(Entry {
             id: row.id,
             wallet_id: row.wallet_id,
@@ -356,7 +356,7 @@ pub async fn create_wallet(
         _ => StoreError::Database(err),
     })?;
     let open = sqlx::query_as!(
-        EntryRow,
+        WrittenEntry,
         // language=PostgreSQL
         r#"insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence)
            values ($1, $2, 1, 'open', $3, $3, 0)
@@ -467,7 +467,7 @@ pub async fn commit(
     let references: Vec<Option<&str>> = entries.iter().map(|e| e.reference.as_deref()).collect();
     // One statement: the conditional UPDATE, and the entries only if it matched.
     let rows = sqlx::query_as!(
-        EntryRow,
+        WrittenEntry,
         // language=PostgreSQL
         r#"with moved as (
                update wallet set balance = $4, version = $5, updated_at = now()

@@ -56,10 +56,10 @@ impl Storage {
 /// starts whether or not Postgres is up, so it cannot ask at startup. Under Citus, with where each
 /// wallet is ([`KnownStorage::shards`]). Cheap to clone.
 #[derive(Debug, Clone, Default)]
-pub struct KnownStorage(Arc<Known>);
+pub struct KnownStorage(Arc<Learnt>);
 
 #[derive(Debug, Default)]
-struct Known {
+struct Learnt {
     storage: OnceCell<Storage>,
     shards: OnceLock<watch::Receiver<Option<Arc<ShardMap>>>>,
 }

@@ -17,7 +17,7 @@ const CITUS: &str = "Citus: spread";
 
 /// What a target compares: its runs' rows by label, the first `a`, the second `b`.
 #[derive(Clone, Copy, PartialEq)]
-enum Kind {
+enum TargetKind {
     /// rps of a ÷ rps of b ≥ bound (no bound: stated).
     Ratio,
     /// a's p99 ≤ bound ms.
@@ -40,68 +40,78 @@ enum Kind {
 }
 
 /// The issues' targets, in order.
-const TARGETS: &[(Kind, &str, &[&str], Option<f64>)] = &[
-    (Kind::Ratio, "spread payments/s ÷ read requests/s ≥ 0.6", &[S, "walletlock: read"], Some(0.6)),
-    (Kind::Ratio, "hot payments/s ÷ pgbench hot tps ≥ 1.5", &[H, "pgbench: hot"], Some(1.5)),
-    (Kind::P99, "spread p99 ≤ 50 ms", &[S], Some(50.0)),
-    (Kind::P99, "hot p99 ≤ 30 ms", &[H], Some(30.0)),
-    (Kind::LockTimeout, "hot: zero lock_timeout", &[H], Some(0.0)),
+const TARGETS: &[(TargetKind, &str, &[&str], Option<f64>)] = &[
+    (TargetKind::Ratio, "spread payments/s ÷ read requests/s ≥ 0.6", &[S, "walletlock: read"], Some(0.6)),
+    (TargetKind::Ratio, "hot payments/s ÷ pgbench hot tps ≥ 1.5", &[H, "pgbench: hot"], Some(1.5)),
+    (TargetKind::P99, "spread p99 ≤ 50 ms", &[S], Some(50.0)),
+    (TargetKind::P99, "hot p99 ≤ 30 ms", &[H], Some(30.0)),
+    (TargetKind::LockTimeout, "hot: zero lock_timeout", &[H], Some(0.0)),
     // Over single requests: a batch of up to 1,000 items (a body of up to 1 MiB) takes more.
-    (Kind::Rss, "every replica's peak RSS < 50 MB (single requests)", &[], Some(50e6)),
-    (Kind::Ratio, "hot: under Postgres alone ÷ on leases (stated)", &["Redis gone: hot", H], None),
-    (Kind::Ratio, "spread: under Postgres alone ÷ on leases (stated)", &["Redis gone: spread", S], None),
-    (Kind::PerUnit("statements"), "spread: statements per payment ≤ 2", &[S], Some(2.0)),
-    (Kind::PerUnit("wal_flushes"), "spread: WAL flushes per payment ≤ 0.25", &[S], Some(0.25)),
+    (TargetKind::Rss, "every replica's peak RSS < 50 MB (single requests)", &[], Some(50e6)),
+    (TargetKind::Ratio, "hot: under Postgres alone ÷ on leases (stated)", &["Redis gone: hot", H], None),
+    (
+        TargetKind::Ratio,
+        "spread: under Postgres alone ÷ on leases (stated)",
+        &["Redis gone: spread", S],
+        None,
+    ),
+    (TargetKind::PerUnit("statements"), "spread: statements per payment ≤ 2", &[S], Some(2.0)),
+    (TargetKind::PerUnit("wal_flushes"), "spread: WAL flushes per payment ≤ 0.25", &[S], Some(0.25)),
     // Issue 33 (one movement model): transfers and splits against spread payments.
-    (Kind::Ratio, "transfers/s ÷ spread payments/s ≥ 0.6", &[T, S], Some(0.6)),
-    (Kind::Ratio, "3-leg splits/s ÷ spread payments/s ≥ 0.5", &["walletlock: split", S], Some(0.5)),
-    (Kind::PerUnit("statements"), "transfer: statements per transfer ≤ 2", &[T], Some(2.0)),
-    (Kind::PerUnit("wal_flushes"), "transfer: WAL flushes per transfer ≤ 0.3", &[T], Some(0.3)),
-    (Kind::P99Ratio, "transfer p99 ≤ 1.5x spread p99", &[T, S], Some(1.5)),
+    (TargetKind::Ratio, "transfers/s ÷ spread payments/s ≥ 0.6", &[T, S], Some(0.6)),
+    (TargetKind::Ratio, "3-leg splits/s ÷ spread payments/s ≥ 0.5", &["walletlock: split", S], Some(0.5)),
+    (TargetKind::PerUnit("statements"), "transfer: statements per transfer ≤ 2", &[T], Some(2.0)),
+    (TargetKind::PerUnit("wal_flushes"), "transfer: WAL flushes per transfer ≤ 0.3", &[T], Some(0.3)),
+    (TargetKind::P99Ratio, "transfer p99 ≤ 1.5x spread p99", &[T, S], Some(1.5)),
     // Issue 38 (past the one-request ceiling): payments in batches of 100 (and of 1,000) against
     // Postgres writing 32 payments and their ledger rows to a transaction.
-    (Kind::Rate, "bulk: payments in batches of 100 ≥ 20,000/s", &[BULK], Some(20_000.0)),
+    (TargetKind::Rate, "bulk: payments in batches of 100 ≥ 20,000/s", &[BULK], Some(20_000.0)),
     (
-        Kind::Ratio,
+        TargetKind::Ratio,
         "bulk payments/s ÷ batched pgbench payments/s ≥ 0.3",
         &[BULK, "pgbench: batched"],
         Some(0.3),
     ),
-    (Kind::P99, "a batch of 1,000's p99 ≤ 500 ms", &["walletlock: bulk of 1,000"], Some(500.0)),
+    (TargetKind::P99, "a batch of 1,000's p99 ≤ 500 ms", &["walletlock: bulk of 1,000"], Some(500.0)),
     // ... and rounds that stay batched on Citus (a coordinator and two workers on these cores),
     // their costs summed over the three nodes.
-    (Kind::Ratio, "spread: on Citus ÷ on one Postgres ≥ 0.5", &[CITUS, S], Some(0.5)),
-    (Kind::PerUnit("wal_flushes"), "Citus spread: WAL flushes per payment ≤ 0.35", &[CITUS], Some(0.35)),
-    (Kind::PerUnit("statements"), "Citus spread: statements per payment ≤ 1", &[CITUS], Some(1.0)),
+    (TargetKind::Ratio, "spread: on Citus ÷ on one Postgres ≥ 0.5", &[CITUS, S], Some(0.5)),
     (
-        Kind::Ratio,
+        TargetKind::PerUnit("wal_flushes"),
+        "Citus spread: WAL flushes per payment ≤ 0.35",
+        &[CITUS],
+        Some(0.35),
+    ),
+    (TargetKind::PerUnit("statements"), "Citus spread: statements per payment ≤ 1", &[CITUS], Some(1.0)),
+    (
+        TargetKind::Ratio,
         "spread with metadata ÷ spread payments/s ≥ 0.9",
         &["walletlock: spread with metadata", S],
         Some(0.9),
     ),
     // Issue 37 (limits), issue 36 (events and webhooks).
     (
-        Kind::Ratio,
+        TargetKind::Ratio,
         "spread with daily and monthly limits ÷ spread payments/s ≥ 0.9",
         &["walletlock: spread with limits", S],
         Some(0.9),
     ),
-    (Kind::Ratio, "spread ÷ spread with events off payments/s ≥ 0.9", &[S, NO_EVENTS], Some(0.9)),
+    (TargetKind::Ratio, "spread ÷ spread with events off payments/s ≥ 0.9", &[S, NO_EVENTS], Some(0.9)),
     (
-        Kind::Flushes,
+        TargetKind::Flushes,
         "spread: WAL flushes per payment with events ≤ with them off + 0.01",
         &[S, NO_EVENTS],
         Some(0.01),
     ),
-    (Kind::Ratio, "spread with a webhook endpoint ÷ spread payments/s (stated)", &[HOOKS, S], None),
+    (TargetKind::Ratio, "spread with a webhook endpoint ÷ spread payments/s (stated)", &[HOOKS, S], None),
     (
-        Kind::Lag,
+        TargetKind::Lag,
         "webhooks: event lag p99 ≤ 1 s with the receiver healthy, every event delivered",
         &[HOOKS],
         Some(1.0),
     ),
     (
-        Kind::Drain,
+        TargetKind::Drain,
         "webhooks: a backlog drains at ≥ 2x the payment rate, every event delivered",
         &["walletlock: spread, webhooks after"],
         Some(2.0),
@@ -336,7 +346,7 @@ fn rss_mib(r: &Row) -> impl Iterator<Item = f64> + '_ {
 
 /// (target, result, met) of one target whose runs (a, and b) have their rows.
 fn judge(
-    kind: Kind,
+    kind: TargetKind,
     target: &str,
     bound: Option<f64>,
     a: &Row,
@@ -349,7 +359,7 @@ fn judge(
     let (rps, p99) = (num(&a["rps"]), num(&a["p99_ms"]));
     let b = b.unwrap_or(a);
     match kind {
-        Kind::Ratio => {
+        TargetKind::Ratio => {
             let b_rps = num(&b["rps"]);
             let x = rps / b_rps;
             let met = if stated { Met::Stated } else { Met::from(x >= bound) };
@@ -358,17 +368,17 @@ fn judge(
             }
             (target, format!("{x:.2} ({}/s ÷ {}/s)", thousands(rps, 0), thousands(b_rps, 0)), met)
         }
-        Kind::P99 => (target, format!("{} ms", fmt_ms(p99)), Met::from(p99 <= bound)),
-        Kind::Rate => (target, format!("{}/s", thousands(rps, 0)), Met::from(rps >= bound)),
-        Kind::LockTimeout => {
+        TargetKind::P99 => (target, format!("{} ms", fmt_ms(p99)), Met::from(p99 <= bound)),
+        TargetKind::Rate => (target, format!("{}/s", thousands(rps, 0)), Met::from(rps >= bound)),
+        TargetKind::LockTimeout => {
             let result = format!("{} of {}", py(&a["lock_timeout"]), count(&a["requests"]));
             (target, result, Met::from(num(&a["lock_timeout"]) == 0.0))
         }
-        Kind::PerUnit(key) => match per_unit(a, key) {
+        TargetKind::PerUnit(key) => match per_unit(a, key) {
             None => not_measured(target),
             Some(value) => (target, format!("{value:.2}"), Met::from(value <= bound)),
         },
-        Kind::Rss => {
+        TargetKind::Rss => {
             let peaks: Vec<f64> = rows
                 .iter()
                 .filter(|r| r["kind"] == "walletlock" && r["scenario"] != "bulk")
@@ -382,7 +392,7 @@ fn judge(
                 || listed.iter().any(|x| !x.starts_with("pgbench"));
             (target, if ran { "not measured" } else { "not run" }.to_owned(), Met::Unknown)
         }
-        Kind::P99Ratio => {
+        TargetKind::P99Ratio => {
             let limit = bound * num(&b["p99_ms"]);
             (
                 format!("{target} ({} ms)", fmt_ms(limit)),
@@ -390,16 +400,16 @@ fn judge(
                 Met::from(p99 <= limit),
             )
         }
-        Kind::Flushes => match (per_unit(a, "wal_flushes"), per_unit(b, "wal_flushes")) {
+        TargetKind::Flushes => match (per_unit(a, "wal_flushes"), per_unit(b, "wal_flushes")) {
             (Some(x), Some(y)) => (target, format!("{x:.3} vs {y:.3}"), Met::from(x <= y + bound)),
             _ => not_measured(target),
         },
-        Kind::Lag | Kind::Drain => {
+        TargetKind::Lag | TargetKind::Drain => {
             let w = if a["webhooks"].is_object() { a["webhooks"].clone() } else { json!({}) };
             let events = w.get("events").cloned().unwrap_or(json!(0));
             let delivered = num(&events) == w.get("expected").map_or(-1.0, num)
                 && w.get("bad_signatures").map_or(1.0, num) == 0.0;
-            if kind == Kind::Lag {
+            if kind == TargetKind::Lag {
                 let p99 = w.get("lag_p99_seconds").and_then(Value::as_f64);
                 let shown = p99.map_or("?".to_owned(), |p| format!("{p:.3}"));
                 let expected = w.get("expected").cloned().unwrap_or(Value::Null);
@@ -445,7 +455,8 @@ fn targets(rows: &[Row], listed: &[String]) -> Vec<(String, String, Met)> {
                 } else {
                     "not run"
                 };
-                let met = if kind == Kind::Ratio && bound.is_none() { Met::Stated } else { Met::Unknown };
+                let met =
+                    if kind == TargetKind::Ratio && bound.is_none() { Met::Stated } else { Met::Unknown };
                 (target.to_owned(), said.to_owned(), met)
             }
         })

@@ -136,9 +136,9 @@ impl Dispatcher {
         let taken = self.leases.try_acquire_each(&names).await;
         for (endpoint, lease) in idle.into_iter().zip(taken) {
             let hold = match lease {
-                Ok(Some(lease)) => Hold::Lease(Box::new(lease)),
+                Ok(Some(lease)) => EndpointHold::Lease(Box::new(lease)),
                 Ok(None) => continue,
-                Err(LeaseError::Unavailable(_)) => Hold::SessionLock,
+                Err(LeaseError::Unavailable(_)) => EndpointHold::SessionLock,
                 Err(err) => {
                     tracing::warn!(endpoint = %endpoint.id, error = %err, "an endpoint's lease not taken");
                     continue;
@@ -158,15 +158,15 @@ impl Dispatcher {
     }
 
     /// One pass of endpoint `id` under `hold`.
-    async fn serve(&self, id: Uuid, hold: Hold, stop: &CancellationToken) -> Result<(), StoreError> {
+    async fn serve(&self, id: Uuid, hold: EndpointHold, stop: &CancellationToken) -> Result<(), StoreError> {
         match hold {
-            Hold::Lease(mut lease) => {
+            EndpointHold::Lease(mut lease) => {
                 lease.keep_alive();
                 let outcome = self.pass(&mut *self.db.acquire().await?, id, Some(&mut lease), stop).await;
                 let _ = (*lease).release().await;
                 outcome
             }
-            Hold::SessionLock => {
+            EndpointHold::SessionLock => {
                 // Redis is out: a lock of this connection's session keeps other replicas' passes
                 // out. Not a row lock: that would hold a transaction open for the pass, and an
                 // open transaction holds back every reader of the feed (see `ledger::event`).
@@ -461,7 +461,7 @@ impl Answers {
 }
 
 /// What the dispatcher holds an endpoint by, for a pass.
-enum Hold {
+enum EndpointHold {
     Lease(Box<Lease>),
     /// Redis is out: a session lock of the endpoint, for the pass.
     SessionLock,
