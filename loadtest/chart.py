@@ -30,6 +30,8 @@ def main():
     with open(sys.argv[1]) as f:
         bench = json.load(f)
     rows = [r for r in bench["rows"] if r["rps"] > 0 and r["p50_ms"] > 0]
+    if not rows:
+        sys.exit("chart: no run in the table to draw")
     y = list(range(len(rows)))[::-1]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.9 * len(rows) + 1.8), sharey=True)
     rps = [r["rps"] for r in rows]

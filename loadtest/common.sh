@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Shared by loadtest/run, loadtest/bench, loadtest/bench-history and loadtest/test-books, with
+# Shared by loadtest/run, loadtest/bench and loadtest/test-books, with
 # deploy/lib.sh: where the local fleet lives, and the tools the load tests need, installed when missing.
 
 # shellcheck disable=SC2034 # the lt_* settings are used by the scripts that source this file

@@ -164,22 +164,6 @@ pub enum LoadtestCommand {
         #[arg(long, default_value = ".")]
         root: std::path::PathBuf,
     },
-    /// Write the page of a `loadtest/bench-history` run: DIR/summary.md, its reads (DIR/reads.tsv,
-    /// k6's), first statements (rollup.tsv) and export (export.tsv) beside their targets, printed,
-    /// and with the run's settings, ROOT/loadtest/bench-history.md.
-    HistoryReport {
-        /// The run's results (loadtest/results/bench-history-<time>).
-        dir: std::path::PathBuf,
-        /// The users of each read.
-        #[arg(long)]
-        vus: u64,
-        /// How long the reads ran.
-        #[arg(long)]
-        seconds: u64,
-        /// The repository, whose commit the page names.
-        #[arg(long, default_value = ".")]
-        root: std::path::PathBuf,
-    },
     /// Print a line per replica deploy/local runs under STATE (replica-N/walletlock.pid): NAME PID
     /// VmHWM_kB VmRSS_kB UPTIME_S, its peak and present resident memory and its seconds up (what
     /// loadtest/run keeps as rss.txt, and `report` reads).
@@ -503,11 +487,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::from(1)
             })
-        }
-        Command::Loadtest(LoadtestCommand::HistoryReport { dir, vus, seconds, root }) => {
-            let run = crate::loadtest::history::Run::now(&root, vus, seconds)?;
-            print!("{}", crate::loadtest::history::report(&dir, &root, &run)?);
-            Ok(ExitCode::SUCCESS)
         }
         Command::Loadtest(LoadtestCommand::Rss { state }) => {
             print!("{}", crate::loadtest::rss::rss(&state, crate::loadtest::clock_ticks()));

@@ -1,7 +1,7 @@
 // loadtest/k6/history.js: the history's reads of one long wallet (WALLET, its entries written
-// between FROM and TO; loadtest/bench-history seeds it) beside GET /wallets/{id} of the same
+// between FROM and TO; loadtest/bench's history run seeds it) beside GET /wallets/{id} of the same
 // wallet, VUS users each, while PAY_VUS users pay WALLETS other wallets (lib's setup opens them)
-// spread at random. Each scenario's p99 goes to SUMMARY (tab-separated), for bench-history's ratios.
+// spread at random. Each scenario's p99 goes to SUMMARY (tab-separated), for the bench's history ratios.
 import http from 'k6/http';
 import { check } from 'k6';
 import { JSON_HEADERS, anyWallet, cfg, keyedHeaders, metric, positiveInt } from './lib.js';

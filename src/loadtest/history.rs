@@ -1,37 +1,13 @@
-//! `walletlock loadtest history-report`: the page of a `loadtest/bench-history` run, its figures
-//! beside their targets (docs/api/history.md says what it measures and why those).
+//! The history section of `loadtest report`: a `loadtest/bench` history run's figures beside
+//! their targets (docs/api/history.md says what it measures and why those).
 
 use anyhow::{Context, anyhow, bail};
 use std::collections::HashMap;
 use std::path::Path;
 
-/// The page's settings line: when, on how many cores, at which commit, with what load.
-pub struct Run {
-    pub date: String,
-    pub cores: usize,
-    pub commit: String,
-    pub vus: u64,
-    pub seconds: u64,
-}
-
-impl Run {
-    /// A run of `vus` users for `seconds`, now, on this machine, at ROOT's checked-out commit.
-    pub fn now(root: &Path, vus: u64, seconds: u64) -> anyhow::Result<Self> {
-        let mut git = std::process::Command::new("git");
-        let commit = git.arg("-C").arg(root).args(["rev-parse", "--short", "HEAD"]).output()?.stdout;
-        Ok(Run {
-            date: chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string(),
-            cores: std::thread::available_parallelism()?.get(),
-            commit: String::from_utf8(commit)?.trim().to_owned(),
-            vus,
-            seconds,
-        })
-    }
-}
-
-/// Writes DIR/summary.md from DIR's reads.tsv (k6's), rollup.tsv and export.tsv, and ROOT's
-/// loadtest/bench-history.md, the summary under the run's settings; returns the summary.
-pub fn report(dir: &Path, root: &Path, run: &Run) -> anyhow::Result<String> {
+/// The history section of a bench's page, from DIR's reads.tsv (k6's), rollup.tsv and export.tsv
+/// (`history_run` in loadtest/bench): its settings, then [`summary`].
+pub fn section(dir: &Path) -> anyhow::Result<String> {
     let read = |name: &str| {
         let path = dir.join(name);
         std::fs::read_to_string(&path).with_context(|| path.display().to_string())
@@ -44,21 +20,14 @@ pub fn report(dir: &Path, root: &Path, run: &Run) -> anyhow::Result<String> {
             Ok((key.to_owned(), value.parse().with_context(|| format!("{key}: {value}"))?))
         })
         .collect::<anyhow::Result<_>>()?;
-    let summary = summary(&read("reads.tsv")?, &figures)?;
-    std::fs::write(dir.join("summary.md"), &summary)?;
-    let page = format!(
-        "# History bench: `loadtest/bench-history`\n\n{}, {} cores, commit {}; {} entries, {} users a read, {} s. \
-         Written by the bench; docs/api/history.md says what it measures.\n\n{}\n",
-        run.date,
-        run.cores,
-        run.commit,
-        figures.get("entries").copied().unwrap_or_default(),
-        run.vus,
-        run.seconds,
-        summary.trim_end()
-    );
-    std::fs::write(root.join("loadtest/bench-history.md"), page)?;
-    Ok(summary)
+    let figure = |key: &str| figures.get(key).copied().ok_or_else(|| anyhow!("no {key}"));
+    Ok(format!(
+        "## History: reads and export of one wallet of {} entries\n\n{} users a read while 16 pay other wallets \
+         (docs/api/history.md says what it measures).\n\n{}",
+        figure("entries")?,
+        figure("users")?,
+        summary(&read("reads.tsv")?, &figures)?
+    ))
 }
 
 /// The table of the reads (name, p99 ms, requests, share answered as expected: a line each), each

@@ -1,5 +1,6 @@
 //! The load tests' tools, which the scripts in loadtest/ call (`walletlock loadtest ...`): the
-//! costs of a run, the CPU others took from it, the bench's table, the history bench's page, the replicas' memory. The product does not import them.
+//! costs of a run, the CPU others took from it, the bench's page (its table and its history
+//! section), the replicas' memory. The product does not import them.
 
 pub mod costs;
 pub mod history;

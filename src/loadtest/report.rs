@@ -704,9 +704,17 @@ pub fn report(out: &Path, root: &Path) -> anyhow::Result<bool> {
         String::new(),
         markdown(&goal_header, &goal_cells),
         String::new(),
-        "Method and conditions:".to_owned(),
-        String::new(),
     ];
+    let history = out.join("history");
+    let history = if history.is_dir() {
+        super::history::section(&history).with_context(|| history.display().to_string())?
+    } else {
+        String::new()
+    };
+    if !history.is_empty() {
+        md.extend([history.clone(), String::new()]);
+    }
+    md.extend(["Method and conditions:".to_owned(), String::new()]);
     md.extend(notes.iter().map(|n| format!("- {n}")));
     md.extend([String::new(), "Machine and versions:".to_owned(), String::new()]);
     md.extend(info.iter().map(|(k, v)| format!("- {k}: {}", py(v))));
@@ -717,6 +725,9 @@ pub fn report(out: &Path, root: &Path) -> anyhow::Result<bool> {
     std::fs::write(out.join("bench.json"), serde_json::to_string_pretty(&bench)?)?;
     std::fs::write(out.join("bench.md"), md.join("\n"))?;
     println!("{title}\n{}\n\n{}", plain(&header, &table, false), plain(&goal_header, &goal_cells, true));
+    if !history.is_empty() {
+        print!("\n{history}");
+    }
     for r in &rows {
         let failed: Vec<String> =
             r.get("failed_thresholds").and_then(Value::as_array).into_iter().flatten().map(py).collect();
