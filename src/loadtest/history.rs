@@ -21,11 +21,16 @@ pub fn section(dir: &Path) -> anyhow::Result<String> {
         })
         .collect::<anyhow::Result<_>>()?;
     let figure = |key: &str| figures.get(key).copied().ok_or_else(|| anyhow!("no {key}"));
+    // As every row of the table: how idle the machine was before, and what others took during.
+    let other: serde_json::Value = serde_json::from_str(&read("other_cpu.json")?)?;
     Ok(format!(
         "## History: reads and export of one wallet of {} entries\n\n{} users a read while 16 pay other wallets \
-         (docs/api/history.md says what it measures).\n\n{}",
+         (docs/api/history.md says what it measures); the machine {}% idle before the reads, other \
+         processes {}% of the CPU during them.\n\n{}",
         figure("entries")?,
         figure("users")?,
+        read("idle")?.trim(),
+        other["other_pct"],
         summary(&read("reads.tsv")?, &figures)?
     ))
 }

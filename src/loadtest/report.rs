@@ -706,14 +706,11 @@ pub fn report(out: &Path, root: &Path) -> anyhow::Result<bool> {
         String::new(),
     ];
     let history = out.join("history");
-    let history = if history.is_dir() {
-        super::history::section(&history).with_context(|| history.display().to_string())?
-    } else {
-        String::new()
+    let history = match history.is_dir() {
+        true => Some(super::history::section(&history).with_context(|| history.display().to_string())?),
+        false => None,
     };
-    if !history.is_empty() {
-        md.extend([history.clone(), String::new()]);
-    }
+    md.extend(history.iter().flat_map(|section| [section.clone(), String::new()]));
     md.extend(["Method and conditions:".to_owned(), String::new()]);
     md.extend(notes.iter().map(|n| format!("- {n}")));
     md.extend([String::new(), "Machine and versions:".to_owned(), String::new()]);
@@ -725,8 +722,8 @@ pub fn report(out: &Path, root: &Path) -> anyhow::Result<bool> {
     std::fs::write(out.join("bench.json"), serde_json::to_string_pretty(&bench)?)?;
     std::fs::write(out.join("bench.md"), md.join("\n"))?;
     println!("{title}\n{}\n\n{}", plain(&header, &table, false), plain(&goal_header, &goal_cells, true));
-    if !history.is_empty() {
-        print!("\n{history}");
+    if let Some(section) = &history {
+        print!("\n{section}");
     }
     for r in &rows {
         let failed: Vec<String> =
