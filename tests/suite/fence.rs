@@ -362,6 +362,37 @@ async fn the_row_refuses_a_fence_or_version_moving_back_whoever_sends_it() {
 }
 
 #[tokio::test]
+async fn the_row_refuses_an_id_or_owner_outside_the_rule_whoever_sends_it() {
+    let env = TestEnv::new();
+    let (_schema, db) = env.database(2).await;
+    let longest = "a".repeat(64);
+    for (id, owner) in [(longest.as_str(), "o"), ("A-z_0", longest.as_str())] {
+        sqlx::query("insert into wallet (id, balance, version, owner) values ($1, 0, 1, $2)")
+            .bind(id)
+            .bind(owner)
+            .execute(&db)
+            .await
+            .unwrap_or_else(|err| panic!("{id:?} owned by {owner:?} is within the rule: {err}"));
+    }
+    let too_long = "a".repeat(65);
+    for (id, owner) in [("", "o"), (too_long.as_str(), "o"), ("a b", "o"), ("é", "o"), ("a\n", "o")]
+        .into_iter()
+        .chain([("ok-1", ""), ("ok-2", too_long.as_str()), ("ok-3", "a/b")])
+    {
+        let err = sqlx::query("insert into wallet (id, balance, version, owner) values ($1, 0, 1, $2)")
+            .bind(id)
+            .bind(owner)
+            .execute(&db)
+            .await
+            .unwrap_err();
+        let code = err.as_database_error().and_then(|db| db.code()).map(|code| code.into_owned());
+        assert_eq!(code.as_deref(), Some("23514"), "{id:?} owned by {owner:?}: a check violation, not {err}");
+    }
+    let count: i64 = sqlx::query_scalar("select count(*) from wallet").fetch_one(&db).await.unwrap();
+    assert_eq!(count, 2, "only the two within the rule were written");
+}
+
+#[tokio::test]
 async fn a_fence_counter_moved_far_past_the_row_is_refused_and_spends_none_of_its_fences() {
     use crate::support::{payment, tester};
     use walletlock::domain::MAX_FENCE_STEP;
