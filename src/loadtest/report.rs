@@ -128,7 +128,7 @@ const COSTS: [(&str, &str); 4] = [
 
 /// Whether a target was met: yes, no, not measured (`?`), or stated without a bound (`-`).
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Met {
+pub enum Met {
     Yes,
     No,
     Unknown,
@@ -136,7 +136,7 @@ enum Met {
 }
 
 impl Met {
-    fn from(met: bool) -> Self {
+    pub fn from(met: bool) -> Self {
         if met { Met::Yes } else { Met::No }
     }
     fn json(self) -> Value {
@@ -683,7 +683,18 @@ pub fn report(out: &Path, root: &Path) -> anyhow::Result<bool> {
             if discarded.is_empty() { "none".to_owned() } else { discarded.join("; ") }
         ),
     ];
-    let goals = targets(&rows, &listed);
+    // The history run's targets join the table; its figures are a section of their own.
+    let history = out.join("history");
+    let (history, history_targets) = match history.is_dir() {
+        true => {
+            let (text, judged) =
+                super::history::section(&history).with_context(|| history.display().to_string())?;
+            (Some(text), judged)
+        }
+        false => (None, super::history::not_run()),
+    };
+    let mut goals = targets(&rows, &listed);
+    goals.extend(history_targets);
     let goal_header: Vec<String> = ["target", "result", "met?"].map(String::from).to_vec();
     let goal_cells: Vec<Vec<String>> =
         goals.iter().map(|(t, res, met)| vec![t.clone(), res.clone(), met.cell().to_owned()]).collect();
@@ -700,16 +711,11 @@ pub fn report(out: &Path, root: &Path) -> anyhow::Result<bool> {
         String::new(),
         markdown(&header, &table),
         String::new(),
-        "Targets (issue 13): rps as in the table (payments or reads answered per second); the costs and the p99s of the runs above.".to_owned(),
+        "Targets (issues 13 and 33-38): rps as in the table (payments or reads answered per second); the costs and the p99s of the runs above, and the history run's figures below.".to_owned(),
         String::new(),
         markdown(&goal_header, &goal_cells),
         String::new(),
     ];
-    let history = out.join("history");
-    let history = match history.is_dir() {
-        true => Some(super::history::section(&history).with_context(|| history.display().to_string())?),
-        false => None,
-    };
     md.extend(history.iter().flat_map(|section| [section.clone(), String::new()]));
     md.extend(["Method and conditions:".to_owned(), String::new()]);
     md.extend(notes.iter().map(|n| format!("- {n}")));
