@@ -230,7 +230,9 @@ async fn begin(
     key: IdempotencyKey,
     fingerprint: [u8; 32],
 ) -> Result<Begin, StoreError> {
-    let mut conn = db.acquire().await?;
+    // Boxed: the pool's future is 14 KB, and unboxed it made the future of every keyed request
+    // that claims its key first (an opening, a capture, a void, a refund) that large.
+    let mut conn = Box::pin(db.acquire()).await?;
     let claim = Claim { scope, key, token: Uuid::new_v4() };
     let at = claim.at();
     // A row can vanish (purged) or change (taken over) between our reads; a few rounds settle it.

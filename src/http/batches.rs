@@ -581,7 +581,7 @@ fn check<T: DeserializeOwned>(
     fields: &Map<String, Value>,
     route: &'static str,
 ) -> Result<&'static str, String> {
-    serde_json::from_value::<T>(Value::Object(fields.clone())).map(|_| route).map_err(|err| err.to_string())
+    T::deserialize(fields).map(|_| route).map_err(|err| err.to_string())
 }
 
 fn json(fields: &Map<String, Value>) -> Option<Bytes> {

@@ -484,7 +484,10 @@ impl LeaseClient {
             return Ok((shared.clone(), limit));
         }
         let started = Instant::now();
-        let conn = tokio::time::timeout(limit, self.pool.get())
+        // Boxed: the pool's future is 10 KB, and unboxed it made every Redis call's future that
+        // large (every lease operation's, the watchdog's task), though it runs only until the
+        // shared connection exists.
+        let conn = tokio::time::timeout(limit, Box::pin(self.pool.get()))
             .await
             .map_err(|_| RedisFailure::Timeout(limit))??;
         metrics::histogram!(REDIS_POOL_ACQUIRE_WAIT.name).record(started.elapsed());
@@ -868,6 +871,30 @@ impl Drop for Lease {
                 let result = client.release_token(&name, &keys, &token, None).await;
                 tracing::debug!(lease = %name, ok = result.is_ok(), "lease released on drop");
             });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lease operation's future is held inline by every wallet worker, round and request above
+    /// it, and copied whole at each box and spawn: it must stay small. (The pool's future, 10 KB,
+    /// made each of them that large until `checkout` boxed it.)
+    #[tokio::test]
+    async fn a_lease_operation_is_a_small_future() {
+        let config = deadpool_redis::Config::from_url("redis://127.0.0.1:1");
+        let pool = config.create_pool(Some(deadpool_redis::Runtime::Tokio1)).expect("a pool connects lazily");
+        let ttl = Ttl::new(Duration::from_secs(1)).expect("a valid TTL");
+        let client = LeaseClient::new(pool, "t", LeaseSettings::new(ttl, Duration::from_secs(1)));
+        let sizes = [
+            ("acquire_until", std::mem::size_of_val(&client.acquire_until("w", Instant::now()))),
+            ("try_acquire", std::mem::size_of_val(&client.try_acquire("w"))),
+            ("leave_note", std::mem::size_of_val(&client.leave_note("w", "n"))),
+        ];
+        for (operation, size) in sizes {
+            assert!(size <= 4096, "{operation}'s future is {size} bytes");
         }
     }
 }

@@ -82,24 +82,26 @@ impl KnownStorage {
 
     /// The storage of `db`, asking it the first time.
     pub async fn of(&self, db: &PgPool) -> Result<Storage, StoreError> {
-        self.0
-            .storage
-            .get_or_try_init(|| async {
-                let mut conn = db.acquire().await?;
-                Ok::<_, StoreError>(Storage::of(&mut conn).await?)
-            })
-            .await
-            .copied()
+        if let Some(storage) = self.get() {
+            return Ok(storage);
+        }
+        // Boxed, here and in `on`: asked once, and unboxed its 14 KB made the future of every
+        // caller (a transfer's, a history read's) that large.
+        let ask = self.0.storage.get_or_try_init(|| async {
+            let mut conn = db.acquire().await?;
+            Ok::<_, StoreError>(Storage::of(&mut conn).await?)
+        });
+        Box::pin(ask).await.copied()
     }
 
     /// The storage of the database behind `conn`, asking on `conn` itself the first time: for a
     /// caller holding a transaction, which must never wait for a second connection from the pool
     /// (with the pool full of such callers, each would wait for the others' until it timed out).
     pub async fn on(&self, conn: &mut PgConnection) -> Result<Storage, StoreError> {
-        self.0
-            .storage
-            .get_or_try_init(|| async { Ok::<_, StoreError>(Storage::of(conn).await?) })
-            .await
-            .copied()
+        if let Some(storage) = self.get() {
+            return Ok(storage);
+        }
+        let ask = self.0.storage.get_or_try_init(|| async { Ok::<_, StoreError>(Storage::of(conn).await?) });
+        Box::pin(ask).await.copied()
     }
 }

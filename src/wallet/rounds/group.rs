@@ -421,9 +421,9 @@ async fn run_round(
             Submitted::Legs(job) => jobs.legs_pending.push(job),
         }
     }
-    // The statements' futures are boxed: sqlx's are kilobytes each, and unboxed they made every
-    // round's task 15 KB, copied whole at each spawn and poll transition.
-    let mut conn = match Box::pin(connect(db, lane)).await {
+    // The statements' futures are boxed (and `connect`'s pool's): sqlx's are kilobytes each, and
+    // unboxed they made every round's task 15 KB, copied whole at each spawn and poll transition.
+    let mut conn = match connect(db, lane).await {
         Ok(conn) => conn,
         Err(err) => return answer_all(jobs, &err.into()),
     };
@@ -463,7 +463,7 @@ async fn run_round(
             // checkout's ping would have caught: read again, once, on a fresh one. The read is
             // safe to repeat: it writes nothing a second read would not find as it left it.
             conn.close_on_drop();
-            conn = match Box::pin(connect(db, None)).await {
+            conn = match connect(db, None).await {
                 Ok(fresh) => fresh,
                 Err(err) => return answer_all(jobs, &err.into()),
             };
@@ -651,7 +651,8 @@ async fn connect(db: &PgPool, lane: RoundConnection) -> Result<PoolConnection<Po
         return Ok(conn);
     }
     let started = Instant::now();
-    let conn = db.acquire().await?;
+    // Boxed: the pool's future is 14 KB, and a round that keeps its lane's connection needs none.
+    let conn = Box::pin(db.acquire()).await?;
     metrics::histogram!(PG_POOL_ACQUIRE_WAIT.name).record(started.elapsed());
     Ok(conn)
 }
