@@ -1,5 +1,6 @@
-//! The history section of `loadtest report`: a `loadtest/bench` history run's figures beside
-//! their targets (docs/api/history.md says what it measures and why those).
+//! The history section of `loadtest report`: a `loadtest/bench` history run's figures, and its
+//! targets judged for the page's one targets table (docs/api/history.md says what it measures and
+//! why those targets).
 
 use super::report::Met;
 use anyhow::{Context, anyhow, bail};
