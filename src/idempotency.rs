@@ -200,7 +200,7 @@ impl Keys {
     /// logged: the claim then counts as abandoned after `stale_after`.
     pub async fn abandon(&self, claim: &Claim) {
         let outcome = async {
-            let mut conn = self.db.acquire().await?;
+            let mut conn = crate::ledger::acquire(&self.db).await?;
             store::abandon(&mut conn, claim.at(), claim.token).await
         };
         if let Err(err) = outcome.await {
@@ -230,9 +230,8 @@ async fn begin(
     key: IdempotencyKey,
     fingerprint: [u8; 32],
 ) -> Result<Begin, StoreError> {
-    // Boxed: the pool's future is 14 KB, and unboxed it made the future of every keyed request
-    // that claims its key first (an opening, a capture, a void, a refund) that large.
-    let mut conn = Box::pin(db.acquire()).await?;
+    // Every keyed request that claims its key first (an opening, a capture, a void, a refund).
+    let mut conn = crate::ledger::acquire(db).await?;
     let claim = Claim { scope, key, token: Uuid::new_v4() };
     let at = claim.at();
     // A row can vanish (purged) or change (taken over) between our reads; a few rounds settle it.

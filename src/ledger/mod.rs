@@ -75,6 +75,19 @@ pub(crate) fn violates(err: &dyn sqlx::error::DatabaseError, name: &str) -> bool
         }
 }
 
+/// A connection from `db`, its wait boxed. sqlx's `acquire` future is 14 KB, and awaited inline it
+/// makes every future that holds it that large (each handler, task and round above it, copied
+/// whole at each spawn and box), even one that rarely awaits it: call this where a caller's
+/// future is held or copied often; `db.acquire()` elsewhere.
+pub async fn acquire(db: &PgPool) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, sqlx::Error> {
+    Box::pin(db.acquire()).await
+}
+
+/// A transaction on a connection from `db`, its wait boxed as [`acquire`]'s.
+pub async fn begin(db: &PgPool) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+    Box::pin(db.begin()).await
+}
+
 /// Whether Postgres answers a trivial query.
 pub async fn ping(db: &PgPool) -> Result<(), StoreError> {
     sqlx::query("select 1").execute(db).await?;

@@ -685,13 +685,12 @@ pub fn report(out: &Path, root: &Path) -> anyhow::Result<bool> {
     ];
     // The history run's targets join the table; its figures are a section of their own.
     let history = out.join("history");
-    let (history, history_targets) = match history.is_dir() {
-        true => {
-            let (text, judged) =
-                super::history::section(&history).with_context(|| history.display().to_string())?;
-            (Some(text), judged)
-        }
-        false => (None, super::history::not_run()),
+    let (history, history_targets) = if history.is_dir() {
+        let (text, judged) =
+            super::history::section(&history).with_context(|| history.display().to_string())?;
+        (Some(text), judged)
+    } else {
+        (None, super::history::not_run())
     };
     let mut goals = targets(&rows, &listed);
     goals.extend(history_targets);

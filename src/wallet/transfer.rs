@@ -577,9 +577,8 @@ impl Wallets {
     async fn attempt_between(&self, ops: &[LegsOp], fences: &Fences) -> Result<Attempted, Failure> {
         let wallets = wallets_of(ops);
         let ids: Vec<&str> = wallets.iter().map(WalletId::as_str).collect();
-        // Boxed: the pool's future is 14 KB, and unboxed it made every transfer's and movement's
-        // future (from its handler down, on every path) that large, copied at each box and spawn.
-        let mut tx = Box::pin(self.db.begin()).await?;
+        // Every transfer's and movement's future holds this one, from its handler down.
+        let mut tx = crate::ledger::begin(&self.db).await?;
         let locked = store::lock_wallets(&mut tx, &ids, ROW_LOCK_TIMEOUT).await?;
         let mut rows: Vec<(i64, Option<Held>)> = Vec::with_capacity(wallets.len());
         for wallet in &wallets {

@@ -421,7 +421,7 @@ async fn run_round(
             Submitted::Legs(job) => jobs.legs_pending.push(job),
         }
     }
-    // The statements' futures are boxed (and `connect`'s pool's): sqlx's are kilobytes each, and
+    // The statements' futures are boxed (and `connect`'s wait): sqlx's are kilobytes each, and
     // unboxed they made every round's task 15 KB, copied whole at each spawn and poll transition.
     let mut conn = match connect(db, lane).await {
         Ok(conn) => conn,
@@ -651,8 +651,8 @@ async fn connect(db: &PgPool, lane: RoundConnection) -> Result<PoolConnection<Po
         return Ok(conn);
     }
     let started = Instant::now();
-    // Boxed: the pool's future is 14 KB, and a round that keeps its lane's connection needs none.
-    let conn = Box::pin(db.acquire()).await?;
+    // Not needed by a round that keeps its lane's connection.
+    let conn = crate::ledger::acquire(db).await?;
     metrics::histogram!(PG_POOL_ACQUIRE_WAIT.name).record(started.elapsed());
     Ok(conn)
 }
