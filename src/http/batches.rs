@@ -39,8 +39,8 @@ use crate::telemetry::metrics::{BATCH_ITEMS, REQUESTS_SHED};
 use axum::{
     Json, Router,
     body::{Body, Bytes},
-    extract::{Extension, FromRequest, Request, State},
-    http::{HeaderValue, Method, StatusCode, header},
+    extract::{Extension, Request, State},
+    http::{HeaderValue, Method, header},
     response::{IntoResponse, Response},
 };
 use serde::de::{self, DeserializeOwned, Deserializer, MapAccess, SeqAccess, Visitor};
@@ -78,10 +78,7 @@ pub struct Items(pub Router);
 
 /// The batch route, which runs its items through `items`.
 pub fn router(items: Items) -> OpenApiRouter<ApiContext> {
-    OpenApiRouter::default()
-        .routes(routes!(batch))
-        .layer(axum::extract::DefaultBodyLimit::max(BATCH_BODY_LIMIT))
-        .layer(Extension(items))
+    OpenApiRouter::default().routes(routes!(batch)).layer(Extension(items))
 }
 
 /// What an item does, and the single route it runs as.
@@ -364,13 +361,7 @@ async fn batch(
     let json = super::extract::is_json(request.headers().get(header::CONTENT_TYPE));
     let authorization = request.headers().get(header::AUTHORIZATION).cloned();
     // The body is read before the headers are judged (see `discard_body`).
-    let raw = Bytes::from_request(request, &ctx).await.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::PayloadTooLarge { limit: BATCH_BODY_LIMIT }
-        } else {
-            ApiError::from(rejection)
-        }
-    })?;
+    let raw = read_body(request.into_body()).await?;
     if keyed {
         return Err(ApiError::BadRequest {
             code: &codes::INVALID_IDEMPOTENCY_KEY,
@@ -387,24 +378,53 @@ async fn batch(
     Ok(Json(BatchAnswer { items: answers }).into_response())
 }
 
-/// Reads a batch's body to its end, keeping none of it (at most [`BATCH_BODY_LIMIT`] and a
-/// second), before it is refused unread. nginx buffers a body this large in a file and sends it
-/// after the headers: a replica that answered and closed the connection first would make nginx's
-/// write fail, and nginx would answer `502` and take the replica out of rotation for a second
+/// Reads a batch's body to its end, keeping none of it, before it is refused unread. nginx
+/// buffers a body this large in a file and sends it after the headers: a replica that answered
+/// and closed the connection first would make nginx's write fail, and nginx would answer `502`
+/// (or pass the refusal on cut short) and take the replica out of rotation for a second
 /// (`max_fails=1`). Read and dropped, it costs the replica no memory.
 pub async fn discard_body(body: Body) {
+    drain(body.into_data_stream()).await;
+}
+
+/// Reads and drops what is left of a body: up to [`DRAINED_AT_MOST`] bytes, for a second at most.
+async fn drain(mut chunks: axum::body::BodyDataStream) {
     use futures::StreamExt;
-    let mut chunks = body.into_data_stream();
     let _ = tokio::time::timeout(std::time::Duration::from_secs(1), async {
         let mut read = 0;
         while let Some(Ok(chunk)) = chunks.next().await {
             read += chunk.len();
-            if read > BATCH_BODY_LIMIT {
+            if read > DRAINED_AT_MOST {
                 break;
             }
         }
     })
     .await;
+}
+
+/// The most of a body [`drain`] reads: what nginx lets through on this route (nginx.conf's
+/// `client_max_body_size 2m`).
+const DRAINED_AT_MOST: usize = 2 * 1024 * 1024;
+
+/// A batch's body: up to [`BATCH_BODY_LIMIT`] bytes, or `payload_too_large` once the rest of a
+/// larger one has been read and dropped (see [`discard_body`]: answered mid-body, the refusal
+/// could reach the client cut short).
+async fn read_body(body: Body) -> Result<Bytes, ApiError> {
+    use futures::StreamExt;
+    let mut chunks = body.into_data_stream();
+    let mut read = Vec::new();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|err| ApiError::BadRequest {
+            code: &codes::INVALID_BODY,
+            detail: format!("the body could not be read: {err}"),
+        })?;
+        if read.len() + chunk.len() > BATCH_BODY_LIMIT {
+            drain(chunks).await;
+            return Err(ApiError::PayloadTooLarge { limit: BATCH_BODY_LIMIT });
+        }
+        read.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(read))
 }
 
 fn invalid(item: Option<usize>, detail: impl Into<String>) -> ApiError {
