@@ -100,10 +100,11 @@ impl Wallets {
             .ok_or(WalletError::NotFound)
     }
 
-    /// A pooled Postgres connection, its wait measured.
+    /// A pooled Postgres connection, its wait measured (and boxed: every read and every rare
+    /// write of wallets, holds, history, events and webhooks comes through here).
     pub(super) async fn connection(&self) -> Result<PoolConnection<sqlx::Postgres>, WalletError> {
         let waiting = Instant::now();
-        let conn = self.db.acquire().await?;
+        let conn = ledger::acquire(&self.db).await?;
         metrics::histogram!(PG_POOL_ACQUIRE_WAIT.name).record(waiting.elapsed());
         Ok(conn)
     }
