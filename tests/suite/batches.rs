@@ -20,7 +20,7 @@ async fn post(client: &reqwest::Client, url: &str, body: &Value) -> (u16, Value)
 }
 
 /// Sends a batch of `items` through nginx: the status and the answer.
-async fn batch(fleet: &Fleet, items: &[Value]) -> (u16, Value) {
+pub(crate) async fn batch(fleet: &Fleet, items: &[Value]) -> (u16, Value) {
     post(&fleet.client, &fleet.url("/batches"), &json!({ "items": items })).await
 }
 
@@ -44,11 +44,11 @@ async fn single(fleet: &Fleet, path: &str, key: &str, body: Option<&Value>) -> (
     (response.status().as_u16(), response.json().await.unwrap_or(Value::Null), replayed)
 }
 
-fn pay(wallet: &str, amount: i64, key: &str) -> Value {
+pub(crate) fn pay(wallet: &str, amount: i64, key: &str) -> Value {
     json!({ "op": "pay", "wallet_id": wallet, "amount": amount, "idempotency_key": key })
 }
 
-async fn balance(fleet: &Fleet, wallet: &str) -> (i64, i64) {
+pub(crate) async fn balance(fleet: &Fleet, wallet: &str) -> (i64, i64) {
     let wallet = fleet.read(&format!("/wallets/{wallet}")).await;
     (wallet["balance"].as_i64().expect("a balance"), wallet["version"].as_i64().expect("a version"))
 }
@@ -314,7 +314,7 @@ async fn group_commits(fleet: &Fleet) -> u64 {
 
 /// Resends the batch `items` through nginx until every item's outcome is definite (applied or
 /// refused, not 503, not in flight), each time whole: answers each item's last answer.
-async fn settle_batch(fleet: &Fleet, items: &[Value]) -> Vec<Value> {
+pub(crate) async fn settle_batch(fleet: &Fleet, items: &[Value]) -> Vec<Value> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let (status, answer) = batch(fleet, items).await;
@@ -334,7 +334,7 @@ async fn settle_batch(fleet: &Fleet, items: &[Value]) -> Vec<Value> {
 
 /// An `X-Request-Id` that nginx sends to `replica`: requests about no wallet (a batch) are routed
 /// by it.
-async fn request_id_served_by(fleet: &Fleet, replica: &str) -> String {
+pub(crate) async fn request_id_served_by(fleet: &Fleet, replica: &str) -> String {
     for n in 0..1000 {
         let id = format!("route-{n}");
         let response =

@@ -1,8 +1,9 @@
 //! The wallets spread over a Citus cluster (docs/operating/citus.md): a coordinator and two workers
 //! of the test's own, every table distributed by wallet. A payment is one transaction on the
 //! worker holding its wallet; a worker or the coordinator dying under load loses no acknowledged
-//! payment and applies none twice; a worker added under load takes its share of the wallets
-//! while they keep being paid.
+//! payment and applies none twice; a worker lost mid-round fails only its own wallets' items of a
+//! batch over both; a worker added under load takes its share of the wallets while they keep
+//! being paid.
 
 use crate::group::{first_writes, payment, wallet_with};
 use crate::support::fleet::Fleet;
@@ -10,7 +11,7 @@ use crate::support::load::{Load, check_books, open_wallets, settle, tally, time_
 use crate::support::servers::{CitusCluster, RemoteCommand};
 use crate::support::transfers::{self, TransferLoad};
 use crate::support::{TestEnv, eventually};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 use walletlock::ledger::Entry;
 use walletlock::ledger::group::{self, GroupWrite, HoldsToRead, ReadOutcome, ToRead};
@@ -488,4 +489,102 @@ async fn under_citus_a_worker_added_under_load_takes_its_share_of_the_wallets_an
     .await
     .unwrap();
     assert!(paid_there > 0, "no payment of {on_third:?} on the new worker after the rebalance");
+}
+
+/// A batch over both workers' wallets, whose replica stops itself before its first round's commit
+/// while one worker is SIGKILLed: a round is the wallets of one worker, so the lost worker fails
+/// only its own wallets' items, each a 503 (`dependency_unavailable`, or `outcome_unknown` where a
+/// commit was in flight), never a 500, and the other worker's items are applied. While that worker
+/// stays down, the batch sent again replays the live worker's items and refuses the lost one's,
+/// applying nothing; once it is back, the batch retried whole charges every item exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_citus_a_batch_over_both_workers_with_one_killed_mid_round_fails_only_that_workers_items() {
+    use crate::batches::{balance, pay, request_id_served_by, settle_batch};
+    use crate::support::fleet::audit_books;
+    use crate::support::load::{Outcome, opened, told};
+    use serde_json::{Value, json};
+
+    let mut citus = tokio::task::block_in_place(CitusCluster::start);
+    let env = TestEnv::with_citus(&citus);
+    let mut fleet = Fleet::start(&env, 3, &SETTINGS).await;
+    open_wallets(&fleet, &SPREAD, OPENING).await;
+    let lost_worker = CitusCluster::node(&citus.workers[0]);
+    let by_worker = wallets_by_worker(&fleet.db, &SPREAD).await;
+    let lost: Vec<&str> = by_worker.get(&lost_worker).cloned().unwrap_or_default();
+    assert!(!lost.is_empty() && lost.len() < SPREAD.len(), "wallets on both workers: {by_worker:?}");
+    // 10 payments on each wallet, in turns, the lost worker's first (so the first round, the one
+    // that stops, is most likely its own); amounts that tell each wallet's payments apart.
+    let wallets: Vec<&str> =
+        lost.iter().copied().chain(SPREAD.iter().copied().filter(|w| !lost.contains(w))).collect();
+    let items: Vec<Value> = (0..10 * wallets.len())
+        .map(|n| pay(wallets[n % wallets.len()], 1 + (n / wallets.len()) as i64, &format!("both-{n}")))
+        .collect();
+    let on_lost = |item: &Value| lost.contains(&item["wallet_id"].as_str().unwrap());
+
+    fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", Some("before_commit:stop"));
+    fleet.replicas[0].start();
+    let request_id = request_id_served_by(&fleet, "replica-1").await;
+    let (client, url, body) = (fleet.client.clone(), fleet.url("/batches"), json!({ "items": items }));
+    let mut first = tokio::spawn(async move {
+        let response = client.post(url).header("x-request-id", request_id).json(&body).send().await.unwrap();
+        (response.status().as_u16(), response.json::<Value>().await.unwrap_or(Value::Null))
+    });
+    fleet.replicas[0].stopped_at_failpoint("replica-1 stopped before a round's commit", &mut first).await;
+    tokio::task::block_in_place(|| citus.workers[0].crash());
+    fleet.replicas[0].signal(nix::sys::signal::Signal::SIGCONT);
+    let (status, answer) = first.await.unwrap();
+    assert_eq!(status, 200, "the batch is answered item by item: {answer}");
+    let answers = answer["items"].as_array().expect("items").clone();
+    let refused_on_lost = |answers: &[Value], replayed: bool| {
+        for (item, answer) in items.iter().zip(answers) {
+            if on_lost(item) {
+                assert_eq!(answer["status"], 503, "{item} is on the lost worker: {answer}");
+                let code = answer["body"]["code"].as_str().unwrap_or_default();
+                assert!(["dependency_unavailable", "outcome_unknown"].contains(&code), "{item}: {answer}");
+            } else {
+                assert_eq!(answer["status"], 200, "{item} is on the live worker: {answer}");
+                assert_eq!(answer["replayed"] == true, replayed, "{item}: {answer}");
+            }
+        }
+    };
+    refused_on_lost(&answers, false);
+    let mut codes: BTreeMap<String, usize> = BTreeMap::new();
+    for answer in &answers {
+        *codes.entry(format!("{} {}", answer["status"], answer["body"]["code"])).or_default() += 1;
+    }
+    println!(
+        "{} items, {} on the lost worker: {codes:?}",
+        items.len(),
+        items.iter().filter(|i| on_lost(i)).count()
+    );
+
+    // While the worker is down: the live worker's items replay, the lost one's are refused again.
+    let (status, again) = crate::batches::batch(&fleet, &items).await;
+    assert_eq!(status, 200, "{again}");
+    refused_on_lost(again["items"].as_array().expect("items"), true);
+    for wallet in SPREAD.iter().filter(|w| !lost.contains(w)) {
+        let charged: i64 = (1..=10).sum();
+        assert_eq!(balance(&fleet, wallet).await, (OPENING - charged, 11), "{wallet}: each payment once");
+    }
+
+    tokio::task::block_in_place(|| citus.workers[0].start_again());
+    fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", None);
+    fleet.replicas[0].start();
+    let answers = settle_batch(&fleet, &items).await;
+    let mut acks = opened(&SPREAD.iter().map(|w| (*w, OPENING)).collect::<Vec<_>>());
+    for (item, answer) in items.iter().zip(&answers) {
+        assert_eq!(answer["status"], 200, "{item}: {answer}");
+        let entry = answer["body"]["id"].as_str().unwrap().parse().unwrap();
+        let (wallet, amount) = (item["wallet_id"].as_str().unwrap(), item["amount"].as_i64().unwrap());
+        acks.push(told(
+            item["idempotency_key"].as_str().unwrap(),
+            &Outcome::Applied(entry),
+            &[(wallet, -amount)],
+        ));
+    }
+    for wallet in SPREAD {
+        let charged: i64 = (1..=10).sum();
+        assert_eq!(balance(&fleet, wallet).await, (OPENING - charged, 11), "{wallet}: each payment once");
+    }
+    audit_books(&fleet.database_url, &acks);
 }
