@@ -5,12 +5,16 @@
 //! batch over both; a worker added under load takes its share of the wallets while they keep
 //! being paid.
 
+use crate::batches::{balance, pay, request_id_served_by, settle_batch};
 use crate::group::{first_writes, payment, wallet_with};
-use crate::support::fleet::Fleet;
-use crate::support::load::{Load, check_books, open_wallets, settle, tally, time_to_recover};
+use crate::support::fleet::{Fleet, audit_books};
+use crate::support::load::{
+    Load, Outcome, check_books, open_wallets, opened, settle, tally, time_to_recover, told,
+};
 use crate::support::servers::{CitusCluster, RemoteCommand};
 use crate::support::transfers::{self, TransferLoad};
 use crate::support::{TestEnv, eventually};
+use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 use walletlock::ledger::Entry;
@@ -499,14 +503,11 @@ async fn under_citus_a_worker_added_under_load_takes_its_share_of_the_wallets_an
 /// applying nothing; once it is back, the batch retried whole charges every item exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn under_citus_a_batch_over_both_workers_with_one_killed_mid_round_fails_only_that_workers_items() {
-    use crate::batches::{balance, pay, request_id_served_by, settle_batch};
-    use crate::support::fleet::audit_books;
-    use crate::support::load::{Outcome, opened, told};
-    use serde_json::{Value, json};
-
     let mut citus = tokio::task::block_in_place(CitusCluster::start);
     let env = TestEnv::with_citus(&citus);
-    let mut fleet = Fleet::start(&env, 3, &SETTINGS).await;
+    // Leases that outlast the replica's stop, so that the round it stopped in commits or fails
+    // for its worker alone, not for a lease lost meanwhile.
+    let mut fleet = Fleet::start(&env, 3, &[("LEASE_TTL", "10s"), ("IDEMPOTENCY_STALE_AFTER", "2s")]).await;
     open_wallets(&fleet, &SPREAD, OPENING).await;
     let lost_worker = CitusCluster::node(&citus.workers[0]);
     let by_worker = wallets_by_worker(&fleet.db, &SPREAD).await;
