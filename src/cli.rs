@@ -185,7 +185,8 @@ pub enum LoadtestCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum CostsCommand {
-    /// CHECKPOINT on every Postgres node, so that none runs beside the measured run.
+    /// ANALYZE of the walletlock database and CHECKPOINT on every Postgres node, so that the
+    /// measured run is planned on its tables as they are and no checkpoint runs beside it.
     Checkpoint(PgNode),
     /// Write the cumulative counters of Postgres (summed over a Citus cluster) and of each Redis
     /// primary into OUT (JSON).

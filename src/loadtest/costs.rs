@@ -50,8 +50,17 @@ async fn citus_workers(node: &Node) -> anyhow::Result<Vec<Node>> {
     rows.iter().map(worker).collect()
 }
 
-/// CHECKPOINT on every node, so that none runs beside the measured run.
+/// ANALYZE of the walletlock database, then CHECKPOINT on every node, so that the measured run
+/// is planned with statistics of the tables as they are and no checkpoint runs beside it.
+///
+/// The ANALYZE is what pgbench's anchors get (`vacuum analyze account`). Without it a run is
+/// planned with statistics autovacuum took before the run's wallets were opened, up to a minute
+/// (its naptime) old: on a fresh fleet, after `hot`, those say the `wallet` table holds one row,
+/// and the lookups of a wallet by id (the ledger's foreign-key checks among them) scanned all
+/// 10,000 (docs/performance.md).
 pub async fn checkpoint(coordinator: &Node) -> anyhow::Result<()> {
+    // Under Citus, the coordinator's ANALYZE of a distributed table runs on its shards.
+    query(coordinator, "walletlock", "analyze").await?;
     for node in std::iter::once(coordinator.clone()).chain(citus_workers(coordinator).await?) {
         query(&node, "postgres", "checkpoint").await?;
     }
