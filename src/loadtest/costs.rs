@@ -55,9 +55,8 @@ async fn citus_workers(node: &Node) -> anyhow::Result<Vec<Node>> {
 ///
 /// The ANALYZE is what pgbench's anchors get (`vacuum analyze account`). Without it a run is
 /// planned with statistics autovacuum took before the run's wallets were opened, up to a minute
-/// (its naptime) old: on a fresh fleet, after `hot`, those say the `wallet` table holds one row,
-/// and the lookups of a wallet by id (the ledger's foreign-key checks among them) scanned all
-/// 10,000 (docs/performance.md).
+/// (its naptime) old: on a fresh fleet, after `hot`, those said the `wallet` table held about one
+/// row when it held 10,000, and the round's statement took four times as long (docs/performance.md).
 pub async fn checkpoint(coordinator: &Node) -> anyhow::Result<()> {
     // Under Citus, the coordinator's ANALYZE of a distributed table runs on its shards.
     query(coordinator, "walletlock", "analyze").await?;
