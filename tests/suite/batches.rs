@@ -332,6 +332,20 @@ pub(crate) async fn settle_batch(fleet: &Fleet, items: &[Value]) -> Vec<Value> {
     }
 }
 
+/// What the client was told of `wallets` opened with their balances, then of the payments `items`,
+/// every one of them answered 200 in `answers`: the acknowledgements `audit_books` checks.
+pub(crate) fn paid(wallets: &[(&str, i64)], items: &[Value], answers: &[Value]) -> Vec<Value> {
+    let mut acks = opened(wallets);
+    for (item, answer) in items.iter().zip(answers) {
+        assert_eq!(answer["status"], 200, "{item}: {answer}");
+        let entry = answer["body"]["id"].as_str().unwrap().parse().unwrap();
+        let (wallet, amount) = (item["wallet_id"].as_str().unwrap(), item["amount"].as_i64().unwrap());
+        let key = item["idempotency_key"].as_str().unwrap();
+        acks.push(told(key, &Outcome::Applied(entry), &[(wallet, -amount)]));
+    }
+    acks
+}
+
 /// An `X-Request-Id` that nginx sends to `replica`: requests about no wallet (a batch) are routed
 /// by it.
 pub(crate) async fn request_id_served_by(fleet: &Fleet, replica: &str) -> String {
@@ -388,19 +402,8 @@ async fn a_batch_retried_whole_after_its_replica_was_killed_mid_batch_charges_ev
 
     // Retried whole through nginx: the committed items replay, the others apply, each once.
     let answers = settle_batch(&fleet, &items).await;
-    let mut acks = opened(&names.iter().map(|w| (*w, 1_000)).collect::<Vec<_>>());
-    let mut replayed = 0;
-    for (item, answer) in items.iter().zip(&answers) {
-        assert_eq!(answer["status"], 200, "{item}: {answer}");
-        replayed += usize::from(answer["replayed"] == true);
-        let entry = answer["body"]["id"].as_str().unwrap().parse().unwrap();
-        let (wallet, amount) = (item["wallet_id"].as_str().unwrap(), item["amount"].as_i64().unwrap());
-        acks.push(told(
-            item["idempotency_key"].as_str().unwrap(),
-            &Outcome::Applied(entry),
-            &[(wallet, -amount)],
-        ));
-    }
+    let acks = paid(&names.iter().map(|w| (*w, 1_000)).collect::<Vec<_>>(), &items, &answers);
+    let replayed = answers.iter().filter(|answer| answer["replayed"] == true).count();
     assert!(replayed as i64 >= committed, "{replayed} replayed, {committed} were committed before the kill");
     for (n, wallet) in wallets.iter().enumerate() {
         let charged: i64 = (0..5).map(|round| 1 + round).sum();

@@ -5,12 +5,10 @@
 //! batch over both; a worker added under load takes its share of the wallets while they keep
 //! being paid.
 
-use crate::batches::{balance, pay, request_id_served_by, settle_batch};
+use crate::batches::{balance, paid, pay, request_id_served_by, settle_batch};
 use crate::group::{first_writes, payment, wallet_with};
 use crate::support::fleet::{Fleet, audit_books};
-use crate::support::load::{
-    Load, Outcome, check_books, open_wallets, opened, settle, tally, time_to_recover, told,
-};
+use crate::support::load::{Load, check_books, open_wallets, settle, tally, time_to_recover};
 use crate::support::servers::{CitusCluster, RemoteCommand};
 use crate::support::transfers::{self, TransferLoad};
 use crate::support::{TestEnv, eventually};
@@ -572,17 +570,7 @@ async fn under_citus_a_batch_over_both_workers_with_one_killed_mid_round_fails_o
     fleet.replicas[0].set_env("WALLETLOCK_FAILPOINT", None);
     fleet.replicas[0].start();
     let answers = settle_batch(&fleet, &items).await;
-    let mut acks = opened(&SPREAD.iter().map(|w| (*w, OPENING)).collect::<Vec<_>>());
-    for (item, answer) in items.iter().zip(&answers) {
-        assert_eq!(answer["status"], 200, "{item}: {answer}");
-        let entry = answer["body"]["id"].as_str().unwrap().parse().unwrap();
-        let (wallet, amount) = (item["wallet_id"].as_str().unwrap(), item["amount"].as_i64().unwrap());
-        acks.push(told(
-            item["idempotency_key"].as_str().unwrap(),
-            &Outcome::Applied(entry),
-            &[(wallet, -amount)],
-        ));
-    }
+    let acks = paid(&SPREAD.iter().map(|w| (*w, OPENING)).collect::<Vec<_>>(), &items, &answers);
     for wallet in SPREAD {
         let charged: i64 = (1..=10).sum();
         assert_eq!(balance(&fleet, wallet).await, (OPENING - charged, 11), "{wallet}: each payment once");
