@@ -1063,7 +1063,7 @@ async fn a_replica_paused_past_its_leases_under_the_transfer_load_is_refused_whe
     let (client, url) = (fleet.client.clone(), fleet.replicas[0].url(""));
     let mut stale = tokio::spawn(async move { transfer_one(&client, &url, ("pa", "pb"), 40).await });
     fleet.replicas[0].stopped_at_failpoint("replica-1 stopped holding both leases", &mut stale).await;
-    let paused_at = Instant::now();
+    let (paused_at, paused_clock) = (Instant::now(), chrono::Utc::now());
     let read = (version(&fleet.db, "pa").await, version(&fleet.db, "pb").await);
 
     // The load through nginx to all three replicas (what nginx sends to replica-1 waits for it).
@@ -1071,12 +1071,26 @@ async fn a_replica_paused_past_its_leases_under_the_transfer_load_is_refused_whe
     // take them over and commit, so each row now carries a fence above the paused holder's.
     let load = TransferLoad::each(&fleet, &wallets, 16, 12);
     let written = || async { (version(&fleet.db, "pa").await, version(&fleet.db, "pb").await) };
-    crate::support::eventually("pa and pb written by the others", Duration::from_secs(8), || async {
+    crate::support::eventually("pa and pb written by the others", Duration::from_secs(30), || async {
         let now = written().await;
         now.0 > read.0 && now.1 > read.1
     })
     .await;
-    let freed = paused_at.elapsed();
+    // Both were free by the time another replica decided a transfer of each (its first entry after
+    // the pause: the time taken under the leases it got), not only when the test saw the rows: on
+    // a busy machine the test's own polling is not the path bounded.
+    let mut freed = Duration::ZERO;
+    for (wallet, seen) in [("pa", read.0), ("pb", read.1)] {
+        let decided: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
+            "select created_at from ledger_entry where wallet_id = $1 and seq > $2 order by seq limit 1",
+        )
+        .bind(wallet)
+        .bind(seen)
+        .fetch_one(&fleet.db)
+        .await
+        .unwrap();
+        freed = freed.max((decided - paused_clock).to_std().unwrap_or_default());
+    }
     assert!(freed <= Duration::from_secs(3), "both wallets were held {freed:?} after the pause");
 
     // Woken, the stale holder is refused: 409 lease_lost, nothing moved.
