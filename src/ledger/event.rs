@@ -14,10 +14,11 @@
 //! sees none twice, and sees each wallet's events in their order. A transaction ids never repeat:
 //! `xid8` counts the wraparounds.
 //!
-//! Under Citus the position is the coordinator's transaction id, taken in the round's own
-//! transaction there ([`transaction_position`]), and the horizon the coordinator's: a round's
-//! transaction on its worker commits before the coordinator's own ends (one-phase commit: Citus
-//! commits the worker in its pre-commit step).
+//! Under Citus the position is the coordinator's transaction id, taken in a transaction there
+//! ([`transaction_position`]), and the horizon the coordinator's: a round's transaction on its
+//! worker commits before that one ends, whether Citus commits it (one-phase commit: the worker in
+//! its pre-commit step) or the replica does, on its own connection to the worker, before it ends
+//! the coordinator's ([`super::group::commit`]).
 
 use super::hold::Hold;
 use super::{Entry, StoreError};

@@ -38,8 +38,9 @@
 use super::event::{EventColumns, EventWrite};
 use super::hold::Hold;
 use super::idempotency::{KeyRef, ResponseRow};
-use super::shards::{self, ShardMap, by_shard};
+use super::shards::{self, ShardKey, ShardMap, by_shard};
 use super::storage::Storage;
+use super::storage::Workers;
 use super::transfer::{MovementRecord, Transfer};
 use super::{Entry, StoreError, WalletRead};
 use crate::domain::{EntryKind, FenceStanding, Metadata, Rules};
@@ -646,16 +647,22 @@ static COMMITS: LazyLock<[String; 4]> = LazyLock::new(|| {
 /// Fails whole, nothing written, with a unique violation on `idempotency_key` if another holder
 /// stored one of the round's keys after [`read`] looked (only a holder that lost its lease lets
 /// that happen): read again and replay it.
+///
+/// Under Citus, with `workers`, a round whose wallets the map places on one worker is written on
+/// that worker's own connection (see [`commit_routed`]); without, through `conn`, as inside a
+/// transaction that holds the wallets' rows.
 pub async fn commit(
     conn: &mut PgConnection,
     storage: Storage,
     shards: Option<&ShardMap>,
+    workers: Option<&Workers>,
     write: &GroupWrite<'_>,
     created_at: DateTime<Utc>,
     retention: Duration,
 ) -> Result<Committed, StoreError> {
     if storage == Storage::Citus {
-        return Box::pin(commit_routed(conn, shards, write, created_at, retention)).await;
+        let routed = Routed { shards, write, created_at, retention, direct: false };
+        return Box::pin(commit_routed(conn, workers, routed)).await;
     }
     assert_eq!(write.read_rules.len(), write.wallets.len(), "each wallet's rules as read, beside it");
     let with_holds = !(write.placed.is_empty() && write.settled.is_empty());
@@ -768,17 +775,133 @@ impl StoreError {
 /// fails [`commit`]'s statement. A group (a movement's wallets) with a wallet that did not match
 /// leaves the transaction rolled back, nothing written, so the legs of a movement are written all
 /// or none here too.
+///
+/// The events' position is a transaction id of the coordinator's, held open until the round has
+/// committed (see [`super::event`]). With `workers`, a round the map places on one worker is
+/// written there, on a connection of its own ([`Routed::on_worker`]), and the coordinator's
+/// transaction only takes the position and ends after it, rolled back (it wrote nothing);
+/// otherwise the round's statements run in the coordinator's transaction, which Citus commits on
+/// the worker before its own.
 async fn commit_routed(
     conn: &mut PgConnection,
-    shards: Option<&ShardMap>,
-    write: &GroupWrite<'_>,
+    workers: Option<&Workers>,
+    routed: Routed<'_, '_>,
+) -> Result<Committed, StoreError> {
+    let mut coordinator = sqlx::Connection::begin(&mut *conn).await?;
+    let position = super::event::transaction_position(&mut coordinator).await?;
+    if let Some(committed) = routed.on_worker(workers, position).await? {
+        if let Err(err) = coordinator.rollback().await {
+            // The round is committed; the position's transaction ends with its connection.
+            tracing::warn!(error = %err, "ending the transaction of a round's event position failed");
+        }
+        return Ok(routed.counted(committed));
+    }
+    let committed = routed.write_in(&mut coordinator, position).await?;
+    if committed.moved.is_empty() {
+        coordinator.rollback().await?;
+    } else {
+        coordinator.commit().await?;
+    }
+    Ok(routed.counted(committed))
+}
+
+/// What [`commit_routed`] writes.
+#[derive(Clone, Copy)]
+struct Routed<'m, 'w> {
+    shards: Option<&'m ShardMap>,
+    write: &'m GroupWrite<'w>,
     created_at: DateTime<Utc>,
     retention: Duration,
-) -> Result<Committed, StoreError> {
-    static WRITE_WALLETS: LazyLock<String> = LazyLock::new(|| {
-        // language=PostgreSQL
-        format!(
-            r#"with locked as (
+    /// On the worker's own connection: the statements name the shards' tables.
+    direct: bool,
+}
+
+impl Routed<'_, '_> {
+    /// The round written in a transaction on a connection straight to the worker that holds every
+    /// wallet of it, on the shards' own tables: `None`, nothing written, where it cannot be (the
+    /// map places the wallets on several nodes or does not know them, the worker does not answer
+    /// this replica, or a shard is no longer there), and the coordinator's route takes the round.
+    ///
+    /// Writing a shard's table bypasses Citus, and with it the lock by which Citus keeps writes
+    /// off a shard while it moves or splits it: an exclusive lock on the shard's metadata, taken
+    /// on every node before the move's last catch-up (`BlockWritesToShardList`). So the
+    /// transaction first takes that lock in share mode, as Citus's own writes do, and checks the
+    /// shards are still placed on this worker (`walletlock_shards_here`, made by
+    /// [`super::schema::migrate`]); a move waits for the round, or the round for the move and
+    /// then finds its shards gone.
+    async fn on_worker(
+        self,
+        workers: Option<&Workers>,
+        position: i64,
+    ) -> Result<Option<Committed>, StoreError> {
+        let Some((map, workers)) = self.shards.zip(workers) else { return Ok(None) };
+        let Some(node) = map.node_of_all(self.write.wallets.iter().map(|w| w.id)) else { return Ok(None) };
+        let Some(address) = map.address(node) else { return Ok(None) };
+        let mut conn = match super::acquire(&workers.pool(address)).await {
+            Ok(conn) => conn,
+            Err(err) => {
+                tracing::debug!(error = %err, "no connection to a worker; the round goes through the coordinator");
+                return Ok(None);
+            }
+        };
+        let shards: Vec<i64> = by_shard(self.write.wallets.iter(), |w| ShardMap::key(self.shards, w.id))
+            .into_keys()
+            .filter_map(|key| match key {
+                ShardKey::Shard(shard) => Some(shard),
+                ShardKey::Wallet(_) => None,
+            })
+            .collect();
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let here = sqlx::query_scalar("select walletlock_shards_here($1, $2)")
+            .bind(&shards)
+            .bind(node)
+            .fetch_one(&mut *tx)
+            .await;
+        let here: bool = match here {
+            Err(sqlx::Error::Database(err)) if matches!(err.code().as_deref(), Some("42883" | "42501")) => {
+                // No such function, or not the app role's (a schema `walletlock migrate` of an
+                // earlier release made, or a role not granted it): the coordinator's route.
+                tracing::warn!(error = %err, "a round cannot check its shards on its worker; run walletlock migrate");
+                false
+            }
+            here => here?,
+        };
+        if !here {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        let committed = Routed { direct: true, ..self }.write_in(&mut tx, position).await?;
+        if committed.moved.is_empty() {
+            tx.rollback().await?;
+        } else {
+            tx.commit().await?;
+        }
+        Ok(Some(committed))
+    }
+
+    /// `committed`, once its events are counted.
+    fn counted(&self, committed: Committed) -> Committed {
+        let written = self.write.events.iter().copied().filter(|e| committed.moved.contains(&e.wallet_id));
+        super::event::count_written(written);
+        committed
+    }
+
+    /// Runs the round's statements in `tx`, its events at `position`. Nothing moved (a group
+    /// written in part, or no wallet matched): the caller rolls `tx` back.
+    async fn write_in(&self, tx: &mut PgConnection, position: i64) -> Result<Committed, StoreError> {
+        let Routed { shards, write, created_at, retention, direct } = *self;
+        let table = |key: &ShardKey<'_>, name: &str| -> String {
+            match (direct, key, shards) {
+                (true, ShardKey::Shard(shard), Some(map)) => {
+                    map.shard_table(*shard, name).unwrap_or_else(|| name.to_owned())
+                }
+                _ => name.to_owned(),
+            }
+        };
+        static WRITE_WALLETS: LazyLock<String> = LazyLock::new(|| {
+            // language=PostgreSQL
+            format!(
+                r#"with locked as (
                    select id, fence, version, balance, held, owner, rules from wallet
                    where id = any($1::text[]) order by id for update skip locked
                ),
@@ -802,184 +925,194 @@ async fn commit_routed(
                select b.id, exists (select from locked l where l.id = b.id) as locked,
                       m.id is not null as moved, m.event_seq, m.event_position
                from b left join moved m on m.id = b.id"#
-        )
-    });
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    let position = super::event::transaction_position(&mut tx).await?;
-    let mut committed = Committed::default();
-    // Each moved wallet's last event number before this write, and the position of its events.
-    let mut numbered: HashMap<&str, (i64, i64)> = HashMap::new();
-    let wallets: Vec<(&WalletWrite, &Rules)> =
-        write.wallets.iter().zip(write.read_rules.iter().copied()).collect();
-    for (_, wallets) in by_shard(wallets, |(w, _)| ShardMap::key(shards, w.id)) {
-        let events = |id: &str| write.events.iter().filter(|e| e.wallet_id == id).count() as i64;
-        let column =
-            |field: fn(&WalletWrite) -> i64| wallets.iter().map(|(w, _)| field(w)).collect::<Vec<_>>();
-        let rows = sqlx::query(sqlx::AssertSqlSafe(WRITE_WALLETS.as_str()))
-            .bind(wallets.iter().map(|(w, _)| w.id).collect::<Vec<_>>())
-            .bind(column(|w| w.fence))
-            .bind(column(|w| w.read_fence))
-            .bind(column(|w| w.read_version))
-            .bind(column(|w| w.read_balance))
-            .bind(column(|w| w.read_held))
-            .bind(wallets.iter().map(|(w, _)| w.owner).collect::<Vec<_>>())
-            .bind(column(|w| w.balance))
-            .bind(column(|w| w.held))
-            .bind(column(|w| w.version))
-            .bind(wallets.iter().map(|(w, _)| events(w.id)).collect::<Vec<_>>())
-            .bind(
-                wallets
-                    .iter()
-                    .map(|(w, _)| {
-                        write.rules.iter().find(|(id, _)| *id == w.id).map(|(_, rules)| Json(*rules))
-                    })
-                    .collect::<Vec<_>>(),
             )
-            .bind(wallets.iter().map(|(_, read_rules)| Json(*read_rules)).collect::<Vec<_>>())
-            .bind(position.to_string())
-            .fetch_all(&mut *tx)
-            .await?;
-        for row in rows {
-            let id: &str = row.try_get("id")?;
-            let Some(&(w, _)) = wallets.iter().find(|(w, _)| w.id == id) else { continue };
-            if row.try_get("moved")? {
-                let last: i64 = row.try_get("event_seq")?;
-                numbered.insert(w.id, (last - events(w.id), row.try_get("event_position")?));
-                committed.moved.insert(w.id.to_owned());
-            } else if !row.try_get::<bool, _>("locked")? {
-                committed.busy.insert(w.id.to_owned());
+        });
+        let mut committed = Committed::default();
+        // Each moved wallet's last event number before this write, and the position of its events.
+        let mut numbered: HashMap<&str, (i64, i64)> = HashMap::new();
+        let wallets: Vec<(&WalletWrite, &Rules)> =
+            write.wallets.iter().zip(write.read_rules.iter().copied()).collect();
+        for (key, wallets) in by_shard(wallets, |(w, _)| ShardMap::key(shards, w.id)) {
+            let wallet_table = table(&key, "wallet");
+            let statement = WRITE_WALLETS
+                .replace("rules from wallet\n", &format!("rules from {wallet_table}\n"))
+                .replace("update wallet w set", &format!("update {wallet_table} w set"));
+            let events = |id: &str| write.events.iter().filter(|e| e.wallet_id == id).count() as i64;
+            let column =
+                |field: fn(&WalletWrite) -> i64| wallets.iter().map(|(w, _)| field(w)).collect::<Vec<_>>();
+            let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
+                .bind(wallets.iter().map(|(w, _)| w.id).collect::<Vec<_>>())
+                .bind(column(|w| w.fence))
+                .bind(column(|w| w.read_fence))
+                .bind(column(|w| w.read_version))
+                .bind(column(|w| w.read_balance))
+                .bind(column(|w| w.read_held))
+                .bind(wallets.iter().map(|(w, _)| w.owner).collect::<Vec<_>>())
+                .bind(column(|w| w.balance))
+                .bind(column(|w| w.held))
+                .bind(column(|w| w.version))
+                .bind(wallets.iter().map(|(w, _)| events(w.id)).collect::<Vec<_>>())
+                .bind(
+                    wallets
+                        .iter()
+                        .map(|(w, _)| {
+                            write.rules.iter().find(|(id, _)| *id == w.id).map(|(_, rules)| Json(*rules))
+                        })
+                        .collect::<Vec<_>>(),
+                )
+                .bind(wallets.iter().map(|(_, read_rules)| Json(*read_rules)).collect::<Vec<_>>())
+                .bind(position.to_string())
+                .fetch_all(&mut *tx)
+                .await?;
+            for row in rows {
+                let id: &str = row.try_get("id")?;
+                let Some(&(w, _)) = wallets.iter().find(|(w, _)| w.id == id) else { continue };
+                if row.try_get("moved")? {
+                    let last: i64 = row.try_get("event_seq")?;
+                    numbered.insert(w.id, (last - events(w.id), row.try_get("event_position")?));
+                    committed.moved.insert(w.id.to_owned());
+                } else if !row.try_get::<bool, _>("locked")? {
+                    committed.busy.insert(w.id.to_owned());
+                }
             }
         }
-    }
-    let unmatched: HashSet<i32> =
-        write.wallets.iter().filter(|w| !committed.moved.contains(w.id)).map(|w| w.group).collect();
-    if write.wallets.iter().any(|w| committed.moved.contains(w.id) && unmatched.contains(&w.group)) {
-        // A group written in part: nothing of the round is written, and every wallet is tried again.
-        tx.rollback().await?;
-        committed.moved.clear();
-        return Ok(committed);
-    }
-    let moved = |wallet: &str| committed.moved.contains(wallet);
-    // Rows go in as a multi-row VALUES: Citus routes that to the wallet's shard, where an
-    // INSERT ... SELECT would go through the coordinator as a COPY, which Citus always commits in
-    // two phases.
-    let entries = write.entries.iter().copied().filter(|e| moved(&e.wallet_id));
-    for (_, entries) in by_shard(entries, |e| ShardMap::key(shards, &e.wallet_id)) {
-        let mut insert = QueryBuilder::new(
-            "insert into ledger_entry (id, wallet_id, seq, kind, amount, balance_after, fence, reference, \
+        let unmatched: HashSet<i32> =
+            write.wallets.iter().filter(|w| !committed.moved.contains(w.id)).map(|w| w.group).collect();
+        if write.wallets.iter().any(|w| committed.moved.contains(w.id) && unmatched.contains(&w.group)) {
+            // A group written in part: nothing of the round is written, and every wallet is tried again.
+            committed.moved.clear();
+            return Ok(committed);
+        }
+        let moved = |wallet: &str| committed.moved.contains(wallet);
+        // Rows go in as a multi-row VALUES: Citus routes that to the wallet's shard, where an
+        // INSERT ... SELECT would go through the coordinator as a COPY, which Citus always commits in
+        // two phases.
+        let entries = write.entries.iter().copied().filter(|e| moved(&e.wallet_id));
+        for (key, entries) in by_shard(entries, |e| ShardMap::key(shards, &e.wallet_id)) {
+            let mut insert = QueryBuilder::new(
+                format!("insert into {} ", table(&key, "ledger_entry"))
+                    + "(id, wallet_id, seq, kind, amount, balance_after, fence, reference, \
              hold_id, transfer_id, refund_of, created_at, metadata) ",
-        );
-        insert.push_values(&entries, |mut row, e| {
-            row.push_bind(e.id).push_bind(&e.wallet_id).push_bind(e.version).push_bind(e.kind);
-            row.push_bind(e.amount).push_bind(e.balance).push_bind(e.fence).push_bind(&e.reference);
-            row.push_bind(e.hold_id).push_bind(e.transfer_id).push_bind(e.refund_of).push_bind(created_at);
-            row.push_bind(e.metadata.pairs().map(Json));
-        });
-        insert.build().execute(&mut *tx).await?;
-    }
-    let placed = write.placed.iter().copied().filter(|h| moved(&h.wallet_id));
-    for (_, placed) in by_shard(placed, |h| ShardMap::key(shards, &h.wallet_id)) {
-        let mut insert = QueryBuilder::new(
-            "insert into hold (id, wallet_id, amount, expires_at, reference, fence, created_at, movement_id, \
+            );
+            insert.push_values(&entries, |mut row, e| {
+                row.push_bind(e.id).push_bind(&e.wallet_id).push_bind(e.version).push_bind(e.kind);
+                row.push_bind(e.amount).push_bind(e.balance).push_bind(e.fence).push_bind(&e.reference);
+                row.push_bind(e.hold_id)
+                    .push_bind(e.transfer_id)
+                    .push_bind(e.refund_of)
+                    .push_bind(created_at);
+                row.push_bind(e.metadata.pairs().map(Json));
+            });
+            insert.build().execute(&mut *tx).await?;
+        }
+        let placed = write.placed.iter().copied().filter(|h| moved(&h.wallet_id));
+        for (key, placed) in by_shard(placed, |h| ShardMap::key(shards, &h.wallet_id)) {
+            let mut insert = QueryBuilder::new(
+                format!("insert into {} ", table(&key, "hold"))
+                    + "(id, wallet_id, amount, expires_at, reference, fence, created_at, movement_id, \
              metadata) ",
-        );
-        insert.push_values(&placed, |mut row, h| {
-            row.push_bind(h.id).push_bind(&h.wallet_id).push_bind(h.amount).push_bind(h.expires_at);
-            row.push_bind(&h.reference).push_bind(h.fence).push_bind(created_at).push_bind(h.movement_id);
-            row.push_bind(h.metadata.pairs().map(Json));
-        });
-        insert.build().execute(&mut *tx).await?;
-    }
-    let settled = write.settled.iter().filter(|s| moved(s.wallet_id));
-    for (_, settled) in by_shard(settled, |s| ShardMap::key(shards, s.wallet_id)) {
-        let wallets: Vec<&str> = settled.iter().map(|s| s.wallet_id).collect();
-        sqlx::query(
-            // language=PostgreSQL
-            r#"update hold h set status = s.status, captured = s.captured,
+            );
+            insert.push_values(&placed, |mut row, h| {
+                row.push_bind(h.id).push_bind(&h.wallet_id).push_bind(h.amount).push_bind(h.expires_at);
+                row.push_bind(&h.reference).push_bind(h.fence).push_bind(created_at).push_bind(h.movement_id);
+                row.push_bind(h.metadata.pairs().map(Json));
+            });
+            insert.build().execute(&mut *tx).await?;
+        }
+        let settled = write.settled.iter().filter(|s| moved(s.wallet_id));
+        for (_, settled) in by_shard(settled, |s| ShardMap::key(shards, s.wallet_id)) {
+            let wallets: Vec<&str> = settled.iter().map(|s| s.wallet_id).collect();
+            sqlx::query(
+                // language=PostgreSQL
+                r#"update hold h set status = s.status, captured = s.captured,
                                  capture_entry = s.capture_entry, settled_at = $6
                from unnest($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::uuid[])
                    as s(id, wallet_id, status, captured, capture_entry)
                where h.wallet_id = any($7::text[]) and h.id = s.id and h.wallet_id = s.wallet_id"#,
-        )
-        .bind(settled.iter().map(|s| s.hold).collect::<Vec<_>>())
-        .bind(settled.iter().map(|s| s.wallet_id).collect::<Vec<_>>())
-        .bind(settled.iter().map(|s| s.status.as_str()).collect::<Vec<_>>())
-        .bind(settled.iter().map(|s| s.captured).collect::<Vec<_>>())
-        .bind(settled.iter().map(|s| s.capture_entry).collect::<Vec<_>>())
-        .bind(created_at)
-        .bind(&wallets)
-        .execute(&mut *tx)
-        .await?;
-    }
-    let transfers = write.transfers.iter().copied().filter(|t| moved(&t.from));
-    for (_, transfers) in by_shard(transfers, |t| ShardMap::key(shards, &t.from)) {
-        let mut insert = QueryBuilder::new(
-            "insert into transfer (id, from_wallet, to_wallet, amount, reference, refund_of, created_at, \
+            )
+            .bind(settled.iter().map(|s| s.hold).collect::<Vec<_>>())
+            .bind(settled.iter().map(|s| s.wallet_id).collect::<Vec<_>>())
+            .bind(settled.iter().map(|s| s.status.as_str()).collect::<Vec<_>>())
+            .bind(settled.iter().map(|s| s.captured).collect::<Vec<_>>())
+            .bind(settled.iter().map(|s| s.capture_entry).collect::<Vec<_>>())
+            .bind(created_at)
+            .bind(&wallets)
+            .execute(&mut *tx)
+            .await?;
+        }
+        let transfers = write.transfers.iter().copied().filter(|t| moved(&t.from));
+        for (key, transfers) in by_shard(transfers, |t| ShardMap::key(shards, &t.from)) {
+            let mut insert = QueryBuilder::new(
+                format!("insert into {} ", table(&key, "transfer"))
+                    + "(id, from_wallet, to_wallet, amount, reference, refund_of, created_at, \
              metadata) ",
-        );
-        insert.push_values(&transfers, |mut row, t| {
-            row.push_bind(t.id).push_bind(&t.from).push_bind(&t.to).push_bind(t.amount);
-            row.push_bind(&t.reference).push_bind(t.refund_of).push_bind(created_at);
-            row.push_bind(t.metadata.pairs().map(Json));
-        });
-        insert.build().execute(&mut *tx).await?;
-    }
-    let movements = write
-        .movements
-        .iter()
-        .map(|&m| (MovementWriteRow::from(m), &m.metadata))
-        .filter(|(m, _)| moved(m.wallet_id));
-    for (_, movements) in by_shard(movements, |(m, _)| ShardMap::key(shards, m.wallet_id)) {
-        let mut insert = QueryBuilder::new(
-            "insert into movement (id, wallet_id, legs, reference, created_at, expires_at, leg_wallets, \
+            );
+            insert.push_values(&transfers, |mut row, t| {
+                row.push_bind(t.id).push_bind(&t.from).push_bind(&t.to).push_bind(t.amount);
+                row.push_bind(&t.reference).push_bind(t.refund_of).push_bind(created_at);
+                row.push_bind(t.metadata.pairs().map(Json));
+            });
+            insert.build().execute(&mut *tx).await?;
+        }
+        let movements = write
+            .movements
+            .iter()
+            .map(|&m| (MovementWriteRow::from(m), &m.metadata))
+            .filter(|(m, _)| moved(m.wallet_id));
+        for (key, movements) in by_shard(movements, |(m, _)| ShardMap::key(shards, m.wallet_id)) {
+            let mut insert = QueryBuilder::new(
+                format!("insert into {} ", table(&key, "movement"))
+                    + "(id, wallet_id, legs, reference, created_at, expires_at, leg_wallets, \
              leg_amounts, refund_of, metadata) ",
-        );
-        insert.push_values(&movements, |mut row, (m, metadata)| {
-            row.push_bind(m.id).push_bind(m.wallet_id).push_bind(m.legs).push_bind(m.reference);
-            row.push_bind(created_at).push_bind(m.expires_at).push_bind(&m.leg_wallets);
-            row.push_bind(&m.leg_amounts).push_bind(m.refund_of).push_bind(metadata.pairs().map(Json));
-        });
-        insert.build().execute(&mut *tx).await?;
-    }
-    let events: Vec<(&EventWrite, i64, i64)> = write
-        .events
-        .iter()
-        .filter_map(|&event| {
-            let (last, position) = numbered.get_mut(event.wallet_id.as_str())?;
-            *last += 1;
-            Some((event, *last, *position))
-        })
-        .collect();
-    for (_, events) in by_shard(events.iter(), |(event, _, _)| ShardMap::key(shards, &event.wallet_id)) {
-        let mut insert = QueryBuilder::new(
-            "insert into event (wallet_id, seq, position, type, entry_id, hold_id, monitor, created_at) ",
-        );
-        insert.push_values(&events, |mut row, (event, seq, position)| {
-            row.push_bind(&event.wallet_id).push_bind(*seq);
-            row.push_bind(position.to_string()).push_unseparated("::text::xid8");
-            row.push_bind(event.kind.as_str()).push_bind(event.entry_id).push_bind(event.hold_id);
-            row.push_bind(event.monitor).push_bind(created_at);
-        });
-        insert.build().execute(&mut *tx).await?;
-    }
-    let keys = write.keys.iter().filter(|k| moved(k.wallet_id));
-    for (_, keys) in by_shard(keys, |k| ShardMap::key(shards, k.at.wallet)) {
-        let mut insert = QueryBuilder::new(
-            "insert into idempotency_key (wallet_id, caller, scope, key, fingerprint, status, content_type, \
+            );
+            insert.push_values(&movements, |mut row, (m, metadata)| {
+                row.push_bind(m.id).push_bind(m.wallet_id).push_bind(m.legs).push_bind(m.reference);
+                row.push_bind(created_at).push_bind(m.expires_at).push_bind(&m.leg_wallets);
+                row.push_bind(&m.leg_amounts).push_bind(m.refund_of).push_bind(metadata.pairs().map(Json));
+            });
+            insert.build().execute(&mut *tx).await?;
+        }
+        let events: Vec<(&EventWrite, i64, i64)> = write
+            .events
+            .iter()
+            .filter_map(|&event| {
+                let (last, position) = numbered.get_mut(event.wallet_id.as_str())?;
+                *last += 1;
+                Some((event, *last, *position))
+            })
+            .collect();
+        for (key, events) in by_shard(events.iter(), |(event, _, _)| ShardMap::key(shards, &event.wallet_id))
+        {
+            let mut insert = QueryBuilder::new(
+                format!("insert into {} ", table(&key, "event"))
+                    + "(wallet_id, seq, position, type, entry_id, hold_id, monitor, created_at) ",
+            );
+            insert.push_values(&events, |mut row, (event, seq, position)| {
+                row.push_bind(&event.wallet_id).push_bind(*seq);
+                row.push_bind(position.to_string()).push_unseparated("::text::xid8");
+                row.push_bind(event.kind.as_str()).push_bind(event.entry_id).push_bind(event.hold_id);
+                row.push_bind(event.monitor).push_bind(created_at);
+            });
+            insert.build().execute(&mut *tx).await?;
+        }
+        let keys = write.keys.iter().filter(|k| moved(k.wallet_id));
+        for (key, keys) in by_shard(keys, |k| ShardMap::key(shards, k.at.wallet)) {
+            let mut insert = QueryBuilder::new(
+                format!("insert into {} ", table(&key, "idempotency_key"))
+                    + "(wallet_id, caller, scope, key, fingerprint, status, content_type, \
              body, entry_id, expires_at) ",
-        );
-        insert.push_values(&keys, |mut row, k| {
-            row.push_bind(k.at.wallet).push_bind(k.at.caller).push_bind(k.at.scope).push_bind(k.at.key);
-            row.push_bind(k.fingerprint).push_bind(k.status as i16);
-            row.push_bind(k.content_type).push_bind(k.body);
-            row.push_bind(k.entry_id)
-                .push("now() + make_interval(secs => ")
-                .push_bind_unseparated(retention.as_secs_f64())
-                .push_unseparated(")");
-        });
-        insert.build().execute(&mut *tx).await?;
+            );
+            insert.push_values(&keys, |mut row, k| {
+                row.push_bind(k.at.wallet).push_bind(k.at.caller).push_bind(k.at.scope).push_bind(k.at.key);
+                row.push_bind(k.fingerprint).push_bind(k.status as i16);
+                row.push_bind(k.content_type).push_bind(k.body);
+                row.push_bind(k.entry_id)
+                    .push("now() + make_interval(secs => ")
+                    .push_bind_unseparated(retention.as_secs_f64())
+                    .push_unseparated(")");
+            });
+            insert.build().execute(&mut *tx).await?;
+        }
+        Ok(committed)
     }
-    tx.commit().await?;
-    super::event::count_written(events.iter().map(|(event, _, _)| *event));
-    Ok(committed)
 }

@@ -57,6 +57,9 @@ pub enum StoreError {
     LeaseLost,
     #[error(transparent)]
     Database(#[from] sqlx::Error),
+    /// No connection to the node a write was to go to: nothing of it was sent.
+    #[error("the database node to write on could not be reached: {0}")]
+    Unreached(#[source] sqlx::Error),
 }
 
 /// Whether `err` is a unique violation of the constraint `name`. Under Citus the constraint is a
@@ -166,7 +169,7 @@ impl StoreError {
     /// Whether the database could not be reached or is restarting, as opposed to a bug or a
     /// refused write: the caller may retry later.
     pub fn is_unavailable(&self) -> bool {
-        if self.is_connection_failure() {
+        if self.is_connection_failure() || matches!(self, StoreError::Unreached(_)) {
             return true;
         }
         let StoreError::Database(err) = self else { return false };

@@ -66,6 +66,19 @@ async fn distribute(pool: &PgPool) -> Result<(), sqlx::Error> {
         .await?;
     }
     conn.execute("reset citus.enable_unsafe_triggers").await?;
+    // A round written on its worker's shard tables takes Citus's share lock on their metadata,
+    // which only a shard's owner may take, and checks they are still there (see
+    // `group::Routed::on_worker`); this runs as the owner, for the app role.
+    conn.execute(
+        r#"create or replace function walletlock_shards_here(shards bigint[], node int) returns boolean
+           language sql security definer set search_path = pg_catalog as $$
+               select lock_shard_metadata(5, shards);
+               select count(*) = cardinality(shards) from pg_dist_placement
+               where shardid = any(shards) and groupid = node;
+           $$"#,
+    )
+    .await?;
+    conn.execute("revoke all on function walletlock_shards_here(bigint[], int) from public").await?;
     Ok(())
 }
 
@@ -108,6 +121,14 @@ pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
         format!(r#"grant select, insert, delete on "{schema}".webhook_attempt to {role}"#),
     ] {
         tx.execute(sqlx::AssertSqlSafe(statement)).await?;
+    }
+    // Under Citus, where `migrate` made it: a round's check that its shards are on its worker.
+    let shards_here: Option<String> =
+        sqlx::query_scalar("select to_regprocedure('walletlock_shards_here(bigint[], int)')::text")
+            .fetch_one(&mut *tx)
+            .await?;
+    if let Some(function) = shards_here {
+        tx.execute(sqlx::AssertSqlSafe(format!("grant execute on function {function} to {role}"))).await?;
     }
     tx.commit().await?;
     Ok(())

@@ -28,11 +28,18 @@ pub enum ShardKey<'a> {
 /// A node of the cluster: Citus's group id of its placements.
 pub type NodeId = i32;
 
+/// Where a node takes connections: its host (or socket directory) and port, as Citus names it.
+pub type NodeAddress = (String, u16);
+
 /// The shards of `wallet` (and of every table co-located with it) and their nodes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardMap {
     /// `(lowest hash, highest hash, shard id, node)`, by lowest hash.
     shards: Vec<(i32, i32, i64, NodeId)>,
+    /// The address of each active primary node.
+    addresses: BTreeMap<NodeId, NodeAddress>,
+    /// For each shard of `wallet`, the shard of each co-located table with its range.
+    colocated: BTreeMap<i64, BTreeMap<String, i64>>,
 }
 
 /// The id whose placement [`ShardMap::load`] asks Citus for, to check its own hash against.
@@ -53,14 +60,38 @@ impl ShardMap {
                order by s.shardminvalue::int4"#,
         )
         .bind(PROBE)
-        .fetch_all(conn)
+        .fetch_all(&mut *conn)
         .await?;
         let mut shards = Vec::with_capacity(rows.len());
         for (shard, min, max, node, _) in &rows {
             let (Ok(min), Ok(max)) = (min.parse(), max.parse()) else { return Ok(None) };
             shards.push((min, max, *shard, *node));
         }
-        let map = ShardMap { shards };
+        let addresses: Vec<(NodeId, String, i32)> = sqlx::query_as(
+            // language=PostgreSQL
+            "select groupid, nodename, nodeport from pg_dist_node where isactive and noderole = 'primary'",
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+        let addresses = addresses
+            .into_iter()
+            .filter_map(|(node, host, port)| Some((node, (host, u16::try_from(port).ok()?))))
+            .collect();
+        let colocated_rows: Vec<(i64, String, i64)> = sqlx::query_as(
+            // language=PostgreSQL
+            r#"select w.shardid, s.logicalrelid::regclass::text, s.shardid
+               from pg_dist_shard w join pg_dist_shard s using (shardminvalue)
+               join pg_dist_partition p on p.logicalrelid = s.logicalrelid
+               where w.logicalrelid = 'wallet'::regclass
+                 and p.colocationid = (select colocationid from pg_dist_partition where logicalrelid = 'wallet'::regclass)"#,
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+        let mut colocated: BTreeMap<i64, BTreeMap<String, i64>> = BTreeMap::new();
+        for (wallet_shard, table, shard) in colocated_rows {
+            colocated.entry(wallet_shard).or_default().insert(table, shard);
+        }
+        let map = ShardMap { shards, addresses, colocated };
         let replicated = map.shards.windows(2).any(|pair| pair[0].2 == pair[1].2);
         let probe_placed = rows.first().map(|row| row.4);
         Ok((!replicated && probe_placed.is_some() && map.shard_of(PROBE) == probe_placed).then_some(map))
@@ -77,6 +108,22 @@ impl ShardMap {
     /// The node holding `wallet`.
     pub fn node(&self, wallet: &str) -> Option<NodeId> {
         self.place(wallet).map(|(_, node)| node)
+    }
+
+    /// The name of `table`'s shard co-located with `wallet_shard`: `<table>_<shard id>`.
+    pub fn shard_table(&self, wallet_shard: i64, table: &str) -> Option<String> {
+        Some(format!("{table}_{}", self.colocated.get(&wallet_shard)?.get(table)?))
+    }
+
+    /// Where `node` takes connections.
+    pub fn address(&self, node: NodeId) -> Option<&NodeAddress> {
+        self.addresses.get(&node)
+    }
+
+    /// The one node holding every wallet of `wallets`, if the map places them all there.
+    pub fn node_of_all<'a>(&self, mut wallets: impl Iterator<Item = &'a str>) -> Option<NodeId> {
+        let node = self.node(wallets.next()?)?;
+        wallets.all(|wallet| self.node(wallet) == Some(node)).then_some(node)
     }
 
     fn shard_of(&self, wallet: &str) -> Option<i64> {
@@ -235,7 +282,11 @@ mod tests {
     }
 
     fn two_shards() -> ShardMap {
-        ShardMap { shards: vec![(i32::MIN, -1, 10, 1), (0, i32::MAX, 11, 2)] }
+        ShardMap {
+            shards: vec![(i32::MIN, -1, 10, 1), (0, i32::MAX, 11, 2)],
+            addresses: BTreeMap::new(),
+            colocated: BTreeMap::new(),
+        }
     }
 
     #[test]
@@ -257,8 +308,22 @@ mod tests {
     }
 
     #[test]
+    fn wallets_have_one_node_only_when_the_map_places_each_there() {
+        let map = two_shards();
+        // hashtext('w1') < 0 (node 1), hashtext('a') > 0 (node 2).
+        assert_eq!(map.node_of_all(["a", "a"].into_iter()), Some(2));
+        assert_eq!(map.node_of_all(["w1"].into_iter()), Some(1));
+        assert_eq!(map.node_of_all(["a", "w1"].into_iter()), None);
+        assert_eq!(map.node_of_all(std::iter::empty()), None);
+    }
+
+    #[test]
     fn a_hash_in_no_range_has_no_shard() {
-        let gap = ShardMap { shards: vec![(i32::MIN, -2_130_000_000, 10, 1), (0, i32::MAX, 11, 2)] };
+        let gap = ShardMap {
+            shards: vec![(i32::MIN, -2_130_000_000, 10, 1), (0, i32::MAX, 11, 2)],
+            addresses: BTreeMap::new(),
+            colocated: BTreeMap::new(),
+        };
         assert_eq!(gap.place("w1"), None, "hashtext('w1') falls between the ranges");
         assert_eq!(ShardMap::key(Some(&gap), "w1"), ShardKey::Wallet("w1"));
     }

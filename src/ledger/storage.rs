@@ -5,10 +5,12 @@
 //! node, written one statement a shard ([`super::shards`], [`super::group`]).
 
 use super::StoreError;
-use super::shards::ShardMap;
-use sqlx::postgres::PgPoolOptions;
+use super::shards::{NodeAddress, ShardMap};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Executor, PgConnection, PgPool};
-use std::sync::{Arc, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Duration;
 use tokio::sync::{OnceCell, watch};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +64,7 @@ pub struct KnownStorage(Arc<Learnt>);
 struct Learnt {
     storage: OnceCell<Storage>,
     shards: OnceLock<watch::Receiver<Option<Arc<ShardMap>>>>,
+    workers: OnceLock<Workers>,
 }
 
 impl KnownStorage {
@@ -78,6 +81,11 @@ impl KnownStorage {
             return None;
         }
         self.0.shards.get_or_init(|| super::shards::keep(db.clone())).borrow().clone()
+    }
+
+    /// Under Citus, the connections straight to its workers (see [`Workers`]), made as `db`'s are.
+    pub fn workers(&self, db: &PgPool) -> &Workers {
+        self.0.workers.get_or_init(|| Workers::like(db))
     }
 
     /// The storage of `db`, asking it the first time.
@@ -103,5 +111,48 @@ impl KnownStorage {
         }
         let ask = self.0.storage.get_or_try_init(|| async { Ok::<_, StoreError>(Storage::of(conn).await?) });
         Box::pin(ask).await.copied()
+    }
+}
+
+/// Connections straight to the workers of a Citus cluster, a pool for each worker's address, each
+/// connecting as the coordinator's pool does, to that address: a round whose wallets are all on
+/// one worker is written there, on its shards' own tables ([`super::group::commit`]), without the
+/// coordinator's hop, Citus's planning of each statement and its distributed transaction. A worker
+/// this replica cannot reach leaves its rounds to the coordinator's route.
+#[derive(Debug)]
+pub struct Workers {
+    options: PgConnectOptions,
+    acquire_timeout: Duration,
+    pools: Mutex<HashMap<NodeAddress, PgPool>>,
+}
+
+/// Connections a replica keeps to each worker: it writes one round at a time
+/// (`crate::wallet::rounds`), and a round that failed closes its connection as the next starts.
+const WORKER_CONNECTIONS: u32 = 2;
+
+/// How long a round waits for a connection to its worker before it goes through the coordinator:
+/// a worker connection is never busy (one round at a time), so only connecting takes time, and
+/// sqlx retries a refused connection until this passes.
+const WORKER_CONNECT_WITHIN: Duration = Duration::from_secs(1);
+
+impl Workers {
+    fn like(db: &PgPool) -> Self {
+        Workers {
+            options: (*db.connect_options()).clone(),
+            acquire_timeout: db.options().get_acquire_timeout(),
+            pools: Mutex::default(),
+        }
+    }
+
+    /// The pool of the worker at `address`, made on first use (it connects when first asked).
+    pub fn pool(&self, address: &NodeAddress) -> PgPool {
+        let mut pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
+        let pool = pools.entry(address.clone()).or_insert_with(|| {
+            Storage::pool_options()
+                .max_connections(WORKER_CONNECTIONS)
+                .acquire_timeout(self.acquire_timeout.min(WORKER_CONNECT_WITHIN))
+                .connect_lazy_with(self.options.clone().host(&address.0).port(address.1))
+        });
+        pool.clone()
     }
 }

@@ -643,7 +643,7 @@ impl Wallets {
             self.round_settings.events_of(&mut write);
             let storage = self.storage.on(&mut tx).await?;
             let retention = self.round_settings.retention;
-            match Box::pin(store_round::commit(&mut tx, storage, None, &write, now, retention)).await {
+            match Box::pin(store_round::commit(&mut tx, storage, None, None, &write, now, retention)).await {
                 Ok(committed) if committed.moved.len() == write.wallets.len() => {}
                 // Its rows are locked by this transaction: only a bug lets one not match.
                 Ok(_) => return Err(WalletError::LeaseLost.into()),

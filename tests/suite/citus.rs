@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use walletlock::ledger::Entry;
 use walletlock::ledger::group::{self, GroupWrite, HoldsToRead, ReadOutcome, ToRead};
 use walletlock::ledger::shards::ShardMap;
-use walletlock::ledger::storage::Storage;
+use walletlock::ledger::storage::{KnownStorage, Storage, Workers};
 use walletlock::wallet::WalletId;
 
 const WALLETS: [&str; 8] = ["c1", "c2", "c3", "c4", "c5", "c6", "c7", "c8"];
@@ -166,18 +166,39 @@ async fn under_citus_each_payment_is_one_transaction_on_the_worker_holding_its_w
             attempts = load.finish().await;
         })
         .await;
+    // A round of one worker's wallets is written on a connection straight to that worker, on its
+    // shards' tables; only a round the replica's map cannot place yet goes through the
+    // coordinator, as one transaction on one worker too.
     let (transactions, two_phase) = transactions_of(&commands);
-    let writes: Vec<usize> =
-        transactions.iter().map(|t| t.wallets_written(&WALLETS)).filter(|&n| n > 0).collect();
-    // A round writes several wallets, and a wallet several payments: with 8 clients, at most 8 at a
-    // time, 200 payments acknowledged are at least 25 wallet writes.
-    assert!(writes.iter().sum::<usize>() >= 25, "{} transactions wrote {writes:?} wallets", writes.len());
+    let routed: usize = transactions.iter().map(|t| t.wallets_written(&WALLETS)).sum();
     let spread: Vec<&BTreeSet<String>> =
         transactions.iter().map(|t| &t.nodes).filter(|nodes| nodes.len() > 1).collect();
     assert!(spread.is_empty(), "transactions on more than one node: {spread:?}");
     assert!(!two_phase, "a payment committed in two phases");
-    let nodes: BTreeSet<&String> = transactions.iter().flat_map(|t| &t.nodes).collect();
-    assert_eq!(nodes.len(), 2, "the payments ran on both workers: {nodes:?}");
+    // A round writes several wallets, and a wallet several payments: with 8 clients, at most 8 at a
+    // time, 200 payments acknowledged are at least 25 wallet writes, each counted by its worker.
+    let written_on = |worker: usize| {
+        // Citus hides the shards' tables from a session's catalog unless asked not to.
+        let url = citus.workers[worker].url("postgres");
+        let separator = if url.contains('?') { '&' } else { '?' };
+        let url = format!("{url}{separator}options[citus.override_table_visibility]=off");
+        async move {
+            let db = sqlx::PgPool::connect(&url).await.expect("a worker");
+            let written: i64 = sqlx::query_scalar(
+                "select coalesce(sum(n_tup_upd), 0)::int8 from pg_stat_user_tables where relname ~ '^wallet_[0-9]+$'",
+            )
+            .fetch_one(&db)
+            .await
+            .expect("the worker's table statistics");
+            written
+        }
+    };
+    eventually("the workers' counts of their wallet writes", Duration::from_secs(30), || async {
+        // A backend reports its counts when idle, within seconds.
+        let (first, second) = (written_on(0).await, written_on(1).await);
+        first > 0 && second > 0 && (first + second) as usize >= 25 + routed
+    })
+    .await;
 
     // A wallet's reads go to its worker alone, one command each, not one per shard: the wallet
     // with its available balance, and its history (its ledger, its balance as of an instant, a
@@ -259,7 +280,7 @@ async fn under_citus_each_payment_is_one_transaction_on_the_worker_holding_its_w
 async fn under_citus_a_round_of_one_workers_wallets_commits_there_in_one_phase_a_statement_a_shard() {
     let citus = tokio::task::block_in_place(CitusCluster::start);
     let env = TestEnv::with_citus(&citus);
-    let (schema, db) = env.database(2).await;
+    let (schema, db) = env.database(3).await;
     let mut conn = db.acquire().await.unwrap();
     let map = ShardMap::load(&mut conn).await.unwrap().expect("the wallets' shards");
     // Wallets, until one worker holds some on two shards.
@@ -298,9 +319,10 @@ async fn under_citus_a_round_of_one_workers_wallets_commits_there_in_one_phase_a
             for name in names {
                 assert!(matches!(found.wallets[*name], ReadOutcome::Ready { .. }), "{name}: {found:?}");
             }
+            // Through the coordinator: without connections of its own to the workers.
             let now = chrono::Utc::now();
             let committed =
-                group::commit(conn, Storage::Citus, Some(map), write, now, Duration::from_secs(60))
+                group::commit(conn, Storage::Citus, Some(map), None, write, now, Duration::from_secs(60))
                     .await
                     .unwrap();
             assert_eq!(committed.moved.len(), names.len(), "{committed:?}");
@@ -327,6 +349,71 @@ async fn under_citus_a_round_of_one_workers_wallets_commits_there_in_one_phase_a
         .await
         .unwrap();
     assert_eq!(balances, vec![90; names.len()]);
+
+    // With connections to the workers, as a replica's rounds have: the next payment of each is
+    // written on that worker alone, and the coordinator sends it nothing.
+    let known = KnownStorage::default();
+    let workers = known.workers(&db);
+    let commands = pay_ten_each(&citus, &db, map, workers, &round, 2, 90).await;
+    assert!(commands.values().all(Vec::is_empty), "the coordinator sent {commands:?}");
+
+    // A schema whose round cannot check its shards on the worker (migrated by an earlier release)
+    // is written through the coordinator instead.
+    sqlx::query("drop function walletlock_shards_here").execute(&db).await.unwrap();
+    let commands = pay_ten_each(&citus, &db, map, workers, &round, 3, 80).await;
+    let (transactions, two_phase) = transactions_of(&commands);
+    assert!(
+        !two_phase && transactions.iter().any(|t| t.wallets_written(names) == names.len()),
+        "{transactions:?}"
+    );
+}
+
+/// Pays 10 from each wallet of `round` (fence 5, at `version` and `balance`) in one round with the
+/// replica's connections to the workers, checks each paid, and returns what the coordinator sent
+/// its workers meanwhile.
+async fn pay_ten_each(
+    citus: &CitusCluster,
+    db: &sqlx::PgPool,
+    map: &ShardMap,
+    workers: &Workers,
+    round: &[WalletId],
+    version: i64,
+    balance: i64,
+) -> HashMap<u32, Vec<RemoteCommand>> {
+    let entries: Vec<Entry> = round.iter().map(|id| payment(id, 5, version + 1, 10, balance - 10)).collect();
+    let mut wallets = first_writes(round, 5);
+    for wallet in &mut wallets {
+        (wallet.read_fence, wallet.read_version, wallet.read_balance) = (5, version, balance);
+        (wallet.version, wallet.balance) = (version + 1, balance - 10);
+    }
+    let write = GroupWrite { entries: entries.iter().collect(), ..GroupWrite::of(wallets) };
+    let mut conn = db.acquire().await.unwrap();
+    let (conn, write) = (&mut conn, &write);
+    let commands = citus
+        .remote_commands(|| async move {
+            let now = chrono::Utc::now();
+            let committed = group::commit(
+                conn,
+                Storage::Citus,
+                Some(map),
+                Some(workers),
+                write,
+                now,
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+            assert_eq!(committed.moved.len(), round.len(), "{committed:?}");
+        })
+        .await;
+    let names: Vec<&str> = round.iter().map(WalletId::as_str).collect();
+    let balances: Vec<i64> = sqlx::query_scalar("select balance from wallet where id = any($1)")
+        .bind(&names)
+        .fetch_all(db)
+        .await
+        .unwrap();
+    assert_eq!(balances, vec![balance - 10; round.len()]);
+    commands
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -66,7 +66,7 @@ async fn commit_at(
     write: &GroupWrite<'_>,
     at: chrono::DateTime<chrono::Utc>,
 ) -> Result<group::Committed, ledger::StoreError> {
-    group::commit(conn, Storage::OnePostgres, None, write, at, Duration::from_secs(60)).await
+    group::commit(conn, Storage::OnePostgres, None, None, write, at, Duration::from_secs(60)).await
 }
 
 /// [`commit_at`] now.

@@ -1248,7 +1248,8 @@ async fn write_pair(tx: &mut sqlx::PgConnection, pair: [&str; 2]) -> Result<usiz
     let storage = Storage::of(&mut *tx).await?;
     let write = GroupWrite { ..GroupWrite::of(wallets) };
     let committed =
-        group::commit(&mut *tx, storage, None, &write, chrono::Utc::now(), Duration::from_secs(60)).await?;
+        group::commit(&mut *tx, storage, None, None, &write, chrono::Utc::now(), Duration::from_secs(60))
+            .await?;
     Ok(committed.moved.len())
 }
 

@@ -218,7 +218,7 @@ async fn decide_write_commit(
     }
     settings.events_of(&mut write);
     if !write.wallets.is_empty() {
-        match Box::pin(store::commit(&mut tx, storage, shards, &write, now, settings.retention)).await {
+        match Box::pin(store::commit(&mut tx, storage, shards, None, &write, now, settings.retention)).await {
             Ok(committed) if committed.moved.len() == write.wallets.len() => {}
             // Every row written is locked by this transaction: nobody else can have moved it.
             Ok(_) => return Err(WalletError::internal("a row locked for a write did not match it").into()),

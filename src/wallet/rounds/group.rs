@@ -30,7 +30,7 @@ use crate::ledger::group::{
 use crate::ledger::hold::Hold;
 use crate::ledger::idempotency::KeyRef;
 use crate::ledger::shards::{NodeId, ShardMap};
-use crate::ledger::storage::{KnownStorage, Storage};
+use crate::ledger::storage::{KnownStorage, Storage, Workers};
 use crate::telemetry::metrics::{LEASE_NOTE_STALE, PG_POOL_ACQUIRE_WAIT, ROUND_WALLETS, WALLET_BUSY};
 use crate::wallet::decision::{self, Batch, FoundKeys, Held, Known, LegsOp, LegsPlan, LegsWallet, Op, Plan};
 use crate::wallet::transfer::Done;
@@ -287,9 +287,9 @@ async fn gather(
         };
         let node = |job: &Submitted| shards.as_deref().and_then(|map| job.node(map));
         let round = queue.round(first, storage, node, Submitted::ops);
-        let (db, lane_back) = (db.clone(), lane_back.clone());
+        let (db, known, lane_back) = (db.clone(), known.clone(), lane_back.clone());
         tracker.spawn(async move {
-            let lane = run_round(&db, lane, settings, storage, shards, round).await;
+            let lane = run_round(&db, known.workers(&db), lane, settings, storage, shards, round).await;
             let _ = lane_back.send(lane).await;
         });
     }
@@ -405,6 +405,7 @@ struct RoundJobs {
 /// Runs one round on `lane`'s connection; the lane to keep for the next round.
 async fn run_round(
     db: &PgPool,
+    workers: &Workers,
     lane: RoundConnection,
     settings: RoundSettings,
     storage: Storage,
@@ -525,6 +526,7 @@ async fn run_round(
                 &mut conn,
                 storage,
                 shards.as_deref(),
+                Some(workers),
                 &write,
                 now,
                 settings.retention,
