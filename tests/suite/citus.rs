@@ -368,6 +368,109 @@ async fn under_citus_a_round_of_one_workers_wallets_commits_there_in_one_phase_a
     );
 }
 
+/// A round written on its worker's shard tables holds Citus's lock on their metadata
+/// (src/ledger/group.rs, `Routed::on_worker`): a shard move waits for it, so the round's write is
+/// on the shard the move copies; and a round placed by a map read before the move finds its shard
+/// gone and is written through the coordinator, on the shard's new worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_citus_a_shard_move_waits_for_a_round_on_its_worker_and_a_later_round_follows_the_shard() {
+    let citus = tokio::task::block_in_place(CitusCluster::start);
+    let env = TestEnv::with_citus(&citus);
+    let (_schema, db) = env.database(4).await;
+    let map = ShardMap::load(&mut db.acquire().await.unwrap()).await.unwrap().expect("the wallets' shards");
+    let id = wallet_with(&db, 100).await;
+    let (shard, node) = map.place(id.as_str()).expect("the wallet's shard");
+    let node_named = |group: i32| {
+        let db = db.clone();
+        async move {
+            let (host, port): (String, i32) =
+                sqlx::query_as("select nodename, nodeport from pg_dist_node where groupid = $1")
+                    .bind(group)
+                    .fetch_one(&db)
+                    .await
+                    .unwrap();
+            (host, port)
+        }
+    };
+    let (from_host, from_port) = node_named(node).await;
+    let other: i32 =
+        sqlx::query_scalar("select groupid from pg_dist_node where groupid not in (0, $1) limit 1")
+            .bind(node)
+            .fetch_one(&db)
+            .await
+            .unwrap();
+    let (to_host, to_port) = node_named(other).await;
+
+    // A round on the wallet's worker, as a replica writes it: the check, then the write.
+    let known = KnownStorage::default();
+    let workers = known.workers(&db);
+    let mut round = workers.pool(map.address(node).expect("the worker's address")).begin().await.unwrap();
+    let here: bool = sqlx::query_scalar("select walletlock_shards_here($1, $2)")
+        .bind(vec![shard])
+        .bind(node)
+        .fetch_one(&mut *round)
+        .await
+        .unwrap();
+    assert!(here, "the shard is on its worker");
+    let mover = tokio::spawn({
+        let db = db.clone();
+        async move {
+            sqlx::query(
+                "select citus_move_shard_placement($1, $2, $3, $4, $5, shard_transfer_mode => 'block_writes')",
+            )
+            .bind(shard)
+            .bind(from_host)
+            .bind(from_port)
+            .bind(to_host)
+            .bind(to_port)
+            .execute(&db)
+            .await
+            .expect("the shard moved")
+        }
+    });
+    // The move waits for the round's lock on the shard's metadata, on the round's worker.
+    let worker = workers.pool(map.address(node).expect("the worker's address"));
+    eventually("the move waiting for the round", Duration::from_secs(20), || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and query like '%lock_shard_metadata%'",
+        )
+        .fetch_one(&worker)
+        .await
+        .unwrap();
+        waiting > 0
+    })
+    .await;
+    let table = map.shard_table(shard, "wallet").expect("the wallet shard's table");
+    sqlx::query(sqlx::AssertSqlSafe(format!("update {table} set balance = 90, version = 2, fence = 5 where id = $1")))
+        .bind(id.as_str())
+        .execute(&mut *round)
+        .await
+        .unwrap();
+    assert!(!mover.is_finished(), "the move went on while the round held its shard");
+    round.commit().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), mover).await.expect("the move ended").unwrap();
+    let placed: i32 = sqlx::query_scalar(
+        "select groupid from pg_dist_placement where shardid = get_shard_id_for_distribution_column('wallet', $1::text)",
+    )
+    .bind(id.as_str())
+    .fetch_one(&db)
+    .await
+    .unwrap();
+    assert_eq!(placed, other, "the shard moved");
+    let balance: i64 = sqlx::query_scalar("select balance from wallet where id = $1")
+        .bind(id.as_str())
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(balance, 90, "the round's write moved with its shard");
+
+    // The map read before the move still places the wallet on its first worker: the round finds
+    // its shard gone there, and goes through the coordinator.
+    let commands = pay_ten_each(&citus, &db, &map, workers, std::slice::from_ref(&id), 2, 90).await;
+    let (transactions, _) = transactions_of(&commands);
+    assert!(transactions.iter().any(|t| t.wallets_written(&[id.as_str()]) == 1), "{transactions:?}");
+}
+
 /// Pays 10 from each wallet of `round` (fence 5, at `version` and `balance`) in one round with the
 /// replica's connections to the workers, checks each paid, and returns what the coordinator sent
 /// its workers meanwhile.
