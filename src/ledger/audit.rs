@@ -80,9 +80,9 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
         let schema: String = sqlx::query_scalar("select current_schema()").fetch_one(&mut *conn).await?;
         let table = |name: &str| format!(r#""{schema}".{name}"#);
         // Citus's workers have no snapshot in common, so the copy pauses the movements instead
-        // and reads the tables as the last one left them: every writer goes through the
-        // coordinator and holds its lock on what it writes there until its commit on the
-        // workers has ended. The locks are the coordinator's alone (Citus would also take them
+        // and reads the tables as the last one left them: every writer holds a lock on the
+        // coordinator until its commit on the workers has ended, on what it writes there (or,
+        // writing a round on a worker's own connection, the advisory lock below). The locks are the coordinator's alone (Citus would also take them
         // on the workers, where writers paused here hold row locks: distributed deadlocks).
         // A movement's first lock is on its wallets' rows, and it writes other tables (an
         // expired key deleted) before it writes those rows: the wallets are locked against
@@ -94,6 +94,13 @@ pub async fn run(conn: &mut PgConnection) -> Result<Report, StoreError> {
         // Movements queue behind a lock the audit waits for: it gives up (an error, nothing
         // checked) rather than pause them for longer than `lock_timeout`.
         sqlx::raw_sql("set local citus.enable_ddl_propagation = off; set local lock_timeout = '10s'")
+            .execute(&mut *conn)
+            .await?;
+        // First the rounds written on the workers' own connections, which hold no lock on these
+        // tables but a shared advisory lock until their commit there (`event::round_position`):
+        // before the tables, in the order a round that goes through the coordinator takes them.
+        sqlx::query("select pg_advisory_xact_lock($1, hashtext(current_schema()))")
+            .bind(super::event::ROUNDS_LOCK)
             .execute(&mut *conn)
             .await?;
         let others = TABLES[1..].iter().map(|name| table(name)).collect::<Vec<_>>().join(", ");

@@ -161,6 +161,23 @@ pub async fn horizon(conn: &mut PgConnection) -> Result<i64, StoreError> {
         .await?)
 }
 
+/// The key of the advisory lock by which [`super::audit`] pauses the rounds written on Citus's
+/// workers (with the schema's hash: each schema's books apart).
+pub(super) const ROUNDS_LOCK: i32 = 0x5741_4c4c;
+
+/// [`transaction_position`] for a round under Citus, which also takes [`ROUNDS_LOCK`] shared
+/// until the transaction ends: a round written on its worker's own connection takes no lock on the
+/// coordinator's tables, which is what the audit pauses the other writers by.
+pub(super) async fn round_position(conn: &mut PgConnection) -> Result<i64, StoreError> {
+    // language=PostgreSQL
+    Ok(sqlx::query_scalar(
+        "select pg_current_xact_id()::text::int8 from pg_advisory_xact_lock_shared($1, hashtext(current_schema()))",
+    )
+    .bind(ROUNDS_LOCK)
+    .fetch_one(conn)
+    .await?)
+}
+
 /// The position of the events a transaction writes whose statements cannot take it themselves
 /// (under Citus, where a statement runs on a worker, or before the wallet's row exists): the id of
 /// the caller's transaction, on the node that coordinates it (see the module doc).

@@ -788,7 +788,7 @@ async fn commit_routed(
     routed: Routed<'_, '_>,
 ) -> Result<Committed, StoreError> {
     let mut coordinator = sqlx::Connection::begin(&mut *conn).await?;
-    let position = super::event::transaction_position(&mut coordinator).await?;
+    let position = super::event::round_position(&mut coordinator).await?;
     if let Some(committed) = routed.on_worker(workers, position).await? {
         if let Err(err) = coordinator.rollback().await {
             // The round is committed; the position's transaction ends with its connection.

@@ -441,11 +441,13 @@ async fn under_citus_a_shard_move_waits_for_a_round_on_its_worker_and_a_later_ro
     })
     .await;
     let table = map.shard_table(shard, "wallet").expect("the wallet shard's table");
-    sqlx::query(sqlx::AssertSqlSafe(format!("update {table} set balance = 90, version = 2, fence = 5 where id = $1")))
-        .bind(id.as_str())
-        .execute(&mut *round)
-        .await
-        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "update {table} set balance = 90, version = 2, fence = 5 where id = $1"
+    )))
+    .bind(id.as_str())
+    .execute(&mut *round)
+    .await
+    .unwrap();
     assert!(!mover.is_finished(), "the move went on while the round held its shard");
     round.commit().await.unwrap();
     tokio::time::timeout(Duration::from_secs(60), mover).await.expect("the move ended").unwrap();
