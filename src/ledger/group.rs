@@ -39,8 +39,7 @@ use super::event::{EventColumns, EventWrite};
 use super::hold::Hold;
 use super::idempotency::{KeyRef, ResponseRow};
 use super::shards::{self, ShardKey, ShardMap, by_shard};
-use super::storage::Storage;
-use super::storage::Workers;
+use super::storage::{Storage, Workers};
 use super::transfer::{MovementRecord, Transfer};
 use super::{Entry, StoreError, WalletRead};
 use crate::domain::{EntryKind, FenceStanding, Metadata, Rules};
@@ -898,11 +897,12 @@ impl Routed<'_, '_> {
                 _ => name.to_owned(),
             }
         };
-        static WRITE_WALLETS: LazyLock<String> = LazyLock::new(|| {
+        // The wallets' compare-and-set on `wallet`, the distributed table or one shard's own.
+        let write_wallets = |wallet: &str| {
             // language=PostgreSQL
             format!(
                 r#"with locked as (
-                   select id, fence, version, balance, held, owner, rules from wallet
+                   select id, fence, version, balance, held, owner, rules from {wallet}
                    where id = any($1::text[]) order by id for update skip locked
                ),
                b as (
@@ -913,7 +913,7 @@ impl Routed<'_, '_> {
                             balance, held, version, events, rules, read_rules)
                ),
                moved as (
-                   update wallet w set balance = b.balance, version = b.version, fence = b.fence,
+                   update {wallet} w set balance = b.balance, version = b.version, fence = b.fence,
                                        held = b.held, updated_at = now(),
                                        rules = coalesce(b.rules, w.rules),
                                        event_seq = w.event_seq + b.events,
@@ -926,17 +926,14 @@ impl Routed<'_, '_> {
                       m.id is not null as moved, m.event_seq, m.event_position
                from b left join moved m on m.id = b.id"#
             )
-        });
+        };
         let mut committed = Committed::default();
         // Each moved wallet's last event number before this write, and the position of its events.
         let mut numbered: HashMap<&str, (i64, i64)> = HashMap::new();
         let wallets: Vec<(&WalletWrite, &Rules)> =
             write.wallets.iter().zip(write.read_rules.iter().copied()).collect();
         for (key, wallets) in by_shard(wallets, |(w, _)| ShardMap::key(shards, w.id)) {
-            let wallet_table = table(&key, "wallet");
-            let statement = WRITE_WALLETS
-                .replace("rules from wallet\n", &format!("rules from {wallet_table}\n"))
-                .replace("update wallet w set", &format!("update {wallet_table} w set"));
+            let statement = write_wallets(&table(&key, "wallet"));
             let events = |id: &str| write.events.iter().filter(|e| e.wallet_id == id).count() as i64;
             let column =
                 |field: fn(&WalletWrite) -> i64| wallets.iter().map(|(w, _)| field(w)).collect::<Vec<_>>();
