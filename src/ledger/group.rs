@@ -787,7 +787,13 @@ async fn commit_routed(
     routed: Routed<'_, '_>,
 ) -> Result<Committed, StoreError> {
     let mut coordinator = sqlx::Connection::begin(&mut *conn).await?;
-    let position = super::event::round_position(&mut coordinator).await?;
+    // Only a round that may be written on a worker takes the audit's lock: it comes from the
+    // rounds, on a connection that holds no lock yet, so it takes that lock before any table's,
+    // as the audit does. A caller inside its own transaction (rows locked first) must not.
+    let position = match workers {
+        Some(_) => super::event::round_position(&mut coordinator).await?,
+        None => super::event::transaction_position(&mut coordinator).await?,
+    };
     if let Some(committed) = routed.on_worker(workers, position).await? {
         if let Err(err) = coordinator.rollback().await {
             // The round is committed; the position's transaction ends with its connection.
